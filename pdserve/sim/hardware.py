@@ -1,0 +1,141 @@
+"""Hardware presets: accelerators (peak FLOPs, memory bandwidth and size) and links.
+
+GPU figures are vendor datasheet numbers: dense (not sparse) BF16 tensor FLOP/s, HBM bandwidth
+and capacity, plus the intra-node link used for tensor-parallel all-reduce. Link figures give a
+theoretical line rate and a practical effective rate (what a well-tuned bulk transfer reaches:
+RDMA ~92 % of line rate, TCP/RoCE over Ethernet ~88 %, PCIe ~78 % after protocol overhead,
+NVLink ~80 %; the seed quotes 10-11 GB/s practical for 100 Gbps Ethernet). This machine's CPU
+is not a preset: `pdserve profile` measures it and `Accelerator.from_profile` reads it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link; bandwidths in bytes per second, one direction."""
+
+    name: str
+    description: str
+    theoretical_bytes_per_s: float
+    practical_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.practical_bytes_per_s <= self.theoretical_bytes_per_s:
+            raise ValueError(
+                f"link {self.name!r}: need 0 < practical <= theoretical bandwidth, got "
+                f"{self.practical_bytes_per_s} and {self.theoretical_bytes_per_s}"
+            )
+        if self.latency_s < 0:
+            raise ValueError(f"link {self.name!r}: latency must be >= 0 s")
+
+    @classmethod
+    def from_gbps(cls, gbps: float, name: str | None = None) -> Link:
+        """A link of `gbps` gigabits/s, taken as both theoretical and practical (measured)."""
+        if not gbps > 0:
+            raise ValueError(f"bandwidth must be > 0 Gbps, got {gbps}")
+        rate = gbps * 1e9 / 8
+        return cls(name or f"{gbps:g}gbps", f"{gbps:g} Gbps (as given)", rate, rate)
+
+
+def _link(name: str, desc: str, theo_gbs: float, eff: float, latency_us: float) -> Link:
+    return Link(name, desc, theo_gbs * 1e9, theo_gbs * eff * 1e9, latency_us * 1e-6)
+
+
+_ETH = 0.88  # 100 GbE: 12.5 GB/s line rate -> 11 GB/s effective, the seed's "~10-11 GB/s"
+_IB = 0.92
+
+LINKS: dict[str, Link] = {
+    link.name: link
+    for link in (
+        # The seed's "NVLink (900 GB/s on H100)": NVLink 4's total bandwidth per GPU.
+        _link("nvlink4", "NVLink 4 (H100/H200), 900 GB/s per GPU", 900, 0.80, 1),
+        _link("nvlink3", "NVLink 3 (A100), 600 GB/s per GPU", 600, 0.80, 1),
+        _link("nvlink5", "NVLink 5 (B200), 1800 GB/s per GPU", 1800, 0.80, 1),
+        _link("infinity-fabric", "AMD Infinity Fabric (MI300X), 896 GB/s per GPU", 896, 0.75, 3),
+        _link("pcie-gen4", "PCIe Gen4 x16, 32 GB/s", 32, 0.78, 2),
+        _link("pcie-gen5", "PCIe Gen5 x16, 64 GB/s", 64, 0.78, 2),
+        _link("ib-hdr", "InfiniBand HDR, 200 Gbps = 25 GB/s", 25, _IB, 3),
+        _link("ib-ndr", "InfiniBand NDR, 400 Gbps = 50 GB/s", 50, _IB, 3),
+        _link("ib-xdr", "InfiniBand XDR, 800 Gbps = 100 GB/s", 100, _IB, 3),
+        _link("10gbe", "10 Gb Ethernet, 1.25 GB/s", 1.25, _ETH, 20),
+        _link("25gbe", "25 Gb Ethernet, 3.125 GB/s", 3.125, _ETH, 15),
+        _link("100gbe", "100 Gb Ethernet, 12.5 GB/s", 12.5, _ETH, 10),
+        _link("200gbe", "200 Gb Ethernet, 25 GB/s", 25, _ETH, 10),
+        _link("400gbe", "400 Gb Ethernet, 50 GB/s", 50, _ETH, 10),
+        _link("800gbe", "800 Gb Ethernet, 100 GB/s", 100, _ETH, 10),
+    )
+}
+STANDARD_LINKS = tuple(n for n in LINKS if n not in ("nvlink3", "nvlink5", "infinity-fabric"))
+
+
+def get_link(name: str) -> Link:
+    """A link preset by name; ValueError lists the names."""
+    link = LINKS.get(name.strip().lower())
+    if link is None:
+        raise ValueError(f"unknown link {name!r}; choose one of {', '.join(LINKS)}")
+    return link
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One device: peak FLOP/s at the serving dtype, memory bandwidth (B/s) and size (B)."""
+
+    name: str
+    description: str
+    peak_flops: float
+    mem_bytes_per_s: float
+    mem_bytes: float
+    tp_link: str = "nvlink4"
+    max_tp: int = 8
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "mem_bytes_per_s", "mem_bytes"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"accelerator {self.name!r}: {field} must be > 0")
+        get_link(self.tp_link)
+
+    @classmethod
+    def from_profile(cls, hardware: dict) -> Accelerator:
+        """The measured entry that `pdserve profile` writes under "hardware"."""
+        return cls(
+            name=hardware["name"],
+            description=hardware.get("description", "measured by pdserve profile"),
+            peak_flops=float(hardware["peak_flops"]),
+            mem_bytes_per_s=float(hardware["mem_bytes_per_s"]),
+            mem_bytes=float(hardware["mem_bytes"]),
+            tp_link=hardware.get("tp_link", "pcie-gen4"),
+            max_tp=int(hardware.get("max_tp", 1)),
+        )
+
+
+def _gpu(name, desc, tflops, tb_s, gb, link="nvlink4"):
+    return Accelerator(name, desc, tflops * 1e12, tb_s * 1e12, gb * 1e9, link)
+
+
+GPUS: dict[str, Accelerator] = {
+    gpu.name: gpu
+    for gpu in (
+        _gpu("a100-40gb", "NVIDIA A100 SXM 40 GB", 312, 1.555, 40, "nvlink3"),
+        _gpu("a100-80gb", "NVIDIA A100 SXM 80 GB", 312, 2.039, 80, "nvlink3"),
+        _gpu("h100-sxm", "NVIDIA H100 SXM 80 GB", 989, 3.35, 80),
+        _gpu("h100-pcie", "NVIDIA H100 PCIe 80 GB (NVLink bridge)", 756, 2.0, 80, "nvlink3"),
+        _gpu("h200", "NVIDIA H200 SXM 141 GB", 989, 4.8, 141),
+        _gpu("b200", "NVIDIA B200 180 GB", 2250, 8.0, 180, "nvlink5"),
+        _gpu("l40s", "NVIDIA L40S 48 GB (PCIe, no NVLink)", 362, 0.864, 48, "pcie-gen4"),
+        _gpu("mi300x", "AMD Instinct MI300X 192 GB", 1307, 5.3, 192, "infinity-fabric"),
+    )
+}
+_GPU_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb"}
+
+
+def get_gpu(name: str) -> Accelerator:
+    """A GPU preset by name ("h100" means the SXM part); ValueError lists the names."""
+    key = name.strip().lower()
+    gpu = GPUS.get(_GPU_ALIASES.get(key, key))
+    if gpu is None:
+        raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join([*GPUS, 'h100'])}")
+    return gpu

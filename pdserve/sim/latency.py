@@ -1,0 +1,190 @@
+"""Per-iteration latency of one engine instance (a tensor-parallel group): a roofline.
+
+One forward pass over a batch costs
+
+    overhead + per_seq x seqs + max(FLOPs / (peak x mfu), bytes / (bandwidth x mbu)) + all-reduce
+
+FLOPs count the weight matmuls (2 x params per token), the output head for each sampled token
+and causal attention (4 x layers x heads x head_dim per query-key pair). Bytes count the weights
+read once per pass (for MoE only the experts the batch touches) plus the KV cache read. Prefill
+lands on the compute side of the max and decode on the bandwidth side; a chunked-prefill batch
+falls wherever its mix puts it. `mfu`, `mbu` and the overheads are what `pdserve profile` fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pdserve.sim.hardware import Accelerator, get_link
+from pdserve.sim.kvmath import dtype_bits, kv_bytes_per_token
+from pdserve.sim.models import ModelSpec
+
+MEMORY_UTILIZATION = 0.9  # share of device memory for weights + KV, as vLLM's default
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of peak and fixed costs; defaults are typical of tuned GPU engines."""
+
+    mfu: float = 0.55  # prefill GEMMs reach ~50-60 % of dense BF16 peak
+    mbu: float = 0.75  # decode GEMVs reach ~70-80 % of HBM bandwidth
+    iteration_overhead_s: float = 0.002  # scheduling, launches, sampling per forward pass
+    per_seq_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1):
+            raise ValueError(f"efficiencies must be in (0, 1], got mfu={self.mfu} mbu={self.mbu}")
+        if self.iteration_overhead_s < 0 or self.per_seq_overhead_s < 0:
+            raise ValueError("overheads must be >= 0 seconds")
+
+
+class Batch(NamedTuple):
+    """What one forward pass computes, in aggregate.
+
+    tokens: new tokens (prefill + one per decoding sequence); sampled: sequences that sample a
+    token; attn_pairs: causal query-key pairs; kv_read: cached tokens read; seqs: sequences.
+    """
+
+    tokens: int
+    sampled: int
+    attn_pairs: float
+    kv_read: float
+    seqs: int
+
+
+class DecodeCoeffs(NamedTuple):
+    """Step i of a pure decode stretch takes const + max(c0 + c1 i, m0 + m1 i) seconds."""
+
+    const: float
+    c0: float
+    c1: float
+    m0: float
+    m1: float
+
+
+class LatencyModel:
+    """Iteration times for `model` on `tp` x `accel` with the given dtypes and efficiencies."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        accel: Accelerator,
+        tp: int = 1,
+        eff: Efficiency | None = None,
+        weight_dtype: str = "bf16",
+        kv_dtype: str = "bf16",
+    ) -> None:
+        if tp < 1:
+            raise ValueError(f"tensor parallelism must be >= 1, got {tp}")
+        self.model, self.accel, self.tp = model, accel, tp
+        self.eff = eff or Efficiency()
+        self.weight_bytes = model.num_params * dtype_bits(weight_dtype) / 8
+        self._act_bytes = 2 if dtype_bits(weight_dtype) <= 16 else 4
+        kv_token = kv_bytes_per_token(model, kv_dtype)
+        # KV heads are split over TP ranks; past the head count (and for MLA's single latent)
+        # every rank keeps a copy.
+        shards = 1 if model.kv_lora_rank is not None else min(tp, model.num_kv_heads)
+        self.kv_bytes_per_token_gpu = kv_token / shards
+        self._flops_s = accel.peak_flops * tp * self.eff.mfu
+        self._bytes_s = accel.mem_bytes_per_s * self.eff.mbu
+        self._attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim
+        self._head_flops = 2 * model.vocab_size * model.hidden_size
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache that fit beside the weights (0 when the weights do not fit)."""
+        free = self.accel.mem_bytes * MEMORY_UTILIZATION - self.weight_bytes / self.tp
+        return max(0, int(free / self.kv_bytes_per_token_gpu))
+
+    def weights_read(self, tokens: int) -> float:
+        """Weight bytes per GPU one pass reads; MoE reads only the experts its tokens touch."""
+        expert = self.model.expert_params * self.weight_bytes / self.model.num_params
+        if expert and tokens:
+            share = self.model.experts_per_token / self.model.num_experts
+            expert *= 1.0 - (1.0 - share) ** tokens
+        dense = self.weight_bytes - self.model.expert_params * self.weight_bytes / (
+            self.model.num_params
+        )
+        return (dense + expert) / self.tp
+
+    def allreduce_s(self, tokens: int) -> float:
+        """Two ring all-reduces of the activations per layer across the TP group."""
+        if self.tp == 1 or tokens == 0:
+            return 0.0
+        link = get_link(self.accel.tp_link)
+        size = tokens * self.model.hidden_size * self._act_bytes
+        steps = 2 * (self.tp - 1)
+        one = steps / self.tp * size / link.practical_bytes_per_s + steps * link.latency_s
+        return 2 * self.model.num_layers * one
+
+    def _fixed(self, batch: Batch) -> float:
+        return (
+            self.eff.iteration_overhead_s
+            + self.eff.per_seq_overhead_s * batch.seqs
+            + self.allreduce_s(batch.tokens)
+        )
+
+    def iteration(self, batch: Batch) -> float:
+        """Seconds for one forward pass over `batch`."""
+        m = self.model
+        flops = (
+            2 * m.layer_params_per_token * batch.tokens
+            + self._head_flops * batch.sampled
+            + self._attn_flops * batch.attn_pairs
+        )
+        kv = self.kv_bytes_per_token_gpu * (batch.kv_read + batch.tokens)
+        mem = self.weights_read(batch.tokens) + kv
+        return self._fixed(batch) + max(flops / self._flops_s, mem / self._bytes_s)
+
+    def prefill(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds to prefill one prompt alone (for reports)."""
+        n, c = prompt_tokens, cached_tokens
+        return self.iteration(Batch(n, 1, n * (c + n / 2), c, 1))
+
+    def decode_coeffs(self, seqs: int, ctx_sum: float) -> DecodeCoeffs:
+        """Coefficients of a pure decode stretch: `seqs` sequences, `ctx_sum` cached tokens."""
+        m = self.model
+        flops0 = (2 * m.layer_params_per_token + self._head_flops) * seqs
+        const = self._fixed(Batch(seqs, seqs, 0, 0, seqs))
+        c0 = (flops0 + self._attn_flops * ctx_sum) / self._flops_s
+        c1 = self._attn_flops * seqs / self._flops_s
+        kv = self.kv_bytes_per_token_gpu
+        m0 = (self.weights_read(seqs) + kv * (ctx_sum + seqs)) / self._bytes_s
+        m1 = kv * seqs / self._bytes_s
+        return DecodeCoeffs(const, c0, c1, m0, m1)
+
+
+def _linear_sum(a: float, b: float, i0: int, i1: int) -> float:
+    """sum of a + b*i for i in [i0, i1)."""
+    n = i1 - i0
+    return n * a + b * (i0 + i1 - 1) * n / 2 if n > 0 else 0.0
+
+
+def stretch_time(co: DecodeCoeffs, k: int) -> float:
+    """Total seconds of the first `k` steps of a decode stretch (closed form, O(1))."""
+    if k <= 0:
+        return 0.0
+    total = co.const * k
+    if co.c1 == co.m1:
+        return total + _linear_sum(max(co.c0, co.m0), co.c1, 0, k)
+    # c(i) >= m(i) on one side of the crossing x; sum each side with its own line.
+    x = (co.m0 - co.c0) / (co.c1 - co.m1)
+    split = min(k, max(0, math.ceil(x)))
+    first, second = (
+        ((co.m0, co.m1), (co.c0, co.c1)) if co.c1 > co.m1 else ((co.c0, co.c1), (co.m0, co.m1))
+    )
+    return total + _linear_sum(*first, 0, split) + _linear_sum(*second, split, k)
+
+
+def steps_to_reach(co: DecodeCoeffs, duration: float, k_max: int) -> int:
+    """The fewest steps (1..k_max) whose total time is >= `duration`, else k_max."""
+    lo, hi = 1, k_max
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stretch_time(co, mid) >= duration:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

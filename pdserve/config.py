@@ -1,0 +1,94 @@
+"""Frozen configuration: the model's shape and the engine's knobs, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (HF `rope_scaling` with type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. Built by the loader from GGUF metadata or config.json."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = True
+    head_dim_override: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}); this is not a Llama-family GQA model"
+            )
+        if self.head_dim_override is None and self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} not divisible by {self.num_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.hidden_size // self.num_heads
+
+    @property
+    def kv_bytes_per_token_per_dtype_byte(self) -> int:
+        """K and V elements per token over all layers (multiply by the dtype's size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine. `chunk_size=None` means whole prompts are prefilled in one step."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    role: str = "both"
+    block_size: int = 16
+    kv_cache_gb: float | None = None
+    kv_cache_fraction: float = 0.25
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or None to disable), got {self.chunk_size}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if not 0 < self.kv_cache_fraction <= 0.9:
+            raise ValueError(f"kv_cache_fraction must be in (0, 0.9], got {self.kv_cache_fraction}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")

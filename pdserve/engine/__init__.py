@@ -1,0 +1,1 @@
+"""The inference engine inside every worker: sequences, paged KV blocks, scheduler, runner."""

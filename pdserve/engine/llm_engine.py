@@ -1,0 +1,170 @@
+"""LLMEngine: add requests, step (schedule -> run -> sample -> postprocess), abort.
+
+Used directly by workers and wrapped by the offline `LLM`. Not thread-safe: one thread steps it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import NamedTuple
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.model.loader import ModelFiles, load_model_files, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class StepOutput(NamedTuple):
+    seq: Sequence
+    new_token: int
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, files: ModelFiles | None = None):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.files = files or load_model_files(config.model)
+        self.model_config = self.files.config
+        self.fingerprint = self.files.fingerprint
+        mc = self.model_config
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.runner = ModelRunner(config, self.files, self.max_model_len)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.chunk_size,
+            self.max_model_len,
+        )
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._tokenizer = None
+        self.eos_ids = set(mc.eos_token_ids)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(str(self.files.path))
+        return self._tokenizer
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError saying what to change when the prompt cannot be served."""
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but the context window is "
+                f"{self.max_model_len}: shorten the prompt to at most {self.max_model_len - 1}"
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})"
+            )
+        blocks = -(-(len(token_ids) + 1) // self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the prompt needs {blocks} KV blocks but the cache has only "
+                f"{self.block_manager.num_blocks}: raise --kv-cache-gb or shorten the prompt"
+            )
+
+    def make_sequence(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        token_ids = self.encode(prompt)
+        self.validate_prompt(token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return Sequence(request_id, token_ids, params)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self, layer_hook=None) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        indices, logits = self.runner.run(batch, layer_hook)
+        self.scheduler.after_step(batch)
+        if not indices:
+            return []
+        seqs = [batch.seqs[i] for i in indices]
+        tokens = sample(logits, seqs)
+        return [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_ids or token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            cut = min((i for s in p.stop if (i := text.find(s)) >= 0), default=None)
+            if cut is not None:
+                seq.output_text = text[:cut]
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        seq.token_ids.append(token)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+        return StepOutput(seq, token, reason is not None)
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity(self.scheduler.live)
+
+    def stats(self) -> dict:
+        s, bm = self.scheduler, self.block_manager
+        return {
+            "waiting": len(s.waiting),
+            "transferring": len(s.transferring),
+            "running": len(s.running),
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+            "prefix_hit_tokens": bm.hits,
+            "prefix_query_tokens": bm.queries,
+            "preemptions": s.num_preemptions,
+            "pid": os.getpid(),
+        }

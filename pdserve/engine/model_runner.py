@@ -1,0 +1,128 @@
+"""Owns the model and the KV cache; turns a scheduled batch into tensors and logits."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.model.attention import AttentionMetadata, PrefillSpan
+from pdserve.model.llama import LlamaModel
+from pdserve.model.loader import ModelFiles
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} asked for, but no CUDA GPU is visible; use --device cpu")
+    return dev
+
+
+def cpu_has_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else float32."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda" or cpu_has_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int):
+        self.config = config
+        self.model_config: ModelConfig = files.config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.model = LlamaModel(files.config, files.weights, self.dtype, self.device)
+        self.num_blocks = self._num_blocks()
+        mc = self.model_config
+        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # Per layer, (num_blocks, block_size, n_kv, d): one layer's block is one contiguous span.
+        self.k_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
+        ]
+        self.v_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
+        ]
+        self.kv_caches = list(zip(self.k_caches, self.v_caches, strict=True))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        mc = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_gb is not None:
+            budget = cfg.kv_cache_gb * (1 << 30)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * cfg.kv_cache_fraction
+        else:
+            budget = 1 << 30  # 1 GiB on CPU: ~23k tokens of SmolLM2-135M in bf16
+        return max(1, int(budget // self.block_bytes))
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs, dev = self.block_size, self.device
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        ids, pos, slots, prefills, dec_tables, dec_lens, sample_rows = [], [], [], [], [], [], []
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = seq.block_table
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                dec_tables.append(table[: -(-end // bs)])
+                dec_lens.append(end)
+            else:
+                t = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=dev)
+                prefills.append(PrefillSpan(len(ids) - n, len(ids), end, t, start == 0))
+            if end == seq.num_tokens:
+                sample_rows.append((i, len(ids) - 1))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=len(dec_lens),
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if dec_lens:
+            width = max(len(t) for t in dec_tables)
+            padded = [t + [0] * (width - len(t)) for t in dec_tables]
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
+            lens = torch.tensor(dec_lens, device=dev)
+            key_pos = torch.arange(width * bs, device=dev)
+            meta.decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # (B,1,1,L)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, sample_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, layer_hook=None) -> tuple[list[int], torch.Tensor | None]:
+        """Runs one step. Returns (indices into batch.seqs that get a token, their logits)."""
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        meta.layer_hook = layer_hook
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_rows:
+            return [], None
+        rows = torch.tensor([r for _, r in sample_rows], device=self.device)
+        return [i for i, _ in sample_rows], self.model.logits(hidden[rows]).cpu()

@@ -1,0 +1,151 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+Queues a request moves through:  waiting -> running -> finished   (role both / prefill)
+                                 transferring -> running -> finished   (role decode, remote KV)
+Each step: running sequences first (decodes need 1 token; partly prefilled ones the next chunk),
+then waiting ones while the budget, the sequence cap and free blocks allow. When a running
+sequence needs a block and none is free, the most recently admitted one is preempted: its blocks
+are freed and it is recomputed later (its generated tokens are kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import SeqStatus, Sequence
+
+
+class ScheduledBatch(NamedTuple):
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens computed this step, per sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        chunk_size: int | None,
+        max_model_len: int,
+    ):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.chunk_size = chunk_size
+        # Without chunking a whole prompt must fit in one step, however long.
+        self.token_budget = chunk_size or max(max_num_batched_tokens, max_model_len)
+        self.waiting: deque[Sequence] = deque()
+        self.transferring: dict[str, Sequence] = {}
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def live(self) -> list[Sequence]:
+        """Every sequence that may hold blocks."""
+        return [*self.running, *self.transferring.values()]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_transferring(self, seq: Sequence) -> bool:
+        """Decode role: allocate blocks for a prompt whose KV will arrive from elsewhere.
+        Returns False if blocks are short (the caller retries or prefills locally)."""
+        if not self.bm.allocate(seq):
+            return False
+        seq.status = SeqStatus.TRANSFERRING
+        self.transferring[seq.request_id] = seq
+        return True
+
+    def finish_transfer(self, request_id: str) -> Sequence | None:
+        """All KV of the prompt has landed: the sequence joins the running batch."""
+        seq = self.transferring.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.bm.register_computed(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove seq from whichever queue holds it and free its blocks."""
+        if seq.status == SeqStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq.request_id in self.transferring:
+            del self.transferring[seq.request_id]
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = seq.num_uncomputed_tokens
+        if self.chunk_size is not None:
+            n = min(n, self.chunk_size)
+        return min(n, budget)
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        self.bm.free(victim)
+        victim.num_computed_tokens = victim.num_cached_tokens = 0
+        victim.status = SeqStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def _schedule_running(self, budget: int) -> tuple[list[Sequence], list[int], int]:
+        seqs, counts = [], []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted while making room for an earlier one
+                continue
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            while not self.bm.append_slots(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SeqStatus.RUNNING:
+                continue
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return seqs, counts, budget
+
+    def schedule(self) -> ScheduledBatch:
+        seqs, counts, budget = self._schedule_running(self.token_budget)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.allocate(seq):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = self._chunk(seq, budget)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts)
+
+    def after_step(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Advance counters; return the sequences whose whole context is now computed (they
+        get a sampled token)."""
+        done = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.bm.register_computed(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                done.append(seq)
+        return done

@@ -1,0 +1,63 @@
+"""One request's state inside an engine: token ids, counters, block table and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.IntEnum):
+    WAITING = 0  # queued; no blocks yet
+    TRANSFERRING = 1  # decode role: blocks held under a lease, KV arriving from a prefill worker
+    RUNNING = 2  # in the batch (prefilling in chunks, or decoding)
+    FINISHED = 3
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    num_prompt_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full, computed blocks
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hits at admission (not recomputed)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    output_text: str = ""
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    generator: object | None = None  # torch.Generator when the request has a seed
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        """Extra blocks the table needs to hold `num_tokens` tokens."""
+        return max(0, -(-num_tokens // block_size) - len(self.block_table))

@@ -1,0 +1,26 @@
+"""The one typed place where pdserve reads environment variables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where derived artefacts (e.g. a tokenizer extracted from a GGUF file) are cached."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+
+
+def model_path() -> str | None:
+    """`PDSERVE_MODEL`: default model path when `--model` is not given (bundled model if unset)."""
+    return os.environ.get("PDSERVE_MODEL") or None
+
+
+def secret() -> bytes | None:
+    """`PDSERVE_SECRET`: shared secret for internal channels bound to non-loopback addresses."""
+    value = os.environ.get("PDSERVE_SECRET")
+    return value.encode() if value else None
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -1,0 +1,78 @@
+"""Paged attention over the block-structured KV cache, with metadata passed explicitly.
+
+The flat batch holds decode tokens first (one per sequence), then prefill spans. Decodes share
+one SDPA call over a padded gather of their blocks; each prefill span gets its own call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """Tokens [start, end) of the flat batch: one sequence's chunk at positions ending at
+    context_len - 1. `fresh` means nothing of it is cached yet, so it attends to its own K/V."""
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor  # (num_blocks,) long
+    fresh: bool
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) long: flat cache slot of every token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # (B, max_blocks) long
+    decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) bool, True = attend
+    prefills: list[PrefillSpan]
+    layer_hook: Callable[[int], None] | None = None  # called after each layer (KV streaming)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Blocks of one or more sequences laid end to end: (..., n_blocks * block_size, n_kv, d)."""
+    g = cache[block_table]  # (..., n_blocks, block_size, n_kv, d)
+    return g.flatten(-4, -3)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (T, n_heads, d)
+    k: torch.Tensor,  # (T, n_kv, d)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, n_kv, d)
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Writes k/v into the cache at meta.slot_mapping, returns attention output (T, n_heads, d)."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    b = meta.num_decodes
+    if b:
+        kd = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # (B, n_kv, L, d)
+        vd = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+        qd = q[:b].unsqueeze(2)  # (B, n_heads, 1, d)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+        out[:b] = o.squeeze(2)
+    for span in meta.prefills:
+        qs = q[span.start : span.end].transpose(0, 1)  # (n_heads, n, d)
+        if span.fresh:
+            ks = k[span.start : span.end].transpose(0, 1)  # (n_kv, n, d)
+            vs = v[span.start : span.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            ctx = span.context_len
+            ks = _gather(k_cache, span.block_table)[:ctx].transpose(0, 1)  # (n_kv, ctx, d)
+            vs = _gather(v_cache, span.block_table)[:ctx].transpose(0, 1)
+            n = span.end - span.start
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # (n, ctx)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        out[span.start : span.end] = o.transpose(0, 1)
+    return out

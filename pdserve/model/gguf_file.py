@@ -1,0 +1,134 @@
+"""Read a Llama-family GGUF file: metadata -> ModelConfig, tensors -> HF-named float32 arrays.
+
+llama.cpp's converter permutes the rows of q/k projections so that RoPE rotates adjacent pairs;
+we undo that permutation so one model implementation (HF's rotate-half RoPE) serves GGUF and
+safetensors weights alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.config import ModelConfig, RopeScaling
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _reader(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def read_config(path: Path) -> ModelConfig:
+    """ModelConfig from GGUF metadata. Raises ValueError for non-Llama architectures."""
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(
+            f"{path}: GGUF architecture is {arch!r}; pdserve serves Llama-family models "
+            "(architecture 'llama'). Convert or pick a Llama-family model."
+        )
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, "llama.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(_field(reader, "llama.embedding_length"))
+    key_len = _field(reader, "llama.attention.key_length")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        num_layers=int(_field(reader, "llama.block_count")),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        vocab_size=int(vocab),
+        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rope_scaling=None,  # llama3 scaling in GGUF arrives as the rope_freqs tensor
+        tie_word_embeddings="output.weight" not in names,
+        head_dim_override=int(key_len) if key_len and int(key_len) != hidden // heads else None,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k row permutation (adjacent-pair RoPE -> rotate-half RoPE)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".")  # blk.{i}.{kind}.weight
+    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    if name == "rope_freqs.weight":
+        return "rope_freqs"
+    return None
+
+
+def read_tensors(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to float32 and renamed to Hugging Face's Llama names."""
+    import gguf
+
+    reader = _reader(path)
+    out: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"{path}: tensor {t.name} has type {qtype}; supported: {', '.join(SUPPORTED_TYPES)}"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, config.num_kv_heads)
+        out[name] = w
+    return out
+
+
+def llama3_scaling_from_hf(raw: dict | None) -> RopeScaling | None:
+    """RopeScaling from a config.json `rope_scaling` entry, if it is of the llama3 type."""
+    if not raw or raw.get("rope_type", raw.get("type")) != "llama3":
+        return None
+    return RopeScaling(
+        factor=float(raw["factor"]),
+        low_freq_factor=float(raw["low_freq_factor"]),
+        high_freq_factor=float(raw["high_freq_factor"]),
+        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+    )

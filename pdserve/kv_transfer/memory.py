@@ -1,0 +1,76 @@
+"""Views of the engine's KV cache memory that connectors read and write in place."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from pdserve.kv_transfer.base import KVLayout
+
+
+class Run(NamedTuple):
+    """`count` consecutive blocks from `src` in the source and from `dst` in the destination."""
+
+    src: int
+    dst: int
+    count: int
+
+
+def layout_of(model_fingerprint: str, k_caches: Sequence[torch.Tensor]) -> KVLayout:
+    """The KVLayout describing an engine's caches (shape [num_blocks, block, heads, dim])."""
+    _, block_size, heads, dim = k_caches[0].shape
+    dtype = str(k_caches[0].dtype).removeprefix("torch.")
+    return KVLayout(model_fingerprint, dtype, len(k_caches), block_size, heads, dim)
+
+
+def check_caches(
+    layout: KVLayout, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
+) -> int:
+    """Check the caches match `layout` (and are contiguous CPU tensors); return num_blocks."""
+    if len(k_caches) != layout.num_layers or len(v_caches) != layout.num_layers:
+        raise ValueError(
+            f"expected {layout.num_layers} K and V cache tensors (one per layer), got "
+            f"{len(k_caches)} and {len(v_caches)}"
+        )
+    num_blocks = k_caches[0].shape[0]
+    want = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    for t in (*k_caches, *v_caches):
+        if tuple(t.shape) != want or str(t.dtype) != f"torch.{layout.dtype}":
+            raise ValueError(
+                f"KV cache tensor has shape {tuple(t.shape)} and dtype {t.dtype}; the layout "
+                f"needs {want} and {layout.dtype}"
+            )
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("KV cache tensors must be contiguous CPU tensors")
+    return num_blocks
+
+
+def byte_views(caches: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Per layer, a uint8 numpy view [num_blocks, block_bytes] sharing the tensor's memory.
+
+    bfloat16 has no numpy dtype, so the tensor is reinterpreted as bytes before `.numpy()`.
+    """
+    return [t.view(torch.uint8).reshape(t.shape[0], -1).numpy() for t in caches]
+
+
+def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> None:
+    """Raise ValueError if an id is out of [0, num_blocks) or repeated."""
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"{what} block ids {bad[:8]} are outside [0, {num_blocks})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{what} block ids repeat: {list(ids)[:16]}")
+
+
+def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[Run]:
+    """Group block pairs into runs consecutive on both sides, so each run is one span per side."""
+    runs: list[Run] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs and runs[-1].src + runs[-1].count == s and runs[-1].dst + runs[-1].count == d:
+            runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
+        else:
+            runs.append(Run(s, d, 1))
+    return runs

@@ -1,0 +1,302 @@
+"""The built-in TCP connector: header frame + raw block bytes, received straight into the
+destination blocks with `recv_into` (no staging copy), one acknowledgement per layer.
+
+Each sender keeps one persistent connection per receiver endpoint, written by that endpoint's
+channel thread (send_queue.py) while a second thread reads acknowledgements. The receiver runs
+one thread per connection. Protocol and authentication: wire.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+
+from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.memory import byte_views, paired_runs
+from pdserve.kv_transfer.send_queue import Job, Link, QueuedSender
+from pdserve.kv_transfer.transfer_table import TableReceiver, WriteTicket
+from pdserve.kv_transfer.wire import (
+    HOW_TO_SET_SECRET,
+    ClientHello,
+    HandshakeRefused,
+    LayerAck,
+    LayerHeader,
+    ProtocolError,
+    check_secret,
+    client_handshake,
+    is_loopback,
+    parse_endpoint,
+    recv_frame,
+    recv_into_exact,
+    secret_from_env,
+    send_frame,
+    server_handshake,
+)
+
+log = logging.getLogger("pdserve.kv_transfer")
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """Wake any thread blocked on `sock` (recv returns, sendall raises)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or never connected
+
+
+class TcpLink(Link):
+    """A connected, handshaken socket to one receiver, plus its acknowledgement reader."""
+
+    def __init__(self, sender: TcpSender, endpoint: str) -> None:
+        self._sender = sender
+        host, port = parse_endpoint(endpoint, sender.scheme)
+        timeout = sender.connect_timeout_s
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise ConnectionError(
+                f"cannot connect to the KV receiver at {endpoint}: {exc.strerror or exc} "
+                "(is the decode worker running, and is the endpoint right?)"
+            ) from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(sock, sender.layout, sender.secret, sender._hello_extra())
+        except TimeoutError:
+            sock.close()
+            raise ConnectionError(
+                f"the KV receiver at {endpoint} did not complete the handshake in {timeout:g} s"
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)  # stalls are bounded by wait()'s timeout, which aborts the link
+        self._sock = sock
+        self._pending: collections.deque[Job] = collections.deque()
+        self._dead = False
+        self._acks = threading.Thread(target=self._read_acks, name="kv-acks", daemon=True)
+        self._acks.start()
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead
+
+    def send(self, job: Job) -> None:
+        self._pending.append(job)  # before the header: its ack may come back at once
+        header = LayerHeader(job.transfer_id, job.layer, list(job.src_ids), list(job.dst_ids),
+                             job.nbytes)  # fmt: skip
+        send_frame(self._sock, header)
+        self._sender._write_payload(self._sock, job)
+
+    def _read_acks(self) -> None:
+        tracker = self._sender._tracker
+        error = "connection closed"
+        try:
+            while True:
+                ack = recv_frame(self._sock, LayerAck)
+                job = self._pending.popleft()
+                if (ack.transfer_id, ack.layer) != (job.transfer_id, job.layer):
+                    raise ProtocolError("acknowledgement out of order")
+                tracker.acked(job.transfer_id, job.nbytes, ack.error)
+        except (OSError, ProtocolError, IndexError) as exc:
+            error = f"connection to the KV receiver lost: {exc}"
+        finally:
+            self._dead = True
+            while self._pending:
+                tracker.fail(self._pending.popleft().transfer_id, error)
+
+    def abort(self) -> None:
+        _shutdown(self._sock)
+
+    def close(self) -> None:
+        _shutdown(self._sock)
+        self._acks.join(timeout=5)
+        self._sock.close()
+
+
+class TcpSender(QueuedSender):
+    """Prefill side of the tcp connector. `secret`: None reads $PDSERVE_SECRET(_FILE)."""
+
+    scheme = "tcp"
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        k_caches,
+        v_caches,
+        *,
+        secret: bytes | None = None,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__(layout, k_caches, v_caches)
+        self.secret = secret if secret is not None else secret_from_env()
+        check_secret(self.secret)
+        self.connect_timeout_s = connect_timeout_s
+        self._k_bytes = byte_views(k_caches)
+        self._v_bytes = byte_views(v_caches)
+
+    def _connect(self, endpoint: str) -> Link:
+        return TcpLink(self, endpoint)
+
+    def _hello_extra(self) -> bytes:
+        return b""
+
+    def _write_payload(self, sock: socket.socket, job: Job) -> None:
+        """All K blocks of the layer in list order, then all V blocks, from cache memory."""
+        runs = paired_runs(job.src_ids, job.dst_ids)
+        for views in (self._k_bytes[job.layer], self._v_bytes[job.layer]):
+            for run in runs:
+                sock.sendall(views[run.src : run.src + run.count])
+
+
+class TcpReceiver(TableReceiver):
+    """Decode side of the tcp connector. Binds at construction (so `endpoint` is known at once);
+    a non-loopback `host` needs a secret (argument, or $PDSERVE_SECRET / $PDSERVE_SECRET_FILE).
+    """
+
+    scheme = "tcp"
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        k_caches,
+        v_caches,
+        host: str = "127.0.0.1",
+        *,
+        port: int = 0,
+        secret: bytes | None = None,
+        max_connections: int = 64,
+        handshake_timeout_s: float = 10.0,
+    ) -> None:
+        self.secret = secret if secret is not None else secret_from_env()
+        check_secret(self.secret)
+        if self.secret is None and not is_loopback(host):
+            raise ValueError(
+                f"refusing to accept KV transfers on {host} (not loopback) without "
+                f"authentication; {HOW_TO_SET_SECRET}"
+            )
+        super().__init__(layout, k_caches, v_caches)
+        self._max_connections = max_connections
+        self._handshake_timeout_s = handshake_timeout_s
+        self._scratch = bytearray(1 << 20)  # late or refused data is read into this and dropped
+        self._listener = socket.create_server((host, port))
+        self._host, self._port = host, self._listener.getsockname()[1]
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._acceptor: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{self.scheme}://{host}:{self._port}"
+
+    def start(self) -> None:
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return  # listener closed by close()
+            with self._lock:
+                if self._closed or len(self._conns) >= self._max_connections:
+                    log.warning("KV receiver: refusing connection from %s (limit reached)", addr)
+                    conn.close()
+                    continue
+                thread = threading.Thread(target=self._serve, args=(conn, addr), daemon=True)
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket, addr) -> None:
+        peer = None
+        try:
+            conn.settimeout(self._handshake_timeout_s)  # a silent peer must not hold a slot
+            hello = server_handshake(conn, self.layout, self.secret)
+            peer = self._on_peer(hello)
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                header = recv_frame(conn, LayerHeader)
+                error = self._receive_layer(conn, header, peer)
+                send_frame(conn, LayerAck(header.transfer_id, header.layer, error))
+        except HandshakeRefused as exc:
+            self._stats.add(failures=1)
+            log.warning("KV receiver: refused sender %s: %s", addr, exc)
+        except ProtocolError as exc:
+            log.warning("KV receiver: dropping sender %s: %s", addr, exc)
+        except OSError as exc:  # includes peer disconnects and timeouts
+            log.debug("KV receiver: sender %s disconnected: %s", addr, exc)
+        finally:
+            self._on_peer_closed(peer)
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _receive_layer(self, conn: socket.socket, hdr: LayerHeader, peer) -> str | None:
+        """Land one layer (or discard it); return the error to acknowledge it with."""
+        n = len(hdr.dst_block_ids)
+        if (
+            len(hdr.transfer_id) > 256
+            or len(hdr.src_block_ids) != n
+            or not 0 <= hdr.layer < self.layout.num_layers
+            or hdr.nbytes != 2 * n * self.layout.block_bytes
+        ):  # the stream cannot be trusted past a header that lies about its payload
+            raise ProtocolError(f"inconsistent layer header for {hdr.transfer_id[:256]!r}")
+        ticket = self._table.begin_write(
+            hdr.transfer_id, hdr.layer, hdr.dst_block_ids, abort=lambda: _shutdown(conn)
+        )
+        if isinstance(ticket, str):
+            self._skip_payload(conn, hdr)
+            return ticket
+        t0 = time.perf_counter()
+        try:
+            self._land(conn, hdr, ticket, peer)
+        except BaseException as exc:
+            self._table.end_write(ticket, f"connection lost mid-layer {hdr.layer}: {exc}", 0, 0)
+            raise
+        return self._table.end_write(ticket, None, hdr.nbytes, time.perf_counter() - t0)
+
+    def _land(self, conn: socket.socket, hdr: LayerHeader, ticket: WriteTicket, peer) -> None:
+        runs = paired_runs(hdr.src_block_ids, hdr.dst_block_ids)
+        bb = self.layout.block_bytes
+        for views in (self._k_bytes[hdr.layer], self._v_bytes[hdr.layer]):
+            for run in runs:
+                if ticket.released:  # released mid-layer: the rest goes to scratch
+                    self._discard(conn, run.count * bb)
+                else:
+                    span = views[run.dst : run.dst + run.count]
+                    recv_into_exact(conn, memoryview(span).cast("B"))
+
+    def _skip_payload(self, conn: socket.socket, hdr: LayerHeader) -> None:
+        self._discard(conn, hdr.nbytes)
+
+    def _discard(self, conn: socket.socket, nbytes: int) -> None:
+        scratch = memoryview(self._scratch)
+        while nbytes > 0:
+            k = min(nbytes, len(scratch))
+            recv_into_exact(conn, scratch[:k])
+            nbytes -= k
+
+    def _on_peer(self, hello: ClientHello):
+        """Backend hook: per-connection state from the sender's hello (nixl: its agent)."""
+        return None
+
+    def _on_peer_closed(self, peer) -> None:
+        """Backend hook: the connection that `_on_peer` set up is gone."""
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = dict(self._conns)
+        _shutdown(self._listener)  # wakes accept(); close() alone does not on Linux
+        self._listener.close()
+        for conn in conns:
+            _shutdown(conn)
+        for thread in [*conns.values(), self._acceptor]:
+            if thread is not None:
+                thread.join(timeout=5)

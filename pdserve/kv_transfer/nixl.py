@@ -1,0 +1,187 @@
+"""NIXL connector (optional extra: `pip install nixl-cu12==1.5.1`): block bytes move through
+NVIDIA NIXL and its UCX backend (shared memory / TCP / RDMA, whatever UCX finds; CPU memory here).
+
+The control path is the tcp connector's: same handshake (layout check, optional HMAC), same
+per-layer headers and acknowledgements, so the same `nixl://HOST:PORT` endpoint. The data path
+differs: the sender registers its caches with its NIXL agent and passes its agent metadata and
+cache base addresses in the handshake; for each announced layer the *receiver* issues a NIXL
+READ from the sender's blocks straight into its own registered blocks, then acknowledges.
+
+Why the receiver pulls (like vLLM's NixlConnector) rather than the sender writing: a one-sided
+WRITE could land in any registered block, so the receiver could neither refuse blocks it did not
+register for that transfer nor guarantee that nothing lands after `release`. Pulling keeps every
+write into decode memory under the receiver's TransferTable, exactly as with tcp. A layer's READ
+is not interruptible: `release` waits for an in-flight READ to finish (milliseconds).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+
+from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.send_queue import Job
+from pdserve.kv_transfer.tcp import TcpReceiver, TcpSender
+from pdserve.kv_transfer.transfer_table import WriteTicket
+from pdserve.kv_transfer.wire import ClientHello, LayerHeader, ProtocolError
+
+INSTALL_HINT = (
+    "the nixl KV transport needs NVIDIA NIXL: pip install nixl-cu12==1.5.1 (the pdserve[nixl] "
+    "extra), or use the built-in tcp transport"
+)
+_READ_TIMEOUT_S = 30.0
+
+
+def _nixl_api():
+    """(nixl_agent, nixl_agent_config) from whichever NIXL wheel is installed."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent at INFO otherwise
+    for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            api = __import__(module, fromlist=["nixl_agent"])
+            return api.nixl_agent, api.nixl_agent_config
+        except ImportError:
+            continue
+    raise ImportError(INSTALL_HINT)
+
+
+class NixlPeerInfo(msgspec.Struct, frozen=True):
+    """What a sender tells the receiver in its hello: how to reach and read its caches."""
+
+    agent_metadata: bytes
+    k_addrs: list[int]  # base address of each layer's K cache
+    v_addrs: list[int]
+
+
+class _Peer(NamedTuple):
+    agent: str
+    k_addrs: list[int]
+    v_addrs: list[int]
+
+
+class _Agent:
+    """A NIXL agent with the given caches registered; calls are serialized by a lock."""
+
+    def __init__(self, role: str, caches) -> None:
+        nixl_agent, nixl_agent_config = _nixl_api()
+        self.name = f"pdserve-kv-{role}-{uuid.uuid4().hex[:12]}"
+        self.lock = threading.Lock()
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self._registered = self.agent.register_memory(list(caches))
+        self.peers: dict[str, int] = {}  # remote agent name -> live connections using it
+
+    def close(self) -> None:
+        with self.lock:
+            for name in self.peers:
+                self.agent.remove_remote_agent(name)
+            self.peers.clear()
+            self.agent.deregister_memory(self._registered)
+
+
+class NixlSender(TcpSender):
+    """Prefill side: exposes its caches to authenticated receivers, which read the blocks."""
+
+    scheme = "nixl"
+
+    def __init__(self, layout: KVLayout, k_caches, v_caches, **options) -> None:
+        super().__init__(layout, k_caches, v_caches, **options)
+        self._agent = _Agent("send", [*k_caches, *v_caches])
+        info = NixlPeerInfo(
+            self._agent.agent.get_agent_metadata(),
+            [t.data_ptr() for t in k_caches],
+            [t.data_ptr() for t in v_caches],
+        )
+        self._hello = msgspec.msgpack.encode(info)
+
+    def _hello_extra(self) -> bytes:
+        return self._hello
+
+    def _write_payload(self, sock, job: Job) -> None:
+        pass  # the receiver reads the blocks itself after the header
+
+    def close(self) -> None:
+        super().close()
+        self._agent.close()
+
+
+class NixlReceiver(TcpReceiver):
+    """Decode side: validates each announced layer, then READs it into the registered blocks."""
+
+    scheme = "nixl"
+
+    def __init__(self, layout: KVLayout, k_caches, v_caches, host="127.0.0.1", **options):
+        super().__init__(layout, k_caches, v_caches, host, **options)
+        self._agent = _Agent("recv", [*k_caches, *v_caches])
+
+    def _on_peer(self, hello: ClientHello) -> _Peer:
+        try:
+            info = msgspec.msgpack.decode(hello.extra, type=NixlPeerInfo)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"bad NIXL peer info: {exc}") from exc
+        n = self.layout.num_layers
+        if len(info.k_addrs) != n or len(info.v_addrs) != n:
+            raise ProtocolError("NIXL peer info does not list one K and V address per layer")
+        a = self._agent
+        with a.lock:
+            name = a.agent.add_remote_agent(info.agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            a.peers[name] = a.peers.get(name, 0) + 1
+        return _Peer(name, info.k_addrs, info.v_addrs)
+
+    def _on_peer_closed(self, peer: _Peer | None) -> None:
+        if peer is None:
+            return
+        a = self._agent
+        with a.lock:
+            a.peers[peer.agent] -= 1
+            if a.peers[peer.agent] == 0:  # the same sender may have reconnected meanwhile
+                del a.peers[peer.agent]
+                a.agent.remove_remote_agent(peer.agent)
+
+    def _skip_payload(self, conn, hdr: LayerHeader) -> None:
+        pass  # nothing follows the header on the socket
+
+    def _land(self, conn, hdr: LayerHeader, ticket: WriteTicket, peer: _Peer) -> None:
+        if ticket.released:
+            return
+        bb, layer = self.layout.block_bytes, hdr.layer
+        src = np.array(hdr.src_block_ids, dtype=np.uint64) * bb
+        dst = np.array(hdr.dst_block_ids, dtype=np.uint64) * bb
+        size = np.full(len(src), bb, dtype=np.uint64)
+        zero = np.zeros(len(src), dtype=np.uint64)
+        remote_base = (peer.k_addrs[layer], peer.v_addrs[layer])
+        local_base = (self.k_caches[layer].data_ptr(), self.v_caches[layer].data_ptr())
+        # (N, 3) rows of (address, length, device id): every block of K, then of V
+        remote = np.concatenate([np.stack([b + src, size, zero], 1) for b in remote_base])
+        local = np.concatenate([np.stack([b + dst, size, zero], 1) for b in local_base])
+        self._read(local, remote, peer.agent)
+
+    def _read(self, local: np.ndarray, remote: np.ndarray, peer_agent: str) -> None:
+        a = self._agent
+        with a.lock:
+            local_d = a.agent.get_xfer_descs(local, "DRAM")
+            remote_d = a.agent.get_xfer_descs(remote, "DRAM")
+            handle = a.agent.initialize_xfer("READ", local_d, remote_d, peer_agent)
+            state = a.agent.transfer(handle)
+        deadline = time.monotonic() + _READ_TIMEOUT_S
+        spins = 0
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NIXL READ from {peer_agent} took over {_READ_TIMEOUT_S} s")
+            spins += 1
+            time.sleep(0 if spins < 50 else 1e-4)  # two cores are shared: do not spin long
+            with a.lock:
+                state = a.agent.check_xfer_state(handle)
+        with a.lock:
+            handle.release()
+        if state != "DONE":
+            raise ConnectionError(f"NIXL READ from {peer_agent} failed ({state})")
+
+    def close(self) -> None:
+        super().close()
+        self._agent.close()

@@ -1,0 +1,197 @@
+"""`pdserve bench` (load an OpenAI-compatible endpoint) and `pdserve bench compare`.
+
+Registering imports argparse only; the handlers import numpy, httpx, matplotlib when run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+GOODPUT_HELP = (
+    "Goodput (DistServe's definition) is the highest request rate at which at least 90 %% of "
+    "requests meet every SLO target (TTFT, TPOT, and the per-request p99 ITL when given); "
+    "errors and timeouts count as misses."
+)
+EXAMPLES = """examples:
+  pdserve bench --url http://127.0.0.1:8000/v1 --workload mixed --num-requests 40
+  pdserve bench --url http://127.0.0.1:8080/v1 --prompt-tokens lognormal:1024,0.5 \\
+      --output-tokens 128 --sweep 0.5,1,2,4 --slo-ttft 1 --slo-tpot 0.05
+  pdserve bench compare --workload mixed --num-requests 40 --rate 1
+"""
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", help="named mix: chat, docs or mixed (default: chat)")
+    w.add_argument(
+        "--prompt-tokens",
+        metavar="DIST",
+        help="prompt lengths instead of a named mix: N, fixed:N, uniform:LO,HI or "
+        "lognormal:MEAN,SIGMA (e.g. lognormal:1024,0.5)",
+    )
+    w.add_argument("--output-tokens", metavar="DIST", help="output lengths (same syntax)")
+    w.add_argument(
+        "--prompts-file",
+        metavar="JSONL",
+        help='prompts from a file, one {"prompt": ..., "output_tokens"?: N} per line',
+    )
+    w.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="tokenizer for exact prompt lengths: a GGUF file or HF folder, 'bundled' "
+        "(the bundled model's, the default) or 'none' (approximate lengths)",
+    )
+    w.add_argument("--seed", type=int, default=0, help="same seed, same requests (default 0)")
+    a = p.add_argument_group("load")
+    a.add_argument(
+        "--rate",
+        type=float,
+        default=1.0,
+        help="open-loop requests per second (default 1; inf sends all at once)",
+    )
+    a.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    a.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma arrivals: 1 = Poisson, > 1 burstier, < 1 more regular",
+    )
+    a.add_argument(
+        "--concurrency",
+        type=int,
+        help="closed loop: keep this many requests in flight (ignores --rate)",
+    )
+    a.add_argument("--num-requests", type=int, help="requests per run (default 100)")
+    a.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="stop sending after this long (with --num-requests: whichever first)",
+    )
+    a.add_argument(
+        "--sweep",
+        metavar="RATES",
+        help="runs at each rate, e.g. 0.5,1,2,4, and report goodput. " + GOODPUT_HELP,
+    )
+    a.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="per-request timeout in seconds; exceeding it is status 'timeout'",
+    )
+    s = p.add_argument_group("SLO (seconds)")
+    s.add_argument("--slo-ttft", type=float, default=2.0, help="time to first token (default 2)")
+    s.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=0.1,
+        help="time per output token after the first (default 0.1)",
+    )
+    s.add_argument("--slo-itl-p99", type=float, help="per-request p99 inter-token latency")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", metavar="DIR", help="default bench-results/<timestamp>/")
+    o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    c = p.add_argument_group("client")
+    c.add_argument("--model", help="model name sent in requests (and its tokenizer if a path)")
+    c.add_argument(
+        "--api",
+        choices=("completions", "chat"),
+        default="completions",
+        help="endpoint: /completions (exact prompt lengths) or /chat/completions",
+    )
+    c.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (for servers that reject unknown fields)",
+    )
+    c.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+
+
+def register(subparsers) -> None:
+    """Add `bench` and its `compare` action."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    bench = subparsers.add_parser(
+        "bench",
+        help="load-test an OpenAI-compatible server; compare serving modes",
+        description="Send a synthetic or file-based workload to any OpenAI-compatible server "
+        "(pdserve, llama.cpp's llama-server, vLLM) and measure TTFT, TPOT, every inter-token "
+        "latency and end-to-end latency per request; writes results.json, PNG plots and "
+        "summary.md. " + GOODPUT_HELP.replace("%%", "%"),
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
+    bench.add_argument("--url", help="API base URL, e.g. http://127.0.0.1:8000/v1 (required)")
+    _add_load_args(bench)
+    bench.set_defaults(func=_run_bench)
+    actions = bench.add_subparsers(dest="bench_action", metavar="ACTION")
+    compare = actions.add_parser(
+        "compare",
+        help="start `pdserve serve` in each mode, run one workload, report side by side",
+        description="For each mode (colocated, colocated+chunked, disagg) start `pdserve serve "
+        "--mode ... --host 127.0.0.1 --port P`, wait for GET /health, run the same workload, "
+        "stop it; then write one report with the modes side by side and a 'which to use' "
+        "paragraph computed from the measurements. " + GOODPUT_HELP.replace("%%", "%"),
+        formatter_class=fmt,
+    )
+    _add_load_args(compare)
+    m = compare.add_argument_group("servers")
+    m.add_argument(
+        "--modes",
+        default="colocated,colocated+chunked,disagg",
+        help="comma-separated modes to measure, in order (default: all three)",
+    )
+    m.add_argument(
+        "--chunk-size",
+        type=int,
+        default=256,
+        help="prefill chunk in tokens for colocated+chunked (default 256)",
+    )
+    m.add_argument(
+        "--serve-cmd",
+        help="command that starts a server (default: this Python's "
+        "`pdserve serve`); mode, host and port arguments are appended",
+    )
+    m.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every server, repeatable (e.g. --serve-arg=--model "
+        "--serve-arg=PATH)",
+    )
+    m.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for a server's /health (default 300)",
+    )
+    compare.set_defaults(func=_run_compare)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from pdserve.bench import session
+
+    if not args.url:
+        raise ValueError(
+            "--url is required, e.g. --url http://127.0.0.1:8000/v1 "
+            "(or use `pdserve bench compare` to start servers itself)"
+        )
+    return session.bench(args, _out_dir(args), _command_line())
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from pdserve.bench import session
+
+    return session.compare(args, _out_dir(args), _command_line())
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    return Path(args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def _command_line() -> str:
+    return "pdserve " + shlex.join(sys.argv[1:])

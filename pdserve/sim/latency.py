@@ -126,8 +126,8 @@ class LatencyModel:
             + self.allreduce_s(batch.tokens)
         )
 
-    def iteration(self, batch: Batch) -> float:
-        """Seconds for one forward pass over `batch`."""
+    def work(self, batch: Batch) -> tuple[float, float]:
+        """(FLOPs over the TP group, bytes read per GPU) of one pass over `batch`."""
         m = self.model
         flops = (
             2 * m.layer_params_per_token * batch.tokens
@@ -135,7 +135,11 @@ class LatencyModel:
             + self._attn_flops * batch.attn_pairs
         )
         kv = self.kv_bytes_per_token_gpu * (batch.kv_read + batch.tokens)
-        mem = self.weights_read(batch.tokens) + kv
+        return flops, self.weights_read(batch.tokens) + kv
+
+    def iteration(self, batch: Batch) -> float:
+        """Seconds for one forward pass over `batch`."""
+        flops, mem = self.work(batch)
         return self._fixed(batch) + max(flops / self._flops_s, mem / self._bytes_s)
 
     def prefill(self, prompt_tokens: int, cached_tokens: int = 0) -> float:

@@ -1,0 +1,111 @@
+"""This machine as a simulator target: measured peak FLOP/s and memory bandwidth, the profile JSON.
+
+A profile file holds the measured CPU "hardware" entry, the engine model's shape and dtype, the
+raw timings and the fitted `Efficiency`; `load_profile` turns it back into what the simulator
+needs (an `Accelerator`, a `ModelSpec`, an `Efficiency` and the weight dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from pdserve.sim.hardware import Accelerator
+from pdserve.sim.latency import Efficiency
+from pdserve.sim.models import ModelSpec
+from pdserve.sim.profile import PROFILE_VERSION, Fit, Point
+
+
+def measure_cpu(threads: int | None = None, repeats: int = 3) -> dict[str, Any]:
+    """Peak float32 matmul FLOP/s and copy bandwidth of this machine, measured with torch."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm-up
+    mm = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    src = torch.empty(32 * 1024 * 1024)  # 128 MiB, far beyond any cache
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return {
+        "name": "cpu",
+        "description": f"{_cpu_model()}, {torch.get_num_threads()} threads (measured)",
+        "peak_flops": 2 * n**3 / mm,
+        "mem_bytes_per_s": 2 * src.numel() * 4 / copy,  # read + write
+        "mem_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "tp_link": "pcie-gen4",
+        "max_tp": 1,
+    }
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
+
+def profile_document(
+    hardware: dict, model: ModelSpec, weight_dtype: str, points: list[Point], fit: Fit,
+    decode_steps: int,
+) -> dict:  # fmt: skip
+    """The JSON object `pdserve profile` writes."""
+    return {
+        "version": PROFILE_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "hardware": hardware,
+        "model": asdict(model),
+        "weight_dtype": weight_dtype,
+        "decode_steps": decode_steps,
+        "points": [p._asdict() for p in points],
+        "efficiency": asdict(fit.efficiency),
+        "fit": {"median_rel_error": fit.median_rel_error, "max_rel_error": fit.max_rel_error},
+    }
+
+
+class Profile(NamedTuple):
+    """What the simulator takes from a profile file."""
+
+    accelerator: Accelerator
+    model: ModelSpec
+    efficiency: Efficiency
+    weight_dtype: str
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a file written by `pdserve profile`; ValueError says what is wrong with it."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"profile {str(path)!r} does not exist; create it with `pdserve profile`")
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("version") != PROFILE_VERSION:
+            raise ValueError(f"version {doc.get('version')!r}, expected {PROFILE_VERSION}")
+        return Profile(
+            Accelerator.from_profile(doc["hardware"]),
+            ModelSpec(**doc["model"]),
+            Efficiency(**doc["efficiency"]),
+            doc["weight_dtype"],
+        )
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+        raise ValueError(
+            f"profile {str(path)!r} is not a valid pdserve profile ({exc}); "
+            "re-create it with `pdserve profile`"
+        ) from None

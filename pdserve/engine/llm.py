@@ -22,11 +22,15 @@ class LLM:
     """A whole engine in this process. `model=None` is the bundled SmolLM2-135M-Instruct."""
 
     def __init__(
-        self, model: str | None = None, dtype: str = "auto", device: str = "auto", **engine_kwargs
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        config: EngineConfig | None = None,
+        **engine_kwargs,
     ):
-        self.engine = LLMEngine(
-            EngineConfig(model=model, dtype=dtype, device=device, **engine_kwargs)
-        )
+        config = config or EngineConfig(model=model, dtype=dtype, device=device, **engine_kwargs)
+        self.engine = LLMEngine(config)
         self.model_config = self.engine.model_config
 
     @property
@@ -63,11 +67,7 @@ class LLM:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not messages:
             raise ValueError("chat needs at least one message")
-        return list(
-            self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
+        return self.tokenizer.apply_chat_template(messages)
 
     def _output(self, seq) -> RequestOutput:
         text = (

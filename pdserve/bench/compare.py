@@ -161,14 +161,17 @@ class ModeNumbers(NamedTuple):
     score: float | None  # goodput in req/s for a sweep, else SLO attainment (0..1)
     chat_itl_p99_s: float | None  # p99 ITL of the chat class (all requests if there is none)
     ttft_p99_s: float | None
+    itl_scope: str = "chat streams'"  # whose ITL chat_itl_p99_s is, for the text
 
 
 def mode_numbers(mode: str, runs: Sequence[RunResult], goodput: float | None) -> ModeNumbers:
     """Latencies come from the last (for a sweep: highest-rate, most loaded) run."""
     run = runs[-1]
-    chat = run.per_class.get("chat", run.aggregates)
+    chat = run.per_class.get("chat")
+    scope = "chat streams'" if chat else "all requests'"
+    itl = (chat or run.aggregates)["itl_s"]["p99"]
     score = goodput if len(runs) > 1 else run.aggregates["slo_attainment"]
-    return ModeNumbers(mode, score, chat["itl_s"]["p99"], run.aggregates["ttft_s"]["p99"])
+    return ModeNumbers(mode, score, itl, run.aggregates["ttft_s"]["p99"], scope)
 
 
 def _ms(seconds: float | None) -> str:
@@ -197,7 +200,7 @@ def verdict(numbers: Sequence[ModeNumbers], sweep: bool) -> str:
     best = ranked[0]
     parts = [f"Measured here, {what} was " + ", ".join(f"{n.mode} {fmt(n.score)}" for n in numbers)]
     parts.append(
-        "chat streams' p99 inter-token latency was "
+        f"{numbers[0].itl_scope} p99 inter-token latency was "
         + ", ".join(f"{n.mode} {_ms(n.chat_itl_p99_s)}" for n in numbers)
     )
     by_mode = {n.mode: n for n in numbers}
@@ -210,7 +213,7 @@ def verdict(numbers: Sequence[ModeNumbers], sweep: bool) -> str:
         )
     tied = len(ranked) > 1 and ranked[1].score == best.score
     why = (
-        "ties on the score and has the lowest chat p99 ITL"
+        "ties on the score and has the lowest p99 inter-token latency"
         if tied
         else f"has the best {'goodput' if sweep else 'SLO attainment'}"
     )

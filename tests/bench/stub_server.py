@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-FAULTS = (None, "http500", "close_early", "malformed", "error_event", "hang")
+FAULTS = (None, "http500", "close_early", "disconnect", "malformed", "error_event", "hang")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class StubConfig:
 
 
 class _Handler:
+    """HTTP/1.1 with keep-alive; streams use chunked framing, like real servers."""
+
     def __init__(self, config: StubConfig) -> None:
         self.config = config
         self.count = 0
@@ -43,42 +45,43 @@ class _Handler:
 
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode()
-            length = next(
-                (
-                    int(h.split(":")[1])
-                    for h in head.split("\r\n")
-                    if h.lower().startswith("content-length")
-                ),
-                0,
-            )
-            body = json.loads(await reader.readexactly(length)) if length else {}
-            if head.startswith("GET "):  # /health, /v1/models: 200 with an empty list
-                _reply(writer, "200 OK", b'{"data": []}')
-            else:
-                await self._complete(body, writer)
-            await writer.drain()
+            while await self._one(reader, writer):
+                pass
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             # Cancelled at shutdown: swallowed because 3.11 streams log a cancelled handler.
             pass
         finally:
             writer.close()
 
-    async def _complete(self, body: dict, writer: asyncio.StreamWriter) -> None:
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Answer one request; False when the connection is to be closed."""
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        fields = dict(h.lower().split(":", 1) for h in head.split("\r\n")[1:] if ":" in h)
+        length = int(fields.get("content-length", 0))
+        body = json.loads(await reader.readexactly(length)) if length else {}
+        if head.startswith("GET "):  # /health, /v1/models: 200 with an empty list
+            _reply(writer, "200 OK", b'{"data": []}')
+            keep = True
+        else:
+            keep = await self._complete(body, writer)
+        await writer.drain()
+        return keep
+
+    async def _complete(self, body: dict, writer: asyncio.StreamWriter) -> bool:
         index, self.count = self.count, self.count + 1
         fault = self.config.fault if index % self.config.fault_every == 0 else None
         if fault == "http500":
             _reply(writer, "500 Internal Server Error", b'{"error": "stub failure"}')
-            return
+            return True
         if self.slots is None:
-            await self._stream(body, writer, fault)
-            return
+            return await self._stream(body, writer, fault)
         async with self.slots:
-            await self._stream(body, writer, fault)
+            return await self._stream(body, writer, fault)
 
-    async def _stream(self, body: dict, writer: asyncio.StreamWriter, fault: str | None):
+    async def _stream(self, body: dict, writer: asyncio.StreamWriter, fault: str | None) -> bool:
         writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
         )
         tokens, start = int(body.get("max_tokens", 16)), time.perf_counter()
         if fault == "hang":
@@ -87,33 +90,50 @@ class _Handler:
             due = start + self.config.ttft_s + i * self.config.itl_s
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             if fault and i == tokens // 2:
-                writer.write(
-                    {
-                        "close_early": b"",
-                        "malformed": b"data: {oops\n\n",
-                        "error_event": b'data: {"error": {"message": "kv lost"}}\n\n',
-                    }[fault]
-                )
-                return
+                return _fault(writer, fault)
             finish = "length" if i == tokens - 1 else None
-            _event(writer, {"choices": [{"index": 0, "text": " tok", "finish_reason": finish}]})
+            text = {"delta": {"content": " tok"}} if "messages" in body else {"text": " tok"}
+            _event(writer, {"choices": [{"index": 0, **text, "finish_reason": finish}]})
             await writer.drain()
         if self.config.send_usage:
-            usage = {
-                "prompt_tokens": len(body.get("prompt", "").split()),
-                "completion_tokens": tokens,
-            }
-            _event(writer, {"choices": [], "usage": usage})
-        writer.write(b"data: [DONE]\n\n")
+            words = len(body.get("prompt", "").split())
+            _event(
+                writer,
+                {"choices": [], "usage": {"prompt_tokens": words, "completion_tokens": tokens}},
+            )
+        _chunk(writer, b"data: [DONE]\n\n")
+        _chunk(writer, b"")  # end of body; the connection stays open
+        return True
+
+
+def _fault(writer: asyncio.StreamWriter, fault: str) -> bool:
+    """Misbehave mid-stream; returns whether the connection survives."""
+    if fault == "disconnect":
+        return False  # drop the connection inside the chunked body
+    _chunk(
+        writer,
+        {
+            "close_early": b"",
+            "malformed": b"data: {oops\n\n",
+            "error_event": b'data: {"error": {"message": "kv lost"}}\n\n',
+        }[fault],
+    )
+    if fault != "close_early":
+        _chunk(writer, b"")
+    return True
 
 
 def _reply(writer: asyncio.StreamWriter, status: str, body: bytes) -> None:
-    head = f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    head = f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\n\r\n"
     writer.write(head.encode() + body)
 
 
+def _chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
 def _event(writer: asyncio.StreamWriter, obj: dict) -> None:
-    writer.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+    _chunk(writer, b"data: " + json.dumps(obj).encode() + b"\n\n")
 
 
 class StubServer:
@@ -167,9 +187,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ttft", type=float, default=0.02)
     parser.add_argument("--itl-by-mode", required=True, help="MODE=SECONDS,...")
+    parser.add_argument("--fail-mode", help="exit at once with an error in this mode")
     args = parser.parse_args()
     itl = {k: float(v) for k, v in (kv.split("=") for kv in args.itl_by_mode.split(","))}
     mode = "colocated+chunked" if args.mode == "colocated" and args.chunk_size else args.mode
+    if mode == args.fail_mode:
+        raise SystemExit(f"stub: mode {mode} is broken on purpose")
     asyncio.run(_serve_forever(StubConfig(args.ttft, itl[mode]), args.host, args.port))
 
 

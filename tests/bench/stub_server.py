@@ -41,6 +41,7 @@ class _Handler:
     def __init__(self, config: StubConfig) -> None:
         self.config = config
         self.count = 0
+        self.received: list[float] = []  # time.perf_counter() at each completion request
         self.slots = asyncio.Semaphore(config.capacity) if config.capacity else None
 
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -84,6 +85,7 @@ class _Handler:
             b"Transfer-Encoding: chunked\r\n\r\n"
         )
         tokens, start = int(body.get("max_tokens", 16)), time.perf_counter()
+        self.received.append(start)
         if fault == "hang":
             await asyncio.sleep(3600)
         for i in range(tokens):
@@ -141,6 +143,7 @@ class StubServer:
 
     def __init__(self, config: StubConfig) -> None:
         self.config = config
+        self.handler = _Handler(config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -152,7 +155,7 @@ class StubServer:
         return f"http://127.0.0.1:{port}/v1"
 
     async def _start(self) -> asyncio.Server:
-        return await asyncio.start_server(_Handler(self.config), "127.0.0.1", 0)
+        return await asyncio.start_server(self.handler, "127.0.0.1", 0)
 
     def __exit__(self, *exc) -> None:
         asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(timeout=10)

@@ -140,7 +140,7 @@ def test_registering_imports_nothing_heavy():
 def _compare(tmp_path: Path, *extra: str) -> int:
     serve = (
         f"{shlex.quote(sys.executable)} {shlex.quote(str(STUB))} --itl-by-mode "
-        "colocated=0.012,colocated+chunked=0.008,disagg=0.004"
+        "colocated=0.04,colocated+chunked=0.02,disagg=0.005"
     )
     return main(
         [
@@ -158,7 +158,7 @@ def _compare(tmp_path: Path, *extra: str) -> int:
             "none",
             "--no-progress",
             "--slo-tpot",
-            "0.02",
+            "0.03",
             "--startup-timeout",
             "20",
             "--out",
@@ -176,6 +176,8 @@ def test_compare_runs_each_mode_and_derives_the_verdict(tmp_path):
     assert [r["label"] for r in doc["runs"]] == ["colocated", "colocated+chunked", "disagg"]
     itl = [r["aggregates"]["itl_s"]["p50"] for r in doc["runs"]]
     assert itl == sorted(itl, reverse=True)
+    # TPOT 40 ms misses the 30 ms target; 20 ms and 5 ms meet it, then ITL breaks the tie.
+    assert [r["aggregates"]["slo_attainment"] for r in doc["runs"]] == [0.0, 1.0, 1.0]
     summary = (tmp_path / "summary.md").read_text()
     assert "## Which to use" in summary
     assert "Use disaggregated serving for this workload: it ties on the score" in summary

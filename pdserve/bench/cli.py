@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -24,9 +25,21 @@ EXAMPLES = """examples:
 """
 
 
-def _add_load_args(p: argparse.ArgumentParser) -> None:
+def _describe(text: str) -> str:
+    return textwrap.fill(text + " " + GOODPUT_HELP.replace("%%", "%"), width=78)
+
+
+def _add_common_args(p: argparse.ArgumentParser) -> None:
+    """The options `bench` and `bench compare` share."""
+    for add in (_add_workload_args, _add_load_args, _add_slo_and_output_args, _add_client_args):
+        add(p)
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", help="named mix: chat, docs or mixed (default: chat)")
+    w.add_argument(
+        "--workload", metavar="NAME", help="named mix: chat, docs or mixed (default: chat)"
+    )
     w.add_argument(
         "--prompt-tokens",
         metavar="DIST",
@@ -45,10 +58,16 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         help="tokenizer for exact prompt lengths: a GGUF file or HF folder, 'bundled' "
         "(the bundled model's, the default) or 'none' (approximate lengths)",
     )
-    w.add_argument("--seed", type=int, default=0, help="same seed, same requests (default 0)")
+    w.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="same seed, same requests (default 0)"
+    )
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("load")
     a.add_argument(
         "--rate",
+        metavar="PER_S",
         type=float,
         default=1.0,
         help="open-loop requests per second (default 1; inf sends all at once)",
@@ -56,16 +75,18 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
     a.add_argument(
         "--burstiness",
+        metavar="B",
         type=float,
         default=1.0,
         help="gamma arrivals: 1 = Poisson, > 1 burstier, < 1 more regular",
     )
     a.add_argument(
         "--concurrency",
+        metavar="N",
         type=int,
         help="closed loop: keep this many requests in flight (ignores --rate)",
     )
-    a.add_argument("--num-requests", type=int, help="requests per run (default 100)")
+    a.add_argument("--num-requests", type=int, metavar="N", help="requests per run (default 100)")
     a.add_argument(
         "--duration",
         type=float,
@@ -79,24 +100,38 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     )
     a.add_argument(
         "--timeout",
+        metavar="SECONDS",
         type=float,
         default=600.0,
         help="per-request timeout in seconds; exceeding it is status 'timeout'",
     )
+
+
+def _add_slo_and_output_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("SLO (seconds)")
-    s.add_argument("--slo-ttft", type=float, default=2.0, help="time to first token (default 2)")
+    s.add_argument(
+        "--slo-ttft", type=float, default=2.0, metavar="S", help="time to first token (default 2)"
+    )
     s.add_argument(
         "--slo-tpot",
+        metavar="S",
         type=float,
         default=0.1,
         help="time per output token after the first (default 0.1)",
     )
-    s.add_argument("--slo-itl-p99", type=float, help="per-request p99 inter-token latency")
+    s.add_argument(
+        "--slo-itl-p99", type=float, metavar="S", help="per-request p99 inter-token latency"
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="DIR", help="default bench-results/<timestamp>/")
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("client")
-    c.add_argument("--model", help="model name sent in requests (and its tokenizer if a path)")
+    c.add_argument(
+        "--model", metavar="NAME", help="model name sent in requests (and its tokenizer if a path)"
+    )
     c.add_argument(
         "--api",
         choices=("completions", "chat"),
@@ -108,50 +143,60 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not send ignore_eos (for servers that reject unknown fields)",
     )
-    c.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    c.add_argument("--api-key", metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
 
 
 def register(subparsers) -> None:
     """Add `bench` and its `compare` action."""
-    fmt = argparse.RawDescriptionHelpFormatter
     bench = subparsers.add_parser(
         "bench",
         help="load-test an OpenAI-compatible server; compare serving modes",
-        description="Send a synthetic or file-based workload to any OpenAI-compatible server "
-        "(pdserve, llama.cpp's llama-server, vLLM) and measure TTFT, TPOT, every inter-token "
-        "latency and end-to-end latency per request; writes results.json, PNG plots and "
-        "summary.md. " + GOODPUT_HELP.replace("%%", "%"),
+        description=_describe(
+            "Send a synthetic or file-based workload to any OpenAI-compatible server "
+            "(pdserve, llama.cpp's llama-server, vLLM) and measure TTFT, TPOT, every "
+            "inter-token latency and end-to-end latency per request; writes results.json, "
+            "PNG plots and summary.md."
+        ),
         epilog=EXAMPLES,
-        formatter_class=fmt,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("--url", help="API base URL, e.g. http://127.0.0.1:8000/v1 (required)")
-    _add_load_args(bench)
+    _add_common_args(bench)
     bench.set_defaults(func=_run_bench)
     actions = bench.add_subparsers(dest="bench_action", metavar="ACTION")
+    _register_compare(actions)
+
+
+def _register_compare(actions) -> None:
     compare = actions.add_parser(
         "compare",
         help="start `pdserve serve` in each mode, run one workload, report side by side",
-        description="For each mode (colocated, colocated+chunked, disagg) start `pdserve serve "
-        "--mode ... --host 127.0.0.1 --port P`, wait for GET /health, run the same workload, "
-        "stop it; then write one report with the modes side by side and a 'which to use' "
-        "paragraph computed from the measurements. " + GOODPUT_HELP.replace("%%", "%"),
-        formatter_class=fmt,
+        description=_describe(
+            "For each mode (colocated, colocated+chunked, disagg) start `pdserve serve --mode "
+            "... --host 127.0.0.1 --port P`, wait for GET /health, run the same workload, stop "
+            "it; then write one report with the modes side by side and a 'which to use' "
+            "paragraph computed from the measurements."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_load_args(compare)
+    _add_common_args(compare)
     m = compare.add_argument_group("servers")
     m.add_argument(
         "--modes",
+        metavar="LIST",
         default="colocated,colocated+chunked,disagg",
         help="comma-separated modes to measure, in order (default: all three)",
     )
     m.add_argument(
         "--chunk-size",
+        metavar="TOKENS",
         type=int,
         default=256,
         help="prefill chunk in tokens for colocated+chunked (default 256)",
     )
     m.add_argument(
         "--serve-cmd",
+        metavar="CMD",
         help="command that starts a server (default: this Python's "
         "`pdserve serve`); mode, host and port arguments are appended",
     )
@@ -165,6 +210,7 @@ def register(subparsers) -> None:
     )
     m.add_argument(
         "--startup-timeout",
+        metavar="SECONDS",
         type=float,
         default=300.0,
         help="seconds to wait for a server's /health (default 300)",

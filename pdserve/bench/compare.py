@@ -184,25 +184,30 @@ def _rank_key(n: ModeNumbers) -> tuple[float, float, float]:
     return (score, -(n.chat_itl_p99_s or inf), -(n.ttft_p99_s or inf))
 
 
-def verdict(numbers: Sequence[ModeNumbers], sweep: bool) -> str:
-    """The "which to use" paragraph, derived only from `numbers`."""
-    what = (
-        "goodput (highest rate with >= 90 % of requests within the SLO)"
-        if sweep
-        else ("SLO attainment")
-    )
-    fmt = (
-        (lambda v: "none" if v is None else f"{v:g} req/s")
-        if sweep
-        else (lambda v: "n/a" if v is None else f"{100 * v:.0f} %")
-    )
-    ranked = sorted(numbers, key=_rank_key, reverse=True)
-    best = ranked[0]
-    parts = [f"Measured here, {what} was " + ", ".join(f"{n.mode} {fmt(n.score)}" for n in numbers)]
-    parts.append(
+_ADVICE = {
+    "disagg": "Use disaggregated serving for this workload: it {why}, because decoding never "
+    "waits behind another request's prefill.",
+    "colocated+chunked": "Use co-located serving with chunked prefill: it {why} with one engine "
+    "and no KV transfer.",
+    "colocated": "Use plain co-located serving: it {why}; at this load neither chunking nor "
+    "disaggregation pays for its cost.",
+}
+
+
+def _measured(numbers: Sequence[ModeNumbers], sweep: bool) -> list[str]:
+    """The clauses that quote the numbers: score per mode, p99 ITL per mode, their change."""
+    if sweep:
+        what = "goodput (highest rate with >= 90 % of requests within the SLO)"
+        scores = [("none" if n.score is None else f"{n.score:g} req/s") for n in numbers]
+    else:
+        what = "SLO attainment"
+        scores = [("n/a" if n.score is None else f"{100 * n.score:.0f} %") for n in numbers]
+    parts = [
+        f"Measured here, {what} was "
+        + ", ".join(f"{n.mode} {score}" for n, score in zip(numbers, scores, strict=True)),
         f"{numbers[0].itl_scope} p99 inter-token latency was "
-        + ", ".join(f"{n.mode} {_ms(n.chat_itl_p99_s)}" for n in numbers)
-    )
+        + ", ".join(f"{n.mode} {_ms(n.chat_itl_p99_s)}" for n in numbers),
+    ]
     by_mode = {n.mode: n for n in numbers}
     co, dis = by_mode.get("colocated"), by_mode.get("disagg")
     if co and dis and co.chat_itl_p99_s and dis.chat_itl_p99_s:
@@ -211,21 +216,17 @@ def verdict(numbers: Sequence[ModeNumbers], sweep: bool) -> str:
             f"disaggregation {'cut' if change > 0 else 'raised'} it by {abs(100 * change):.0f} % "
             "versus co-located"
         )
+    return parts
+
+
+def verdict(numbers: Sequence[ModeNumbers], sweep: bool) -> str:
+    """The "which to use" paragraph, derived only from `numbers`."""
+    ranked = sorted(numbers, key=_rank_key, reverse=True)
+    best = ranked[0]
     tied = len(ranked) > 1 and ranked[1].score == best.score
     why = (
         "ties on the score and has the lowest p99 inter-token latency"
         if tied
         else f"has the best {'goodput' if sweep else 'SLO attainment'}"
     )
-    advice = {
-        "disagg": "Use disaggregated serving for this workload: it "
-        + why
-        + ", because decoding never waits behind another request's prefill.",
-        "colocated+chunked": "Use co-located serving with chunked prefill: it "
-        + why
-        + " with one engine and no KV transfer.",
-        "colocated": "Use plain co-located serving: it "
-        + why
-        + "; at this load neither chunking nor disaggregation pays for its cost.",
-    }[best.mode]
-    return "; ".join(parts) + ". " + advice
+    return "; ".join(_measured(numbers, sweep)) + ". " + _ADVICE[best.mode].format(why=why)

@@ -19,24 +19,9 @@ def test_bench_writes_json_plots_and_markdown_with_every_request(tmp_path, capsy
     stub = StubConfig(ttft_s=0.005, itl_s=0.0005, fault="close_early", fault_every=5)
     with StubServer(stub) as url:
         code = main(
-            [
-                "bench",
-                "--url",
-                url,
-                "--workload",
-                "mixed",
-                "--num-requests",
-                "12",
-                "--rate",
-                "100",
-                "--seed",
-                "3",
-                "--tokenizer",
-                "none",
-                "--out",
-                str(tmp_path),
-                "--no-progress",
-            ]
+            ["bench", "--url", url, "--out", str(tmp_path)]
+            + "--workload mixed --num-requests 12 --rate 100 --seed 3 --tokenizer none "
+            "--no-progress".split()
         )
     assert code == 0
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -64,24 +49,9 @@ def test_bench_writes_json_plots_and_markdown_with_every_request(tmp_path, capsy
 def test_sweep_writes_rate_plots_and_goodput(tmp_path):
     with StubServer(StubConfig(ttft_s=0.002, itl_s=0.0)) as url:
         code = main(
-            [
-                "bench",
-                "--url",
-                url,
-                "--prompt-tokens",
-                "5",
-                "--output-tokens",
-                "2",
-                "--num-requests",
-                "4",
-                "--sweep",
-                "50,100",
-                "--tokenizer",
-                "none",
-                "--out",
-                str(tmp_path),
-                "--no-progress",
-            ]
+            ["bench", "--url", url, "--out", str(tmp_path)]
+            + "--prompt-tokens 5 --output-tokens 2 --num-requests 4 --sweep 50,100 "
+            "--tokenizer none --no-progress".split()
         )
     assert code == 0
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -142,30 +112,13 @@ def _compare(tmp_path: Path, *extra: str) -> int:
         f"{shlex.quote(sys.executable)} {shlex.quote(str(STUB))} --itl-by-mode "
         "colocated=0.04,colocated+chunked=0.02,disagg=0.005"
     )
+    options = (
+        "--prompt-tokens 5 --output-tokens 6 --num-requests 4 --rate 50 --tokenizer none "
+        "--no-progress --slo-tpot 0.03 --startup-timeout 20"
+    )
+    serve += "".join(f" {shlex.quote(e)}" for e in extra)
     return main(
-        [
-            "bench",
-            "compare",
-            "--prompt-tokens",
-            "5",
-            "--output-tokens",
-            "6",
-            "--num-requests",
-            "4",
-            "--rate",
-            "50",
-            "--tokenizer",
-            "none",
-            "--no-progress",
-            "--slo-tpot",
-            "0.03",
-            "--startup-timeout",
-            "20",
-            "--out",
-            str(tmp_path),
-            "--serve-cmd",
-            serve + "".join(f" {shlex.quote(e)}" for e in extra),
-        ]
+        ["bench", "compare", "--out", str(tmp_path), "--serve-cmd", serve, *options.split()]
     )
 
 

@@ -40,10 +40,11 @@ def test_closed_loop_keeps_that_many_in_flight():
     with StubServer(StubConfig(ttft_s=0.05, itl_s=0.0)) as url:
         result = run(url, load)
     assert [r.index for r in result.records] == list(range(6))
-    starts = sorted(r.start_s for r in result.records)
-    # Two at a time, each taking 50 ms: sent in pairs at about 0, 50 and 100 ms.
-    assert [round(s / 0.05) for s in starts] == [0, 0, 1, 1, 2, 2]
-    assert all(r.arrival_s == pytest.approx(r.start_s, abs=0.002) for r in result.records)
+    # In flight at each send (the request itself included): never more than two, often two.
+    spans = [(r.start_s, r.start_s + r.e2e_s) for r in result.records]
+    in_flight = [sum(s <= t < e for s, e in spans) for t, _ in spans]
+    assert max(in_flight) == 2
+    assert all(0 <= r.start_s - r.arrival_s < 0.01 for r in result.records)  # due when a slot frees
 
 
 def test_duration_bounds_open_and_closed_loops():

@@ -1,0 +1,133 @@
+"""Engine behaviour on a tiny random model: batching, chunking, prefix caching, preemption,
+abort — every variant must produce the same greedy tokens and return every block."""
+
+import pytest
+from factories import make_engine, make_model_files, run_to_completion
+
+from pdserve.engine.sampling_params import SamplingParams
+
+PROMPTS = [[5, 17, 33, 2, 9, 71, 8], list(range(1, 40)), [200, 3, 3, 3, 250, 1, 1, 7, 9, 90, 11]]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def files():
+    return make_model_files(seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    """Each prompt alone, whole prefill, no prefix cache."""
+    out = []
+    for p in PROMPTS:
+        eng = make_engine(files, enable_prefix_caching=False)
+        out += run_to_completion(eng, [p], GREEDY)
+    return out
+
+
+def assert_idle_and_clean(engine):
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_batched_equals_one_at_a_time(files, reference):
+    eng = make_engine(files)
+    assert run_to_completion(eng, PROMPTS, GREEDY) == reference
+    assert_idle_and_clean(eng)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_chunked_prefill_equals_whole(files, reference, chunk):
+    eng = make_engine(files, chunk_size=chunk)
+    assert run_to_completion(eng, PROMPTS, GREEDY) == reference
+    assert_idle_and_clean(eng)
+
+
+def test_prefix_hit_equals_miss(files, reference):
+    eng = make_engine(files)
+    run_to_completion(eng, [PROMPTS[1]], GREEDY)
+    hits_before = eng.block_manager.hits
+    assert run_to_completion(eng, [PROMPTS[1]], GREEDY) == [reference[1]]
+    assert eng.block_manager.hits - hits_before == 36  # 9 of 10 blocks of 4 (last recomputed)
+    assert_idle_and_clean(eng)
+
+
+def test_preemption_by_recompute_keeps_outputs(files, reference):
+    # 10 blocks of 4 tokens cannot hold all three sequences at full length: some get preempted.
+    eng = make_engine(files, kv_cache_gb=10 * 4 * 2 * 2 * 2 * 16 * 4 / (1 << 30))
+    assert eng.block_manager.num_blocks == 10
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = run_to_completion(eng, [PROMPTS[0], PROMPTS[2], PROMPTS[0]], params)
+    assert outs == [reference[0], reference[2], reference[0]]
+    assert eng.scheduler.num_preemptions > 0
+    assert_idle_and_clean(eng)
+
+
+def test_abort_mid_generation_frees_blocks(files):
+    eng = make_engine(files)
+    a = eng.add_request(PROMPTS[1], GREEDY)
+    b = eng.add_request(PROMPTS[0], GREEDY)
+    eng.step()
+    eng.step()
+    assert eng.abort(a.request_id)
+    assert not eng.abort("no-such-request")
+    eng.check_integrity()
+    while eng.has_work():
+        eng.step()
+    assert a.finish_reason == "abort" and b.finish_reason == "length"
+    assert_idle_and_clean(eng)
+
+
+def test_stop_token_and_max_tokens(files, reference):
+    eng = make_engine(files)
+    stop_at = reference[0][3]
+    first = reference[0].index(stop_at)
+    out = run_to_completion(
+        eng, [PROMPTS[0]], SamplingParams(max_tokens=12, stop_token_ids=(stop_at,))
+    )
+    assert out == [reference[0][: first + 1]]
+    out = run_to_completion(eng, [PROMPTS[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert out == [reference[0][:2]]
+
+
+def test_seeded_sampling_is_reproducible_and_topk1_is_greedy(files, reference):
+    eng = make_engine(files)
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    a = run_to_completion(eng, [PROMPTS[2]], p)
+    b = run_to_completion(eng, [PROMPTS[2]], p)
+    assert a == b
+    c = run_to_completion(
+        eng, [PROMPTS[2]], SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True)
+    )
+    assert c != a
+    k1 = SamplingParams(max_tokens=12, temperature=0.8, top_k=1, ignore_eos=True)
+    assert run_to_completion(eng, [PROMPTS[2]], k1) == [reference[2]]
+    p1 = SamplingParams(max_tokens=12, temperature=0.8, top_p=1e-6, ignore_eos=True)
+    assert run_to_completion(eng, [PROMPTS[2]], p1) == [reference[2]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": -3}, "max_tokens must be >= 1"),
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"top_p": 0}, "top_p must be in"),
+        ({"stop": (3,)}, "stop must be non-empty strings"),
+        ({"stop_token_ids": ("x",)}, "stop_token_ids must be non-negative integers"),
+    ],
+)
+def test_bad_sampling_params_say_what_to_change(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_say_what_to_change(files):
+    eng = make_engine(files, max_model_len=64)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="context window is 64"):
+        eng.add_request(list(range(1, 65)), GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request([1, 999], GREEDY)
+    assert not eng.has_work()

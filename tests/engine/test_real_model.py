@@ -1,0 +1,160 @@
+"""The bundled SmolLM2-135M against Hugging Face `transformers` loading the same GGUF."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.model.loader import bundled_model_path
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three primary colors:",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM
+
+    path = bundled_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def assert_clean(llm):
+    llm.engine.check_integrity()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_logits_match_transformers_on_a_200_token_prompt(llm, hf):
+    text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))
+    ids = llm.tokenizer.encode(text)[:200]
+    assert len(ids) == 200
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = llm.engine.runner  # run one whole-prompt step by hand to get every position's logits
+    from pdserve.engine.scheduler import ScheduledBatch
+    from pdserve.engine.sequence import Sequence
+
+    seq = Sequence("logits", ids, SamplingParams(max_tokens=1))
+    assert llm.engine.block_manager.allocate(seq)
+    try:
+        input_ids, positions, meta, _ = ours._prepare(ScheduledBatch([seq], [len(ids)]))
+        with torch.inference_mode():
+            logits = ours.model.logits(ours.model(input_ids, positions, ours.kv_caches, meta))
+    finally:
+        llm.engine.block_manager.free(seq)
+    assert (logits - ref).abs().max().item() < 1e-3
+    assert_clean(llm)
+
+
+def test_greedy_32_tokens_identical_to_transformers(llm, hf):
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    ours = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, ours, strict=True):
+        ids = llm.tokenizer.encode(prompt)
+        ref = []
+        with torch.no_grad():  # plain greedy loop: HF's generate() would mask EOS or stop at it
+            for _ in range(32):
+                ref.append(int(hf(torch.tensor([ids + ref])).logits[0, -1].argmax()))
+        assert out.token_ids == ref, prompt
+    assert_clean(llm)
+
+
+def test_batched_chunked_and_cached_runs_match_single(llm):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    single = [llm.generate(p, params)[0].token_ids for p in PROMPTS]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == single  # batched + cache hits
+    chunked = LLM(dtype="float32", device="cpu", chunk_size=5, enable_prefix_caching=False)
+    assert [o.token_ids for o in chunked.generate(PROMPTS, params)] == single
+    assert_clean(llm)
+    assert_clean(chunked)
+
+
+def test_long_shared_prefix_hits_cache_with_identical_tokens(llm):
+    system = "You are a careful assistant. " * 30
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    first = llm.generate(system + "Name a fruit.", params)[0]
+    hits = llm.engine.block_manager.hits
+    second = llm.generate(system + "Name a fruit.", params)[0]
+    assert llm.engine.block_manager.hits - hits >= 160
+    assert first.token_ids == second.token_ids
+    assert_clean(llm)
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=24),
+    )
+    assert "Paris" in out[0].text
+    assert out[0].finish_reason == "stop"
+
+
+def test_stop_string_truncates_text(llm):
+    out = llm.generate("1, 2, 3, 4, 5,", SamplingParams(max_tokens=30, stop=[" 8"]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text.endswith("7,") and " 8" not in out.text
+
+
+def test_bad_input_to_the_offline_api(llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate("", SamplingParams())
+    with pytest.raises(ValueError, match="context window"):
+        llm.generate([1] * 9000, SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("hi", SamplingParams(max_tokens=0))
+    assert_clean(llm)
+
+
+def test_cli_generate_answers_paris():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "generate",
+            "What is the capital of France?",
+            "--max-tokens",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_cli_reports_a_missing_model_clearly():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "generate",
+            "hi",
+            "--model",
+            "/nonexistent/model.gguf",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "/nonexistent/model.gguf does not exist" in out.stderr

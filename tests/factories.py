@@ -1,0 +1,77 @@
+"""Factories for tests: tiny random Llama models, engine configs and sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.model.loader import ModelFiles
+
+
+def make_model_config(**overrides) -> ModelConfig:
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        eos_token_ids=(0,),
+    )
+    return ModelConfig(**{**base, **overrides})
+
+
+def make_model_files(seed: int = 0, **overrides) -> ModelFiles:
+    """Random weights in HF naming, scaled so activations stay O(1)."""
+    cfg = make_model_config(**overrides)
+    rng = np.random.default_rng(seed)
+    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+
+    def w(*shape):
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    weights = {
+        "model.embed_tokens.weight": w(cfg.vocab_size, d),
+        "model.norm.weight": np.ones(d, np.float32),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": np.ones(d, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(d, np.float32),
+            p + "self_attn.q_proj.weight": w(cfg.num_heads * hd, d),
+            p + "self_attn.k_proj.weight": w(cfg.num_kv_heads * hd, d),
+            p + "self_attn.v_proj.weight": w(cfg.num_kv_heads * hd, d),
+            p + "self_attn.o_proj.weight": w(d, cfg.num_heads * hd),
+            p + "mlp.gate_proj.weight": w(f, d),
+            p + "mlp.up_proj.weight": w(f, d),
+            p + "mlp.down_proj.weight": w(d, f),
+        }
+    return ModelFiles(path=None, config=cfg, weights=weights, fingerprint=f"tiny-{seed}")
+
+
+def make_engine_config(**overrides) -> EngineConfig:
+    base = dict(dtype="float32", device="cpu", kv_cache_gb=0.001, block_size=4, max_num_seqs=8)
+    return EngineConfig(**{**base, **overrides})
+
+
+def make_engine(files: ModelFiles | None = None, **overrides):
+    from pdserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(make_engine_config(**overrides), files or make_model_files())
+
+
+def make_sequence(token_ids, request_id: str = "r0", **params) -> Sequence:
+    return Sequence(request_id, list(token_ids), SamplingParams(**params))
+
+
+def run_to_completion(engine, prompts, params: SamplingParams) -> list[list[int]]:
+    """Output token ids per prompt after stepping the engine until idle."""
+    seqs = [engine.add_request(list(p), params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    return [s.output_token_ids for s in seqs]

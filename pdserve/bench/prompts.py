@@ -91,7 +91,7 @@ def load_prompt_builder(tokenizer: str | None, seed: int) -> PromptBuilder:
     except Exception as exc:  # noqa: BLE001 - any failure means "no tokenizer", said below
         log.warning("no tokenizer (%s: %s): prompt lengths are approximate", tokenizer, exc)
         return approximate_builder(seed)
-    return exact_builder(loaded, seed, source=f"tokenizer {tokenizer}")
+    return exact_builder(loaded, seed, source=f"exact (tokenizer: {tokenizer})")
 
 
 class FilePrompt(NamedTuple):

@@ -66,26 +66,38 @@ def _cdf(ax, values: Sequence[float], label: str) -> None:
     ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label=label)
 
 
-def plot_cdfs(out: Path, runs: Sequence[RunResult]) -> list[Path]:
-    """ttft_cdf.png and itl_cdf.png: distributions over ok requests, one line per run."""
+def _cdf_figure(out: Path, name: str, title: str, runs, pick, klass: str | None) -> Path:
+    """One CDF figure over ok requests (of `klass` only, if given), one line per run."""
     plt = _pyplot()
-    paths = []
-    for name, title, pick in (
-        ("ttft_cdf.png", "Time to first token", lambda r: [r.ttft_s]),
-        ("itl_cdf.png", "Inter-token latency (every interval)", lambda r: r.itl_s),
-    ):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for run in runs:
-            values = [v for r in run.records if r.ok for v in pick(r) if v is not None]
-            _cdf(ax, values, run.label)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        ok = [r for r in run.records if r.ok and klass in (None, r.klass)]
+        _cdf(ax, [v for r in ok for v in pick(r) if v is not None], run.label)
+    if ax.lines:
         ax.set_xscale("log")
-        ax.set(xlabel="milliseconds (log scale)", ylabel="fraction of samples", title=title)
-        ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right")
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        paths.append(out / name)
+    else:
+        ax.text(0.5, 0.5, "no ok requests to plot", transform=ax.transAxes, ha="center")
+    ax.set(xlabel="milliseconds (log scale)", ylabel="fraction of samples", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return out / name
+
+
+def plot_cdfs(out: Path, runs: Sequence[RunResult]) -> list[Path]:
+    """ttft_cdf.png and itl_cdf.png, one line per run; with several request classes also
+    itl_cdf_<class>.png per class (the chat streams' ITL is the interference signal)."""
+    ttft, itl = (lambda r: [r.ttft_s]), (lambda r: r.itl_s)
+    paths = [
+        _cdf_figure(out, "ttft_cdf.png", "Time to first token", runs, ttft, None),
+        _cdf_figure(out, "itl_cdf.png", "Inter-token latency (every interval)", runs, itl, None),
+    ]
+    classes = list(dict.fromkeys(k for run in runs for k in run.per_class))
+    for klass in classes if len(classes) > 1 else ():
+        title = f"Inter-token latency of {klass} requests"
+        paths.append(_cdf_figure(out, f"itl_cdf_{klass}.png", title, runs, itl, klass))
     return paths
 
 

@@ -37,7 +37,9 @@ def test_bench_writes_json_plots_and_markdown_with_every_request(tmp_path, capsy
     assert set(run["per_class"]) <= {"chat", "doc"}
     assert doc["config"]["workload"] == "mixed"
     assert doc["config"]["prompt_lengths"] == "approximate (1 word ~ 1 token)"
-    for name in ("ttft_cdf.png", "itl_cdf.png"):
+    plots = ["ttft_cdf.png", "itl_cdf.png"] + [f"itl_cdf_{k}.png" for k in run["per_class"]]
+    assert len(plots) == 4  # both classes drawn in 12 requests with this seed
+    for name in plots:
         assert (tmp_path / name).read_bytes()[:8] == PNG
     summary = (tmp_path / "summary.md").read_text()
     assert "| run | ok/error/timeout |" in summary

@@ -25,13 +25,12 @@ from pdserve.kv_transfer.wire import (
     LayerAck,
     LayerHeader,
     ProtocolError,
-    check_secret,
     client_handshake,
     is_loopback,
     parse_endpoint,
     recv_frame,
     recv_into_exact,
-    secret_from_env,
+    resolve_secret,
     send_frame,
     server_handshake,
 )
@@ -131,8 +130,7 @@ class TcpSender(QueuedSender):
         connect_timeout_s: float = 5.0,
     ) -> None:
         super().__init__(layout, k_caches, v_caches)
-        self.secret = secret if secret is not None else secret_from_env()
-        check_secret(self.secret)
+        self.secret = resolve_secret(secret)
         self.connect_timeout_s = connect_timeout_s
         self._k_bytes = byte_views(k_caches)
         self._v_bytes = byte_views(v_caches)
@@ -170,8 +168,7 @@ class TcpReceiver(TableReceiver):
         max_connections: int = 64,
         handshake_timeout_s: float = 10.0,
     ) -> None:
-        self.secret = secret if secret is not None else secret_from_env()
-        check_secret(self.secret)
+        self.secret = resolve_secret(secret)
         if self.secret is None and not is_loopback(host):
             raise ValueError(
                 f"refusing to accept KV transfers on {host} (not loopback) without "

@@ -111,6 +111,13 @@ def secret_from_env() -> bytes | None:
     return secret
 
 
+def resolve_secret(secret: bytes | None) -> bytes | None:
+    """`secret` if given, else the one from the environment (or None); checked for length."""
+    secret = secret if secret is not None else secret_from_env()
+    check_secret(secret)
+    return secret
+
+
 def check_secret(secret: bytes | None) -> None:
     if secret is not None and len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"the KV transfer secret is too short; {HOW_TO_SET_SECRET}")

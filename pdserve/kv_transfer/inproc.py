@@ -87,6 +87,10 @@ class InprocSender(QueuedSender):
         super().__init__(layout, k_caches, v_caches)
         self.faults = faults or FaultPlan()
 
+    def _check_endpoint(self, endpoint: str) -> None:
+        if not endpoint.startswith("inproc://"):
+            raise ValueError(f"bad KV endpoint {endpoint!r}: expected inproc://NAME")
+
     def _connect(self, endpoint: str) -> Link:
         with _ENDPOINTS_LOCK:
             receiver = _ENDPOINTS.get(endpoint)

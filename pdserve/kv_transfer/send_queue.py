@@ -215,6 +215,10 @@ class QueuedSender(KVSender):
         self._closed = False
 
     @abstractmethod
+    def _check_endpoint(self, endpoint: str) -> None:
+        """Raise ValueError if `endpoint` is not an address of this backend."""
+
+    @abstractmethod
     def _connect(self, endpoint: str) -> Link:
         """Open a link to `endpoint` (connect and handshake); raise with a clear message."""
 
@@ -234,6 +238,7 @@ class QueuedSender(KVSender):
                 raise RuntimeError("send_layer on a closed KV sender")
             channel = self._channels.get(dest_endpoint)
             if channel is None:
+                self._check_endpoint(dest_endpoint)
                 channel = self._channels[dest_endpoint] = _Channel(dest_endpoint, self)
             self._tracker.queue(transfer_id)
             channel.put(job)

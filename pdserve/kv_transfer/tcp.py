@@ -84,6 +84,8 @@ class TcpLink(Link):
 
     def send(self, job: Job) -> None:
         self._pending.append(job)  # before the header: its ack may come back at once
+        if self._dead:  # the ack reader already failed what was pending, maybe not this job
+            raise ConnectionError("connection to the KV receiver lost")
         header = LayerHeader(job.transfer_id, job.layer, list(job.src_ids), list(job.dst_ids),
                              job.nbytes)  # fmt: skip
         send_frame(self._sock, header)
@@ -134,6 +136,9 @@ class TcpSender(QueuedSender):
         self.connect_timeout_s = connect_timeout_s
         self._k_bytes = byte_views(k_caches)
         self._v_bytes = byte_views(v_caches)
+
+    def _check_endpoint(self, endpoint: str) -> None:
+        parse_endpoint(endpoint, self.scheme)
 
     def _connect(self, endpoint: str) -> Link:
         return TcpLink(self, endpoint)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import pytest
+import torch
 
 from pdserve.kv_transfer.tcp import TcpReceiver, TcpSender
 from pdserve.kv_transfer.wire import (
@@ -16,6 +18,7 @@ from pdserve.kv_transfer.wire import (
     client_handshake,
     recv_frame,
     send_frame,
+    server_handshake,
 )
 
 from .helpers import make_caches, make_layout
@@ -138,3 +141,61 @@ def test_recv_frame_refuses_oversized_frames():
         a.sendall(struct.pack("!I", MAX_FRAME_BYTES + 1) + b"x" * 16)
         with pytest.raises(ProtocolError, match="exceeds the 65536-byte limit"):
             recv_frame(b, LayerHeader)
+
+
+def test_release_cuts_a_sender_stalled_mid_layer(make_pair):
+    pair = make_pair("tcp")
+    receiver, bb = pair.receiver, pair.layout.block_bytes
+    receiver.expect("a", [0, 1])
+    with _handshaken_socket(receiver) as sock:
+        send_frame(sock, LayerHeader("a", 0, [0, 1], [0, 1], nbytes=4 * bb))
+        sock.sendall(b"\x01" * bb)  # K of block 0 only, then the sender goes silent
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        receiver.release("a")  # must not hang on the stalled connection
+        assert 0.9 < time.monotonic() - t0 < 3  # the 1 s grace, then the connection is cut
+        after_release = pair.snapshot()
+        try:
+            sock.sendall(b"\x02" * 3 * bb)
+        except OSError:
+            pass  # the receiver already closed the connection
+        time.sleep(0.1)
+    assert all(torch.equal(a, b) for a, b in zip(after_release, pair.snapshot(), strict=True))
+    assert pair.untouched([0, 1], layers=[1, 2])
+
+
+def _silent_receiver(layout, listener: socket.socket, stop: threading.Event) -> None:
+    conn, _ = listener.accept()
+    server_handshake(conn, layout, None)
+    stop.wait()  # never reads a byte of payload
+    conn.close()
+
+
+def test_sender_wait_times_out_against_a_receiver_that_stops_reading(make_pair):
+    layout = make_layout(block_size=64, num_kv_heads=4, head_dim=64)  # 64 KiB blocks
+    pair = make_pair("tcp", layout, src_blocks=64, dst_blocks=64)
+    listener, stop = socket.create_server(("127.0.0.1", 0)), threading.Event()
+    thread = threading.Thread(target=_silent_receiver, args=(layout, listener, stop))
+    thread.start()
+    try:
+        stuck = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        ids = list(range(64))
+        for layer in range(3):  # 24 MiB: more than the socket buffers hold
+            pair.sender.send_layer(stuck, "s", layer, ids, ids)
+        t0 = time.monotonic()
+        result = pair.sender.wait("s", timeout_s=0.5)
+        assert time.monotonic() - t0 < 1.5
+        assert result.error == "timed out after 0.5 s: 0 of 3 layers acknowledged by the receiver"
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+    pair.receiver.expect("ok", [5])  # the sender is not wedged: other endpoints still work
+    pair.send_all("ok", [1], [5])
+    assert pair.sender.wait("ok", 10).ok
+
+
+def test_endpoints_of_another_backend_are_rejected_at_once(make_pair):
+    pair = make_pair("tcp")
+    with pytest.raises(ValueError, match="expected tcp://HOST:PORT"):
+        pair.sender.send_layer("inproc://x", "t", 0, [0], [0])

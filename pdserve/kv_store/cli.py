@@ -1,0 +1,105 @@
+"""`pdserve store`: run the KV store process (imports only argparse until the handler runs)."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """\
+Run the KV cache store: one process per host that keeps KV blocks (keyed by the engines'
+chained block hashes) in a DRAM tier and an SSD tier under --store-dir. When DRAM passes its
+high watermark the least recently used blocks move to SSD; when SSD is full the least recently
+used files are deleted. Every file carries a checksum; on restart the index is rebuilt from
+the files and any torn or corrupt file is dropped. Workers reach it with
+pdserve.kv_store.client.StoreClient at the endpoint printed on startup.
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "store",
+        help="run the KV cache store (DRAM + SSD tiers) for workers to offload and load blocks",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; any other needs a shared secret)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="port to bind (default 0: a free port, printed on startup)",
+    )
+    p.add_argument(
+        "--dram-gb",
+        type=float,
+        default=4.0,
+        metavar="GB",
+        help="capacity of the DRAM tier in GiB (default 4; 0: SSD only)",
+    )
+    p.add_argument(
+        "--ssd-gb",
+        type=float,
+        default=32.0,
+        metavar="GB",
+        help="capacity of the SSD tier in GiB (default 32; 0: DRAM only)",
+    )
+    p.add_argument(
+        "--store-dir",
+        required=True,
+        metavar="DIR",
+        help="directory of the SSD tier (created if missing; reused on restart)",
+    )
+    p.add_argument(
+        "--secret-file",
+        metavar="FILE",
+        help="file holding the shared secret clients must prove (HMAC); default "
+        "$PDSERVE_SECRET or $PDSERVE_SECRET_FILE; required off loopback",
+    )
+    p.add_argument(
+        "--high-watermark",
+        type=float,
+        default=0.95,
+        metavar="F",
+        help="DRAM fill fraction that starts demotion to SSD (default 0.95)",
+    )
+    p.add_argument(
+        "--low-watermark",
+        type=float,
+        default=0.85,
+        metavar="F",
+        help="DRAM fill fraction demotion stops at (default 0.85)",
+    )
+    p.add_argument(
+        "--verify-on-start",
+        action="store_true",
+        help="checksum every SSD file at startup (default: header and size only; "
+        "every read is checksummed either way)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="also serve Prometheus /metrics over HTTP on this port (off by default)",
+    )
+    p.set_defaults(func=run)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.kv_store.config import GB, StoreConfig
+    from pdserve.kv_store.server import read_secret_file, serve_until_signalled
+
+    config = StoreConfig(
+        dram_bytes=int(args.dram_gb * GB),
+        ssd_bytes=int(args.ssd_gb * GB),
+        store_dir=Path(args.store_dir),
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        verify_on_start=args.verify_on_start,
+    )
+    secret = read_secret_file(args.secret_file) if args.secret_file else None
+    return serve_until_signalled(config, args.host, args.port, secret, args.metrics_port)

@@ -1,0 +1,270 @@
+"""The engine's side of the KV store: offload blocks, ask for a prefix, load it into blocks.
+
+`put` is zero-copy and asynchronous: it validates the request, queues it and returns a
+`PutTicket` at once; a background thread reads the blocks straight out of the engine's cache
+memory and sends them. The caller must not free or overwrite those blocks until the ticket is
+done (`ticket.done()`, or `flush()`): hold a reference to them until then. A full queue or a
+store that is down fails the ticket at once, so the engine never waits on the store.
+
+`lookup` and `load` run on the caller's thread on their own connection. `load` streams the
+blocks layer by layer straight into the destination blocks (`recv_into` views of the cache, no
+staging copy) and returns how many leading blocks landed intact. Every failure (store down,
+timeout, corrupt or mismatching data) returns 0/None/False-like results and sets `last_error`;
+only caller bugs (bad block ids, inconsistent hashes) raise ValueError.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+from pdserve.engine.block_hash import hash_block
+from pdserve.kv_store.connection import Connection, Deadline, recv_into_by
+from pdserve.kv_store.protocol import (
+    MAX_BLOCKS,
+    BlockMeta,
+    GetStats,
+    Load,
+    LoadReply,
+    Put,
+    PutReply,
+    Query,
+    QueryReply,
+    StatsReply,
+    StoreStats,
+    chains,
+    recv_reply,
+    send_buffers,
+    send_msg,
+)
+from pdserve.kv_store.tickets import PutJob, PutTicket, TicketBook
+from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.memory import byte_views, check_block_ids, check_caches, paired_runs
+from pdserve.kv_transfer.wire import resolve_secret
+
+log = logging.getLogger("pdserve.kv_store")
+CHUNK = 256  # blocks per Put/Load message: bounds frames and per-message latency
+_FAILURES = (OSError, ValueError)  # OSError covers ConnectionError, TimeoutError, ProtocolError
+
+
+class StoreClient:
+    """Talks to one store for one engine. `secret`: None reads $PDSERVE_SECRET(_FILE)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        layout: KVLayout,
+        k_caches,
+        v_caches,
+        *,
+        secret: bytes | None = None,
+        timeout_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
+        retry_after_s: float = 1.0,
+        max_queued_puts: int = 1024,
+    ) -> None:
+        self.layout = layout
+        self.num_blocks = check_caches(layout, k_caches, v_caches)
+        self._k, self._v = byte_views(k_caches), byte_views(v_caches)
+        self.timeout_s = timeout_s
+        secret = resolve_secret(secret)
+        args = (endpoint, layout, secret, connect_timeout_s, retry_after_s)
+        self._conn, self._put_conn = Connection(*args), Connection(*args)
+        self._lock = threading.Lock()  # one lookup/load/stats at a time on self._conn
+        self._jobs: queue.Queue[PutJob | None] = queue.Queue(max_queued_puts)
+        self._book = TicketBook()
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._put_loop, name="kv-store-put", daemon=True)
+        self._thread.start()
+
+    # --- offload ----------------------------------------------------------------------------
+
+    def put(
+        self,
+        block_hashes: Sequence[int],
+        token_ids_per_block: Sequence[Sequence[int]],
+        block_ids: Sequence[int],
+        parent: int | None = None,
+    ) -> PutTicket:
+        """Queue blocks `block_ids` (full blocks, chained from `parent`: None for the first
+        block of a sequence) for storing. Do not free or overwrite them before the ticket is
+        done. Raises ValueError if the hashes do not chain over the token ids."""
+        metas = self._metas(block_hashes, token_ids_per_block, parent)
+        check_block_ids(list(block_ids), self.num_blocks, "put")
+        if len(block_ids) != len(metas):
+            raise ValueError(f"{len(block_ids)} block ids for {len(metas)} block hashes")
+        ticket = self._book.open()
+        try:
+            self._jobs.put_nowait(PutJob(metas, list(block_ids), ticket))
+        except queue.Full:
+            self._book.finish(ticket, 0, "put queue full: the KV store is slower than the engine")
+        return ticket
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every put issued so far is done (stored or failed); False on timeout."""
+        return self._book.wait_all(timeout_s)
+
+    def _metas(self, hashes, tokens, parent: int | None) -> list[BlockMeta]:
+        if len(hashes) != len(tokens):
+            raise ValueError(f"{len(hashes)} block hashes but {len(tokens)} token lists")
+        metas = []
+        for h, ids in zip(hashes, tokens, strict=True):
+            ids = list(ids)
+            if len(ids) != self.layout.block_size or hash_block(parent, ids) != h:
+                raise ValueError(
+                    f"block hash {h} is not the chained hash of its {len(ids)} token ids (only "
+                    f"full blocks of {self.layout.block_size} tokens, hashed from parent {parent})"
+                )
+            metas.append(BlockMeta(h, parent, ids))
+            parent = h
+        return metas
+
+    def _put_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                stored = sum(
+                    self._put_chunk(job.metas[i : i + CHUNK], job.block_ids[i : i + CHUNK])
+                    for i in range(0, len(job.metas), CHUNK)
+                )
+                self._book.finish(job.ticket, stored, None)
+            except _FAILURES as exc:
+                self._put_conn.drop()
+                self._book.finish(job.ticket, 0, f"KV store put failed: {exc}")
+
+    def _put_chunk(self, metas: list[BlockMeta], block_ids: list[int]) -> int:
+        """Send the blocks the store lacks (one query first), K0 V0 K1 V1 ... per block."""
+        sock = self._put_conn.get()
+        sock.settimeout(self.timeout_s)
+        send_msg(sock, Query([m.block_hash for m in metas]))
+        present = recv_reply(sock, QueryReply).present
+        todo = [i for i, p in enumerate(present) if not p]
+        if not todo:
+            return 0
+        send_msg(sock, Put([metas[i] for i in todo]))
+        layers = range(self.layout.num_layers)
+        for i in todo:
+            b = block_ids[i]
+            send_buffers(sock, [buf for la in layers for buf in (self._k[la][b], self._v[la][b])])
+        return recv_reply(sock, PutReply).stored
+
+    # --- lookup and load ------------------------------------------------------------------------
+
+    def lookup(self, block_hashes: Sequence[int], pin_s: float = 0.0) -> int:
+        """How many leading `block_hashes` the store holds (0 if it cannot be reached). With
+        `pin_s` > 0 the store keeps those blocks (at most the first MAX_BLOCKS) until this
+        client's next request, or `pin_s` seconds at most."""
+        with self._lock:
+            try:
+                sock = self._conn.get()
+                sock.settimeout(self.timeout_s)
+                send_msg(sock, Query(list(block_hashes[:MAX_BLOCKS]), pin_s))
+                present = recv_reply(sock, QueryReply).present
+            except _FAILURES as exc:
+                return self._failed(f"KV store lookup failed: {exc}")
+        return next((i for i, p in enumerate(present) if not p), len(present))
+
+    def load(
+        self,
+        block_hashes: Sequence[int],
+        dst_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        token_ids_per_block: Sequence[Sequence[int]] | None = None,
+        parent: int | None = None,
+    ) -> int:
+        """Load the leading stored blocks of `block_hashes` into `dst_block_ids`; return how
+        many landed, verified (their token ids rehash to the requested chain from `parent`, and
+        equal `token_ids_per_block` when given). Blocks [0, n) then hold the stored KV; blocks
+        past n may have been partly written. 0 on any failure, within `timeout_s`."""
+        dst = list(dst_block_ids)
+        check_block_ids(dst, self.num_blocks, "load destination")
+        if len(dst) != len(block_hashes):
+            raise ValueError(f"{len(dst)} destination blocks for {len(block_hashes)} hashes")
+        deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
+        landed = 0
+        with self._lock:
+            try:
+                while landed < len(dst):
+                    start, end = landed, min(landed + CHUNK, len(dst))
+                    expect = self._expected(block_hashes, token_ids_per_block, parent, start, end)
+                    landed += self._load_chunk(expect, dst[start:end], deadline)
+                    if landed < end:  # the store holds no more of the prefix
+                        break
+            except _FAILURES as exc:
+                self._failed(f"KV store load failed after {landed} blocks: {exc}")
+        return landed
+
+    @staticmethod
+    def _expected(hashes, tokens, parent, start: int, end: int) -> list[tuple]:
+        """(hash, parent, token ids or None) for blocks start..end-1."""
+        parents = [parent if i == 0 else hashes[i - 1] for i in range(start, end)]
+        toks = [None if tokens is None else list(tokens[i]) for i in range(start, end)]
+        return list(zip(hashes[start:end], parents, toks, strict=True))
+
+    def _load_chunk(self, expect: list[tuple], dst: list[int], deadline: Deadline) -> int:
+        sock = self._conn.get()
+        deadline.apply(sock)
+        send_msg(sock, Load([h for h, _, _ in expect]))
+        metas = recv_reply(sock, LoadReply).blocks
+        if len(metas) > len(expect):
+            raise ValueError(f"the store sent {len(metas)} blocks for {len(expect)} asked")
+        good = next((i for i, m in enumerate(metas) if not _matches(m, *expect[i])), len(metas))
+        if good < len(metas):
+            self.last_error = f"KV store block {metas[good].block_hash} failed verification"
+            log.warning("%s; loading only the %d blocks before it", self.last_error, good)
+        runs = paired_runs(range(good), dst[:good])
+        bb = self.layout.block_bytes
+        for layer in range(self.layout.num_layers):
+            for views in (self._k[layer], self._v[layer]):
+                for run in runs:
+                    span = memoryview(views[run.dst : run.dst + run.count]).cast("B")
+                    recv_into_by(sock, span, deadline)
+                if len(metas) > good:  # the unverified tail: read and drop
+                    recv_into_by(sock, memoryview(bytearray((len(metas) - good) * bb)), deadline)
+        return good
+
+    # --- misc -------------------------------------------------------------------------------
+
+    def stats(self) -> StoreStats | None:
+        """The store's counters, or None if it cannot be reached."""
+        with self._lock:
+            try:
+                sock = self._conn.get()
+                sock.settimeout(self.timeout_s)
+                send_msg(sock, GetStats())
+                return recv_reply(sock, StatsReply).stats
+            except _FAILURES as exc:
+                self._failed(f"KV store stats failed: {exc}")
+                return None
+
+    def _failed(self, reason: str) -> int:
+        """Record a failure (the connection is dropped: its stream position is unknown)."""
+        self._conn.drop()
+        self.last_error = reason
+        log.warning("%s", reason)
+        return 0
+
+    def close(self) -> None:
+        """Stop the put thread (queued puts fail), close the connections."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._book.finish(job.ticket, 0, "KV store client closed")
+        self._jobs.put(None)
+        self._thread.join(timeout=self.timeout_s + 1)
+        self._put_conn.drop()
+        with self._lock:
+            self._conn.drop()
+
+
+def _matches(meta: BlockMeta, block_hash: int, parent: int | None, tokens) -> bool:
+    return (
+        meta.block_hash == block_hash
+        and meta.parent == parent
+        and chains(meta)
+        and (tokens is None or meta.token_ids == tokens)
+    )

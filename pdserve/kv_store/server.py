@@ -1,0 +1,269 @@
+"""The store process: a thread per client connection in front of one `Store`.
+
+Each connection is handshaken like a KV fabric link (wire.py: version, the client's layout,
+HMAC with the shared secret when the store has one) and then serves requests in order
+(protocol.py). Idle connections may stay open indefinitely; once a request has started, every
+socket operation is bounded by `io_timeout_s`, so a client that stalls mid-request cannot hold
+pinned blocks or a thread for longer than that. A connection's lookup lease ends at its next
+request or when it closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+from pdserve.kv_store.config import GB, Key, StoreConfig, layout_key, payload_bytes
+from pdserve.kv_store.protocol import (
+    AnyLayout,
+    Error,
+    GetStats,
+    Load,
+    LoadReply,
+    Put,
+    PutReply,
+    Query,
+    QueryReply,
+    StatsReply,
+    recv_request,
+    send_buffers,
+    send_msg,
+)
+from pdserve.kv_store.store import Payload, Store
+from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.wire import (
+    HOW_TO_SET_SECRET,
+    HandshakeRefused,
+    ProtocolError,
+    check_secret,
+    is_loopback,
+    recv_into_exact,
+    resolve_secret,
+    server_handshake,
+)
+
+log = logging.getLogger("pdserve.kv_store")
+MAX_BLOCK_BYTES = 256 << 20  # one block of any real model is far smaller; refuse absurd layouts
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
+class _Session:
+    """One handshaken connection: its layout, its lease, and a handler per request type."""
+
+    def __init__(self, store: Store, conn: socket.socket, layout: KVLayout) -> None:
+        self.store, self.conn, self.layout = store, conn, layout
+        self.layout_key = layout_key(layout)
+        self.lease: int | None = None
+
+    def keys(self, hashes: list[int]) -> list[Key]:
+        return [Key(self.layout_key, h) for h in hashes]
+
+    def handle(self, req) -> None:
+        # A lookup's lease covers the window until the next request has been served (the load
+        # that follows it pins the blocks itself before the lease ends).
+        lease, self.lease = self.lease, None
+        try:
+            if isinstance(req, Query):
+                self.query(req)
+            elif isinstance(req, Put):
+                self.put(req)
+            elif isinstance(req, Load):
+                self.load(req)
+            elif isinstance(req, GetStats):
+                send_msg(self.conn, StatsReply(self.store.stats()))
+        finally:
+            self.store.unpin(lease)
+
+    def query(self, req: Query) -> None:
+        keys = self.keys(req.block_hashes)
+        present = self.store.contains(keys)
+        if req.pin_s > 0:
+            self.lease = self.store.pin_prefix(keys, req.pin_s)
+        send_msg(self.conn, QueryReply(present))
+
+    def put(self, req: Put) -> None:
+        """Receive each block straight into the buffer the store keeps (no staging copy)."""
+        stored, n = 0, payload_bytes(self.layout)
+        for meta in req.blocks:
+            buf = bytearray(n)
+            recv_into_exact(self.conn, memoryview(buf))
+            stored += self.store.put(Key(self.layout_key, meta.block_hash), self.layout, meta, buf)
+        send_msg(self.conn, PutReply(stored))
+
+    def load(self, req: Load) -> None:
+        t0 = time.perf_counter()
+        entries = self.store.acquire(self.keys(req.block_hashes))
+        payloads: list[Payload] = []
+        try:
+            for entry in entries:  # a corrupt file ends the prefix there
+                if (data := self.store.read(entry)) is None:
+                    break
+                payloads.append(data)
+            send_msg(self.conn, LoadReply([e.meta for e in entries[: len(payloads)]]))
+            nbytes = self._send_layer_major(payloads)
+        finally:
+            self.store.release(entries)
+        self.store.record_load(len(req.block_hashes), len(payloads), nbytes,
+                               time.perf_counter() - t0)  # fmt: skip
+
+    def _send_layer_major(self, payloads: list[Payload]) -> int:
+        """Per layer: every block's K, then every block's V (stored as K0 V0 K1 V1 ...)."""
+        bb, sent = self.layout.block_bytes, 0
+        views = [memoryview(p) for p in payloads]
+        for layer in range(self.layout.num_layers):
+            for part in (2 * layer, 2 * layer + 1):  # K, then V
+                sent += send_buffers(self.conn, [v[part * bb : (part + 1) * bb] for v in views])
+        return sent
+
+
+class StoreServer:
+    """Serves a `Store` on `host:port` (port 0: a free one). A non-loopback host needs a secret
+    (argument, or $PDSERVE_SECRET / $PDSERVE_SECRET_FILE)."""
+
+    def __init__(
+        self,
+        store: Store,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        secret: bytes | None = None,
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        self.secret = resolve_secret(secret)
+        if self.secret is None and not is_loopback(host):
+            raise ValueError(
+                f"refusing to serve the KV store on {host} (not loopback) without "
+                f"authentication; {HOW_TO_SET_SECRET} (or pass --secret-file)"
+            )
+        self.store = store
+        self.io_timeout_s = io_timeout_s
+        self._listener = socket.create_server((host, port))
+        self._host, self._port = host, self._listener.getsockname()[1]
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._acceptor: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"tcp://{host}:{self._port}"
+
+    def start(self) -> None:
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-store", daemon=True)
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return  # listener closed by close()
+            with self._lock:
+                if self._closed or len(self._conns) >= self.store.config.max_connections:
+                    log.warning("KV store: refusing connection from %s (limit reached)", addr)
+                    conn.close()
+                    continue
+                thread = threading.Thread(target=self._serve, args=(conn, addr), daemon=True)
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket, addr) -> None:
+        session = None
+        try:
+            conn.settimeout(self.io_timeout_s)
+            hello = server_handshake(conn, AnyLayout(), self.secret)  # type: ignore[arg-type]
+            if payload_bytes(hello.layout) > MAX_BLOCK_BYTES:
+                raise ProtocolError(f"a block of this layout exceeds {MAX_BLOCK_BYTES} bytes")
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            session = _Session(self.store, conn, hello.layout)
+            while self._wait_request(conn):
+                session.handle(recv_request(conn))
+        except HandshakeRefused as exc:
+            log.warning("KV store: refused client %s: %s", addr, exc)
+        except ProtocolError as exc:
+            log.warning("KV store: dropping client %s: %s", addr, exc)
+            self._try_send_error(conn, str(exc))
+        except OSError as exc:  # disconnects and timeouts
+            log.debug("KV store: client %s gone: %s", addr, exc)
+        finally:
+            if session is not None:
+                self.store.unpin(session.lease)
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _wait_request(self, conn: socket.socket) -> bool:
+        """Block without a deadline until the next request starts; False when the peer left."""
+        conn.settimeout(None)
+        more = conn.recv(1, socket.MSG_PEEK) != b""
+        conn.settimeout(self.io_timeout_s)
+        return more
+
+    @staticmethod
+    def _try_send_error(conn: socket.socket, reason: str) -> None:
+        try:
+            send_msg(conn, Error(reason))
+        except OSError:
+            pass  # the peer is gone already
+
+    def close(self) -> None:
+        """Stop accepting, cut every connection, join the threads."""
+        with self._lock:
+            self._closed = True
+            conns = dict(self._conns)
+        _shutdown(self._listener)
+        self._listener.close()
+        for conn in conns:
+            _shutdown(conn)
+        for thread in [*conns.values(), self._acceptor]:
+            if thread is not None:
+                thread.join(timeout=5)
+
+
+def read_secret_file(path: str) -> bytes:
+    """The shared secret in `path` (surrounding whitespace stripped); ValueError if unusable."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the secret file {path}: {exc.strerror}") from exc
+    check_secret(secret)
+    return secret
+
+
+def serve_until_signalled(
+    config: StoreConfig, host: str, port: int, secret: bytes | None, metrics_port: int | None
+) -> int:
+    """The store process: recover, serve, print the endpoint, run until SIGTERM/SIGINT."""
+    store = Store(config)
+    server = StoreServer(store, host, port, secret=secret)
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    extra = ""
+    if metrics_port is not None:
+        from pdserve.kv_store.metrics import serve_metrics
+
+        extra = f", metrics on http://{host}:{serve_metrics(store, host, metrics_port)}/metrics"
+    stats = store.stats()
+    print(
+        f"pdserve store: listening on {server.endpoint} ({stats.ssd_blocks} blocks recovered "
+        f"from {config.store_dir}; DRAM {config.dram_bytes / GB:g} GiB, "
+        f"SSD {config.ssd_bytes / GB:g} GiB){extra}",
+        flush=True,
+    )
+    while not stop.wait(1.0):
+        pass
+    server.close()
+    return 0

@@ -1,0 +1,287 @@
+"""The store's index: a DRAM tier and an SSD tier with LRU order, pins and leases.
+
+A block lives in DRAM, on SSD, or both (an SSD hit is promoted to DRAM and keeps its file, so
+demoting it again costs nothing). Capacities are enforced on every insert:
+
+* DRAM over its high watermark: least recently used unpinned blocks leave DRAM (written to SSD
+  first unless already there) until DRAM is at its low watermark.
+* SSD full: least recently used unpinned files are deleted until the new file fits; if it
+  cannot fit (everything pinned, or the tier is off), the block is dropped. Full tiers evict;
+  they never fail a put.
+
+A pinned block (held by a load in progress, or by a lease a client took with a lookup) is never
+evicted from either tier. Leases expire after their TTL, so a client that dies leaks nothing.
+All methods are thread-safe; file reads for loads happen outside the lock, under a pin.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.kv_store.config import Key, StoreConfig, payload_bytes
+from pdserve.kv_store.protocol import BlockMeta, StoreStats, chains
+from pdserve.kv_store.ssd import CorruptRecord, SsdFiles
+from pdserve.kv_transfer.base import KVLayout
+
+log = logging.getLogger("pdserve.kv_store")
+Payload = bytes | bytearray | memoryview
+
+
+@dataclass(eq=False)
+class Entry:
+    """One block in the index. `data` is its DRAM copy; `ssd_size` > 0 when it has a file."""
+
+    key: Key
+    layout: KVLayout
+    meta: BlockMeta
+    data: Payload | None = None
+    ssd_size: int = 0
+    pins: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return payload_bytes(self.layout)
+
+
+class Store:
+    """Blocks by key in two tiers. `clock` is injectable so that lease expiry is testable."""
+
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._files = SsdFiles(config.store_dir)
+        self._entries: dict[Key, Entry] = {}
+        self._dram: OrderedDict[Key, None] = OrderedDict()  # least recently used first
+        self._ssd: OrderedDict[Key, None] = OrderedDict()
+        self._dram_used = self._ssd_used = 0
+        self._leases: dict[int, tuple[list[Entry], float]] = {}
+        self._lease_ids = itertools.count(1)
+        self._count: Counter[str] = Counter()
+        self._load_seconds = 0.0
+        self._recover()
+
+    def _recover(self) -> None:
+        """Rebuild the SSD index from the files (oldest first), then enforce the capacity."""
+        found, dropped = self._files.scan(self.config.verify_on_start)
+        self._count["corrupt_dropped"] += dropped
+        for rec in found:
+            self._entries[rec.key] = Entry(rec.key, rec.layout, rec.meta, ssd_size=rec.size)
+            self._ssd[rec.key] = None
+            self._ssd_used += rec.size
+        with self._lock:
+            self._make_ssd_room(0)
+        if found or dropped:
+            log.info("KV store: recovered %d blocks from %s (%d bad files dropped)",
+                     len(self._entries), self.config.store_dir, dropped)  # fmt: skip
+
+    # --- requests -------------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        with self._lock:
+            return [k in self._entries for k in keys]
+
+    def put(self, key: Key, layout: KVLayout, meta: BlockMeta, payload: Payload) -> bool:
+        """Store one block; False if already held or refused (its hash does not match its
+        tokens, or the payload size does not match the layout)."""
+        if (
+            len(payload) != payload_bytes(layout)
+            or len(meta.token_ids) != layout.block_size
+            or not chains(meta)
+        ):
+            self._bump("blocks_rejected")
+            return False
+        with self._lock:
+            self._count["bytes_in"] += len(payload)
+            if key in self._entries:
+                self._touch(self._entries[key])
+                self._count["blocks_put_duplicate"] += 1
+                return False
+            entry = Entry(key, layout, meta)
+            self._entries[key] = entry
+            self._add_dram(entry, payload)
+            self._count["blocks_put"] += 1
+            return True
+
+    def pin_prefix(self, keys: Sequence[Key], ttl_s: float) -> int | None:
+        """Pin the leading held blocks of `keys` for at most `ttl_s` (capped by max_lease_s);
+        return the lease id to `unpin`, or None when nothing is held."""
+        with self._lock:
+            self._expire_leases()
+            entries = self._leading(keys)
+            if not entries:
+                return None
+            for e in entries:
+                e.pins += 1
+            lease = next(self._lease_ids)
+            ttl = min(ttl_s, self.config.max_lease_s)
+            self._leases[lease] = (entries, self._clock() + ttl)
+            return lease
+
+    def unpin(self, lease: int | None) -> None:
+        """End a lease (unknown or expired ids are ignored)."""
+        with self._lock:
+            self._end_lease(lease)
+
+    def acquire(self, keys: Sequence[Key]) -> list[Entry]:
+        """Pin the leading held blocks of `keys` for reading; pass them to `release` after."""
+        with self._lock:
+            self._expire_leases()
+            entries = self._leading(keys)
+            for e in entries:
+                e.pins += 1
+                self._touch(e)
+            return entries
+
+    def release(self, entries: Sequence[Entry]) -> None:
+        with self._lock:
+            for e in entries:
+                e.pins -= 1
+            self._enforce_dram()  # blocks pinned past the watermark may leave DRAM now
+
+    def read(self, entry: Entry) -> Payload | None:
+        """The payload of an acquired block, from DRAM or from its file (checksummed, then
+        promoted to DRAM). None if the file is corrupt: the block is then dropped."""
+        with self._lock:
+            data = entry.data
+            if data is not None:
+                self._count["hits_dram"] += 1
+                return data
+        try:
+            data = self._files.read(entry.key, entry.nbytes)
+        except CorruptRecord as exc:
+            log.warning("KV store: dropping block %x: %s", entry.key.block_hash, exc)
+            with self._lock:
+                self._count["corrupt_dropped"] += 1
+                self._remove_ssd(entry)
+            return None
+        with self._lock:
+            self._count["hits_ssd"] += 1
+            if entry.data is None and self._entries.get(entry.key) is entry:
+                self._add_dram(entry, data)
+            return data
+
+    def record_load(self, requested: int, served: int, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._count["loads"] += 1
+            self._count["misses"] += requested - served
+            self._count["bytes_out"] += nbytes
+            self._load_seconds += seconds
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                **self._count,
+                load_seconds=self._load_seconds,
+                dram_blocks=len(self._dram),
+                dram_bytes=self._dram_used,
+                ssd_blocks=len(self._ssd),
+                ssd_bytes=self._ssd_used,
+                pinned_blocks=sum(1 for e in self._entries.values() if e.pins),
+            )
+
+    def tier_keys(self) -> tuple[list[Key], list[Key]]:
+        """Keys in DRAM and on SSD, least recently used first (for tests and integrity checks)."""
+        with self._lock:
+            return list(self._dram), list(self._ssd)
+
+    # --- internals (lock held) ------------------------------------------------------------
+
+    def _bump(self, name: str) -> None:
+        with self._lock:
+            self._count[name] += 1
+
+    def _leading(self, keys: Sequence[Key]) -> list[Entry]:
+        out = []
+        for k in keys:
+            if (e := self._entries.get(k)) is None:
+                break
+            out.append(e)
+        return out
+
+    def _touch(self, e: Entry) -> None:
+        for tier in (self._dram, self._ssd):
+            if e.key in tier:
+                tier.move_to_end(e.key)
+
+    def _expire_leases(self) -> None:
+        now = self._clock()
+        for lease in [lid for lid, (_, deadline) in self._leases.items() if deadline <= now]:
+            self._end_lease(lease)
+
+    def _end_lease(self, lease: int | None) -> None:
+        entries, _ = self._leases.pop(lease, ((), 0.0))  # type: ignore[arg-type]
+        for e in entries:
+            e.pins -= 1
+
+    def _add_dram(self, entry: Entry, data: Payload) -> None:
+        entry.data = data
+        self._dram[entry.key] = None
+        self._dram_used += entry.nbytes
+        self._enforce_dram()
+
+    def _enforce_dram(self) -> None:
+        if self._dram_used <= self.config.dram_high_bytes:
+            return
+        for key in list(self._dram):
+            if self._dram_used <= self.config.dram_low_bytes:
+                break
+            entry = self._entries[key]
+            if not entry.pins:
+                self._demote(entry)
+
+    def _demote(self, e: Entry) -> None:
+        """Move `e` out of DRAM: to SSD if it is not there yet and fits, else drop it."""
+        if not e.ssd_size:
+            self._add_ssd(e)
+        if e.ssd_size:
+            self._count["demotions"] += 1
+        else:
+            self._count["evictions_dram"] += 1
+        del self._dram[e.key]
+        self._dram_used -= e.nbytes
+        e.data = None
+        self._forget_if_gone(e)
+
+    def _add_ssd(self, e: Entry) -> None:
+        head = SsdFiles.encode_head(e.layout, e.meta, e.nbytes)
+        size = SsdFiles.file_size(head, e.nbytes)
+        if not self._make_ssd_room(size, keep=e):
+            return
+        try:
+            self._files.write(e.key, head, e.data)  # type: ignore[arg-type]
+        except OSError as exc:
+            log.warning("KV store: cannot write block file (%s); dropping the block", exc)
+            return
+        e.ssd_size = size
+        self._ssd[e.key] = None
+        self._ssd_used += size
+
+    def _make_ssd_room(self, size: int, keep: Entry | None = None) -> bool:
+        """Delete least recently used unpinned files until `size` more bytes fit."""
+        for key in list(self._ssd):
+            if self._ssd_used + size <= self.config.ssd_bytes:
+                break
+            victim = self._entries[key]
+            if not victim.pins and victim is not keep:
+                self._remove_ssd(victim)
+                self._count["evictions_ssd"] += 1
+        return self._ssd_used + size <= self.config.ssd_bytes
+
+    def _remove_ssd(self, e: Entry) -> None:
+        if e.key in self._ssd:
+            del self._ssd[e.key]
+            self._ssd_used -= e.ssd_size
+        e.ssd_size = 0
+        self._files.delete(e.key)
+        self._forget_if_gone(e)
+
+    def _forget_if_gone(self, e: Entry) -> None:
+        if e.data is None and not e.ssd_size and self._entries.get(e.key) is e:
+            del self._entries[e.key]

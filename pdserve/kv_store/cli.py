@@ -103,3 +103,15 @@ def run(args: argparse.Namespace) -> int:
     )
     secret = read_secret_file(args.secret_file) if args.secret_file else None
     return serve_until_signalled(config, args.host, args.port, secret, args.metrics_port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdserve.kv_store.cli store ...`: the subcommand without the pdserve CLI."""
+    parser = argparse.ArgumentParser(prog="pdserve")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -64,14 +64,16 @@ class _Session:
         self.store, self.conn, self.layout = store, conn, layout
         self.layout_key = layout_key(layout)
         self.lease: int | None = None
+        self._prev_lease: int | None = None
 
     def keys(self, hashes: list[int]) -> list[Key]:
         return [Key(self.layout_key, h) for h in hashes]
 
     def handle(self, req) -> None:
-        # A lookup's lease covers the window until the next request has been served (the load
-        # that follows it pins the blocks itself before the lease ends).
-        lease, self.lease = self.lease, None
+        # A lookup's lease covers the window until the next request: it ends once that request
+        # has pinned what it needs, and before its reply goes out (so a client that got the
+        # reply observes the lease gone).
+        self._prev_lease, self.lease = self.lease, None
         try:
             if isinstance(req, Query):
                 self.query(req)
@@ -80,19 +82,26 @@ class _Session:
             elif isinstance(req, Load):
                 self.load(req)
             elif isinstance(req, GetStats):
+                self.end_prev_lease()
                 send_msg(self.conn, StatsReply(self.store.stats()))
         finally:
-            self.store.unpin(lease)
+            self.end_prev_lease()
+
+    def end_prev_lease(self) -> None:
+        self.store.unpin(self._prev_lease)
+        self._prev_lease = None
 
     def query(self, req: Query) -> None:
         keys = self.keys(req.block_hashes)
         present = self.store.contains(keys)
         if req.pin_s > 0:
             self.lease = self.store.pin_prefix(keys, req.pin_s)
+        self.end_prev_lease()
         send_msg(self.conn, QueryReply(present))
 
     def put(self, req: Put) -> None:
         """Receive each block straight into the buffer the store keeps (no staging copy)."""
+        self.end_prev_lease()
         stored, n = 0, payload_bytes(self.layout)
         for meta in req.blocks:
             buf = bytearray(n)
@@ -101,18 +110,21 @@ class _Session:
         send_msg(self.conn, PutReply(stored))
 
     def load(self, req: Load) -> None:
+        """Pin the held prefix while reading it (SSD files are read and checksummed here), then
+        send from the buffers read: eviction after the unpin cannot touch them."""
         t0 = time.perf_counter()
         entries = self.store.acquire(self.keys(req.block_hashes))
+        self.end_prev_lease()
         payloads: list[Payload] = []
         try:
             for entry in entries:  # a corrupt file ends the prefix there
                 if (data := self.store.read(entry)) is None:
                     break
                 payloads.append(data)
-            send_msg(self.conn, LoadReply([e.meta for e in entries[: len(payloads)]]))
-            nbytes = self._send_layer_major(payloads)
         finally:
             self.store.release(entries)
+        send_msg(self.conn, LoadReply([e.meta for e in entries[: len(payloads)]]))
+        nbytes = self._send_layer_major(payloads)
         self.store.record_load(len(req.block_hashes), len(payloads), nbytes,
                                time.perf_counter() - t0)  # fmt: skip
 

@@ -98,6 +98,7 @@ class Store:
             self._bump("blocks_rejected")
             return False
         with self._lock:
+            self._expire_leases()  # expired pins must not keep blocks from being evicted
             self._count["bytes_in"] += len(payload)
             if key in self._entries:
                 self._touch(self._entries[key])

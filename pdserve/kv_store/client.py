@@ -19,6 +19,8 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from functools import partial
+from typing import TypeVar
 
 from pdserve.engine.block_hash import hash_block
 from pdserve.kv_store.connection import Connection, Deadline, recv_into_by
@@ -46,7 +48,8 @@ from pdserve.kv_transfer.wire import resolve_secret
 
 log = logging.getLogger("pdserve.kv_store")
 CHUNK = 256  # blocks per Put/Load message: bounds frames and per-message latency
-_FAILURES = (OSError, ValueError)  # OSError covers ConnectionError, TimeoutError, ProtocolError
+_FAILURES = (OSError, ValueError)
+T = TypeVar("T")  # OSError covers ConnectionError, TimeoutError, ProtocolError
 
 
 class StoreClient:
@@ -125,7 +128,13 @@ class StoreClient:
         while (job := self._jobs.get()) is not None:
             try:
                 stored = sum(
-                    self._put_chunk(job.metas[i : i + CHUNK], job.block_ids[i : i + CHUNK])
+                    self._put_conn.call(
+                        partial(
+                            self._put_chunk,
+                            metas=job.metas[i : i + CHUNK],
+                            block_ids=job.block_ids[i : i + CHUNK],
+                        )  # fmt: skip
+                    )
                     for i in range(0, len(job.metas), CHUNK)
                 )
                 self._book.finish(job.ticket, stored, None)
@@ -133,12 +142,9 @@ class StoreClient:
                 self._put_conn.drop()
                 self._book.finish(job.ticket, 0, f"KV store put failed: {exc}")
 
-    def _put_chunk(self, metas: list[BlockMeta], block_ids: list[int]) -> int:
+    def _put_chunk(self, sock, metas: list[BlockMeta], block_ids: list[int]) -> int:
         """Send the blocks the store lacks (one query first), K0 V0 K1 V1 ... per block."""
-        sock = self._put_conn.get()
-        sock.settimeout(self.timeout_s)
-        send_msg(sock, Query([m.block_hash for m in metas]))
-        present = recv_reply(sock, QueryReply).present
+        present = self._request(sock, Query([m.block_hash for m in metas]), QueryReply).present
         todo = [i for i, p in enumerate(present) if not p]
         if not todo:
             return 0
@@ -157,13 +163,11 @@ class StoreClient:
         client's next request, or `pin_s` seconds at most."""
         with self._lock:
             try:
-                sock = self._conn.get()
-                sock.settimeout(self.timeout_s)
-                send_msg(sock, Query(list(block_hashes[:MAX_BLOCKS]), pin_s))
-                present = recv_reply(sock, QueryReply).present
+                query = Query(list(block_hashes[:MAX_BLOCKS]), pin_s)
+                reply = self._conn.call(lambda sock: self._request(sock, query, QueryReply))
             except _FAILURES as exc:
                 return self._failed(f"KV store lookup failed: {exc}")
-        return next((i for i, p in enumerate(present) if not p), len(present))
+        return next((i for i, p in enumerate(reply.present) if not p), len(reply.present))
 
     def load(
         self,
@@ -188,7 +192,9 @@ class StoreClient:
                 while landed < len(dst):
                     start, end = landed, min(landed + CHUNK, len(dst))
                     expect = self._expected(block_hashes, token_ids_per_block, parent, start, end)
-                    landed += self._load_chunk(expect, dst[start:end], deadline)
+                    chunk = partial(self._load_chunk, expect=expect, dst=dst[start:end],
+                                    deadline=deadline)  # fmt: skip
+                    landed += self._conn.call(chunk)
                     if landed < end:  # the store holds no more of the prefix
                         break
             except _FAILURES as exc:
@@ -202,8 +208,7 @@ class StoreClient:
         toks = [None if tokens is None else list(tokens[i]) for i in range(start, end)]
         return list(zip(hashes[start:end], parents, toks, strict=True))
 
-    def _load_chunk(self, expect: list[tuple], dst: list[int], deadline: Deadline) -> int:
-        sock = self._conn.get()
+    def _load_chunk(self, sock, expect: list[tuple], dst: list[int], deadline: Deadline) -> int:
         deadline.apply(sock)
         send_msg(sock, Load([h for h, _, _ in expect]))
         metas = recv_reply(sock, LoadReply).blocks
@@ -230,13 +235,15 @@ class StoreClient:
         """The store's counters, or None if it cannot be reached."""
         with self._lock:
             try:
-                sock = self._conn.get()
-                sock.settimeout(self.timeout_s)
-                send_msg(sock, GetStats())
-                return recv_reply(sock, StatsReply).stats
+                return self._conn.call(lambda s: self._request(s, GetStats(), StatsReply)).stats
             except _FAILURES as exc:
                 self._failed(f"KV store stats failed: {exc}")
                 return None
+
+    def _request(self, sock, msg, kind: type[T]) -> T:
+        sock.settimeout(self.timeout_s)
+        send_msg(sock, msg)
+        return recv_reply(sock, kind)
 
     def _failed(self, reason: str) -> int:
         """Record a failure (the connection is dropped: its stream position is unknown)."""

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.wire import client_handshake, parse_endpoint
+
+T = TypeVar("T")
 
 
 class Deadline:
@@ -76,6 +80,19 @@ class Connection:
         self._sock = sock
         return sock
 
+    def call(self, fn: Callable[[socket.socket], T]) -> T:
+        """`fn(sock)`; run once more on a new connection if a connection opened earlier turns
+        out closed by the store (it restarted, or dropped us while idle). Requests are
+        idempotent, so repeating one is safe."""
+        reused = self._sock is not None
+        try:
+            return fn(self.get())
+        except ConnectionError as exc:
+            self.drop()
+            if not reused or not _closed_by_peer(exc):
+                raise
+        return fn(self.get())
+
     def _back_off(self, reason: str):
         self._down_until = time.monotonic() + self._retry_after_s
         self._down_reason = f"{reason} (not retried for {self._retry_after_s:g} s)"
@@ -86,3 +103,9 @@ class Connection:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _closed_by_peer(exc: ConnectionError) -> bool:
+    """A reset or an orderly close, as opposed to a refusal or a protocol violation."""
+    closed = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
+    return isinstance(exc, closed) or type(exc) is ConnectionError

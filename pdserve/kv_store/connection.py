@@ -76,7 +76,7 @@ class Connection:
             client_handshake(sock, self._layout, self._secret)
         except OSError as exc:  # includes HandshakeRefused and timeouts
             sock.close()
-            self._back_off(f"the KV store at {self.endpoint} refused the handshake: {exc}")
+            self._back_off(f"handshake with the KV store at {self.endpoint} failed: {exc}")
         self._sock = sock
         return sock
 

@@ -69,11 +69,12 @@ class _Peer(NamedTuple):
 class _Agent:
     """A NIXL agent with the given caches registered; calls are serialized by a lock."""
 
-    def __init__(self, role: str, caches) -> None:
+    def __init__(self, role: str, caches, progress_thread: bool) -> None:
         nixl_agent, nixl_agent_config = _nixl_api()
         self.name = f"pdserve-kv-{role}-{uuid.uuid4().hex[:12]}"
         self.lock = threading.Lock()
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        self.agent = nixl_agent(self.name, config)
         self._registered = self.agent.register_memory(list(caches))
         self.peers: dict[str, int] = {}  # remote agent name -> live connections using it
 
@@ -90,9 +91,14 @@ class NixlSender(TcpSender):
 
     scheme = "nixl"
 
-    def __init__(self, layout: KVLayout, k_caches, v_caches, **options) -> None:
+    def __init__(
+        self, layout: KVLayout, k_caches, v_caches, *, progress_thread: bool = False, **options
+    ) -> None:
         super().__init__(layout, k_caches, v_caches, **options)
-        self._agent = _Agent("send", [*k_caches, *v_caches])
+        self._agent = _Agent("send", [*k_caches, *v_caches], progress_thread)
+        self._stop = threading.Event()
+        self._pump = threading.Thread(target=self._pump_progress, name="nixl-pump", daemon=True)
+        self._pump.start()
         info = NixlPeerInfo(
             self._agent.agent.get_agent_metadata(),
             [t.data_ptr() for t in k_caches],
@@ -106,8 +112,21 @@ class NixlSender(TcpSender):
     def _write_payload(self, sock, job: Job) -> None:
         pass  # the receiver reads the blocks itself after the header
 
+    def _pump_progress(self) -> None:
+        """Drive this agent's UCX worker while layers await acknowledgement: the receiver's READ
+        needs the target to answer connection wire-up (and, over UCX's TCP transport, the data
+        itself). NIXL's own progress thread would do it by spinning a core even when idle."""
+        while not self._stop.is_set():
+            if not self._tracker.wait_busy(timeout_s=0.5):
+                continue
+            with self._agent.lock:
+                self._agent.agent.get_new_notifs()  # progresses the UCX workers
+            time.sleep(5e-5)
+
     def close(self) -> None:
         super().close()
+        self._stop.set()
+        self._pump.join(timeout=5)
         self._agent.close()
 
 
@@ -116,9 +135,11 @@ class NixlReceiver(TcpReceiver):
 
     scheme = "nixl"
 
-    def __init__(self, layout: KVLayout, k_caches, v_caches, host="127.0.0.1", **options):
+    def __init__(
+        self, layout, k_caches, v_caches, host="127.0.0.1", *, progress_thread=False, **options
+    ) -> None:
         super().__init__(layout, k_caches, v_caches, host, **options)
-        self._agent = _Agent("recv", [*k_caches, *v_caches])
+        self._agent = _Agent("recv", [*k_caches, *v_caches], progress_thread)
 
     def _on_peer(self, hello: ClientHello) -> _Peer:
         try:
@@ -140,6 +161,8 @@ class NixlReceiver(TcpReceiver):
             return
         a = self._agent
         with a.lock:
+            if peer.agent not in a.peers:
+                return  # close() already dropped every peer
             a.peers[peer.agent] -= 1
             if a.peers[peer.agent] == 0:  # the same sender may have reconnected meanwhile
                 del a.peers[peer.agent]

@@ -57,6 +57,7 @@ class SendTracker:
     def queue(self, transfer_id: str) -> None:
         with self._cond:
             self._progress.setdefault(transfer_id, _Progress()).queued += 1
+            self._cond.notify_all()
 
     def begin(self, transfer_id: str) -> bool:
         """Mark a layer as being read; False if the transfer failed or ended (skip the layer)."""
@@ -88,6 +89,16 @@ class SendTracker:
 
     def fail(self, transfer_id: str, error: str) -> None:
         self.acked(transfer_id, 0, error)
+
+    def wait_busy(self, timeout_s: float) -> bool:
+        """Block until some transfer has layers not yet acknowledged (True) or the timeout."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: any(
+                    p.error is None and p.acked < p.queued for p in self._progress.values()
+                ),
+                timeout_s,
+            )
 
     def fail_all(self, error: str) -> None:
         with self._cond:

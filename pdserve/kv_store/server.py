@@ -208,6 +208,8 @@ class StoreServer:
             self._try_send_error(conn, str(exc))
         except OSError as exc:  # disconnects and timeouts
             log.debug("KV store: client %s gone: %s", addr, exc)
+        except Exception:  # a bug must cost one connection, not the store
+            log.exception("KV store: error serving %s", addr)
         finally:
             if session is not None:
                 self.store.unpin(session.lease)

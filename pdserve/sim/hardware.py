@@ -4,7 +4,10 @@ GPU figures are vendor datasheet numbers: dense (not sparse) BF16 tensor FLOP/s,
 and capacity, plus the intra-node link used for tensor-parallel all-reduce. Link figures give a
 theoretical line rate and a practical effective rate (what a well-tuned bulk transfer reaches:
 RDMA ~92 % of line rate, TCP/RoCE over Ethernet ~88 %, PCIe ~78 % after protocol overhead,
-NVLink ~80 %; the seed quotes 10-11 GB/s practical for 100 Gbps Ethernet). This machine's CPU
+NVLink ~80 %; the seed quotes 10-11 GB/s practical for 100 Gbps Ethernet). RDMA fabrics
+(InfiniBand, 200G+ RoCE) give every GPU its own port, as in DGX/HGX nodes; commodity 10/25/100
+GbE is one port per 8-GPU node (as on cloud GPU instances without RDMA), so its bandwidth is
+shared by the node's GPUs (`gpus_per_port`). This machine's CPU
 is not a preset: `pdserve profile` measures it and `Accelerator.from_profile` reads it back.
 """
 
@@ -22,8 +25,11 @@ class Link:
     theoretical_bytes_per_s: float
     practical_bytes_per_s: float
     latency_s: float = 0.0
+    gpus_per_port: int = 1
 
     def __post_init__(self) -> None:
+        if self.gpus_per_port < 1:
+            raise ValueError(f"link {self.name!r}: gpus_per_port must be >= 1")
         if not 0 < self.practical_bytes_per_s <= self.theoretical_bytes_per_s:
             raise ValueError(
                 f"link {self.name!r}: need 0 < practical <= theoretical bandwidth, got "
@@ -40,9 +46,13 @@ class Link:
         rate = gbps * 1e9 / 8
         return cls(name or f"{gbps:g}gbps", f"{gbps:g} Gbps (as given)", rate, rate)
 
+    def instance_bytes_per_s(self, gpus: int) -> float:
+        """Practical bandwidth an instance of `gpus` GPUs gets: its share of the ports."""
+        return self.practical_bytes_per_s * gpus / self.gpus_per_port
 
-def _link(name: str, desc: str, theo_gbs: float, eff: float, latency_us: float) -> Link:
-    return Link(name, desc, theo_gbs * 1e9, theo_gbs * eff * 1e9, latency_us * 1e-6)
+
+def _link(name, desc, theo_gbs, eff, latency_us, gpus_per_port=1) -> Link:
+    return Link(name, desc, theo_gbs * 1e9, theo_gbs * eff * 1e9, latency_us * 1e-6, gpus_per_port)
 
 
 _ETH = 0.88  # 100 GbE: 12.5 GB/s line rate -> 11 GB/s effective, the seed's "~10-11 GB/s"
@@ -61,9 +71,9 @@ LINKS: dict[str, Link] = {
         _link("ib-hdr", "InfiniBand HDR, 200 Gbps = 25 GB/s", 25, _IB, 3),
         _link("ib-ndr", "InfiniBand NDR, 400 Gbps = 50 GB/s", 50, _IB, 3),
         _link("ib-xdr", "InfiniBand XDR, 800 Gbps = 100 GB/s", 100, _IB, 3),
-        _link("10gbe", "10 Gb Ethernet, 1.25 GB/s", 1.25, _ETH, 20),
-        _link("25gbe", "25 Gb Ethernet, 3.125 GB/s", 3.125, _ETH, 15),
-        _link("100gbe", "100 Gb Ethernet, 12.5 GB/s", 12.5, _ETH, 10),
+        _link("10gbe", "10 Gb Ethernet, 1.25 GB/s, one per node", 1.25, _ETH, 20, 8),
+        _link("25gbe", "25 Gb Ethernet, 3.125 GB/s, one per node", 3.125, _ETH, 15, 8),
+        _link("100gbe", "100 Gb Ethernet, 12.5 GB/s, one per node", 12.5, _ETH, 10, 8),
         _link("200gbe", "200 Gb Ethernet, 25 GB/s", 25, _ETH, 10),
         _link("400gbe", "400 Gb Ethernet, 50 GB/s", 50, _ETH, 10),
         _link("800gbe", "800 Gb Ethernet, 100 GB/s", 100, _ETH, 10),

@@ -1,14 +1,19 @@
 """Per-iteration latency of one engine instance (a tensor-parallel group): a roofline.
 
-One forward pass over a batch costs
+One forward pass over a batch of T new tokens costs
 
-    overhead + per_seq x seqs + max(FLOPs / (peak x mfu), bytes / (bandwidth x mbu)) + all-reduce
+    overhead + per_seq x seqs + all-reduce
+    + max(GEMM FLOPs / (peak x mfu x T / (T + half_tokens)), bytes / (bandwidth x mbu))
+    + attention FLOPs / (peak x attn_eff)
 
-FLOPs count the weight matmuls (2 x params per token), the output head for each sampled token
-and causal attention (4 x layers x heads x head_dim per query-key pair). Bytes count the weights
-read once per pass (for MoE only the experts the batch touches) plus the KV cache read. Prefill
-lands on the compute side of the max and decode on the bandwidth side; a chunked-prefill batch
-falls wherever its mix puts it. `mfu`, `mbu` and the overheads are what `pdserve profile` fits.
+GEMM FLOPs are the weight matmuls (2 x params per token) and the output head per sampled token;
+their efficiency falls for small T (a GEMM with few rows cannot fill the device), which is what
+makes tiny prefill chunks expensive. Bytes are the weights read once per pass (for MoE only the
+experts the batch touches) plus the KV cache read. Prefill lands on the compute side of the max
+and decode on the bandwidth side; a chunked-prefill batch falls wherever its mix puts it.
+Attention (4 x layers x heads x head_dim per query-key pair) is costed on its own because
+engines implement it apart from the GEMMs, at their own efficiency. All efficiencies and the
+overheads are what `pdserve profile` fits on this machine.
 """
 
 from __future__ import annotations
@@ -28,16 +33,21 @@ MEMORY_UTILIZATION = 0.9  # share of device memory for weights + KV, as vLLM's d
 class Efficiency:
     """Achieved fractions of peak and fixed costs; defaults are typical of tuned GPU engines."""
 
-    mfu: float = 0.55  # prefill GEMMs reach ~50-60 % of dense BF16 peak
+    mfu: float = 0.6  # large GEMMs reach ~60 % of dense BF16 peak
     mbu: float = 0.75  # decode GEMVs reach ~70-80 % of HBM bandwidth
     iteration_overhead_s: float = 0.002  # scheduling, launches, sampling per forward pass
     per_seq_overhead_s: float = 0.0
+    attn_eff: float = 0.5  # FlashAttention-class kernels: ~50 % of peak
+    half_tokens: float = 128.0  # GEMM rows at which efficiency is half of `mfu`
 
     def __post_init__(self) -> None:
-        if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1):
-            raise ValueError(f"efficiencies must be in (0, 1], got mfu={self.mfu} mbu={self.mbu}")
+        for name in ("mfu", "mbu", "attn_eff"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"efficiency {name} must be in (0, 1], got {getattr(self, name)}")
         if self.iteration_overhead_s < 0 or self.per_seq_overhead_s < 0:
             raise ValueError("overheads must be >= 0 seconds")
+        if self.half_tokens < 0:
+            raise ValueError(f"half_tokens must be >= 0, got {self.half_tokens}")
 
 
 class Batch(NamedTuple):
@@ -54,10 +64,19 @@ class Batch(NamedTuple):
     seqs: int
 
 
-class DecodeCoeffs(NamedTuple):
-    """Step i of a pure decode stretch takes const + max(c0 + c1 i, m0 + m1 i) seconds."""
+class Work(NamedTuple):
+    """Raw work of one pass: GEMM FLOPs and attention FLOPs (whole TP group), bytes per GPU."""
 
-    const: float
+    gemm_flops: float
+    attn_flops: float
+    bytes: float
+
+
+class DecodeCoeffs(NamedTuple):
+    """Step i of a decode stretch takes l0 + l1 i + max(c0 + c1 i, m0 + m1 i) seconds."""
+
+    l0: float
+    l1: float
     c0: float
     c1: float
     m0: float
@@ -88,6 +107,7 @@ class LatencyModel:
         shards = 1 if model.kv_lora_rank is not None else min(tp, model.num_kv_heads)
         self.kv_bytes_per_token_gpu = kv_token / shards
         self._flops_s = accel.peak_flops * tp * self.eff.mfu
+        self._attn_s = accel.peak_flops * tp * self.eff.attn_eff
         self._bytes_s = accel.mem_bytes_per_s * self.eff.mbu
         self._attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim
         self._head_flops = 2 * model.vocab_size * model.hidden_size
@@ -126,21 +146,23 @@ class LatencyModel:
             + self.allreduce_s(batch.tokens)
         )
 
-    def work(self, batch: Batch) -> tuple[float, float]:
-        """(FLOPs over the TP group, bytes read per GPU) of one pass over `batch`."""
-        m = self.model
-        flops = (
-            2 * m.layer_params_per_token * batch.tokens
-            + self._head_flops * batch.sampled
-            + self._attn_flops * batch.attn_pairs
-        )
+    def work(self, batch: Batch) -> Work:
+        """The raw FLOPs and bytes of one pass over `batch`."""
+        gemm = 2 * self.model.layer_params_per_token * batch.tokens
+        gemm += self._head_flops * batch.sampled
         kv = self.kv_bytes_per_token_gpu * (batch.kv_read + batch.tokens)
-        return flops, self.weights_read(batch.tokens) + kv
+        return Work(gemm, self._attn_flops * batch.attn_pairs, self.weights_read(batch.tokens) + kv)
+
+    def _gemm_s(self, flops: float, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        return flops / self._flops_s * (1 + self.eff.half_tokens / tokens)
 
     def iteration(self, batch: Batch) -> float:
         """Seconds for one forward pass over `batch`."""
-        flops, mem = self.work(batch)
-        return self._fixed(batch) + max(flops / self._flops_s, mem / self._bytes_s)
+        w = self.work(batch)
+        roof = max(self._gemm_s(w.gemm_flops, batch.tokens), w.bytes / self._bytes_s)
+        return self._fixed(batch) + roof + w.attn_flops / self._attn_s
 
     def prefill(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds to prefill one prompt alone (for reports)."""
@@ -149,15 +171,17 @@ class LatencyModel:
 
     def decode_coeffs(self, seqs: int, ctx_sum: float) -> DecodeCoeffs:
         """Coefficients of a pure decode stretch: `seqs` sequences, `ctx_sum` cached tokens."""
-        m = self.model
-        flops0 = (2 * m.layer_params_per_token + self._head_flops) * seqs
-        const = self._fixed(Batch(seqs, seqs, 0, 0, seqs))
-        c0 = (flops0 + self._attn_flops * ctx_sum) / self._flops_s
-        c1 = self._attn_flops * seqs / self._flops_s
-        kv = self.kv_bytes_per_token_gpu
-        m0 = (self.weights_read(seqs) + kv * (ctx_sum + seqs)) / self._bytes_s
-        m1 = kv * seqs / self._bytes_s
-        return DecodeCoeffs(const, c0, c1, m0, m1)
+        w = self.work(Batch(seqs, seqs, 0, ctx_sum, seqs))
+        attn = self._attn_flops / self._attn_s
+        kv = self.kv_bytes_per_token_gpu / self._bytes_s
+        return DecodeCoeffs(
+            self._fixed(Batch(seqs, seqs, 0, 0, seqs)) + attn * ctx_sum,
+            attn * seqs,
+            self._gemm_s(w.gemm_flops, seqs),
+            0.0,
+            w.bytes / self._bytes_s,
+            kv * seqs,
+        )
 
 
 def _linear_sum(a: float, b: float, i0: int, i1: int) -> float:
@@ -170,7 +194,7 @@ def stretch_time(co: DecodeCoeffs, k: int) -> float:
     """Total seconds of the first `k` steps of a decode stretch (closed form, O(1))."""
     if k <= 0:
         return 0.0
-    total = co.const * k
+    total = _linear_sum(co.l0, co.l1, 0, k)
     if co.c1 == co.m1:
         return total + _linear_sum(max(co.c0, co.m0), co.c1, 0, k)
     # c(i) >= m(i) on one side of the crossing x; sum each side with its own line.

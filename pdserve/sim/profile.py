@@ -12,6 +12,7 @@ fit is tested with a fake engine; the CLI builds the real `pdserve.LLM`.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -90,55 +91,66 @@ class Fit(NamedTuple):
     max_rel_error: float
 
 
+EFF_GRID = tuple(float(x) for x in (0.01 * 100 ** (i / 29) for i in range(30)))  # 0.01..1
+HALF_TOKENS_GRID = (0.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
+
+
 def fit_efficiency(
     points: Sequence[Point], model: ModelSpec, accel: Accelerator, weight_dtype: str,
     decode_steps: int = 8,
 ) -> Fit:  # fmt: skip
-    """Least-relative-error fit of mfu, mbu and overheads to `points` (needs >= 2 points)."""
+    """Fit `points` with the latency model, minimising relative squared error.
+
+    mfu, mbu and half_tokens are searched on grids; for each, the overheads and the attention
+    cost (which enter linearly) are solved by non-negative least squares. Needs >= 2 points.
+    """
     import numpy as np
 
     if len(points) < 2:
         raise ValueError("profiling needs at least 2 measurements to fit; add grid points")
-    unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0), weight_dtype, weight_dtype)
+    unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0),
+                        weight_dtype, weight_dtype)  # fmt: skip
     batches = [point_batch(p, decode_steps) for p in points]
-    compute = np.array([_roofline_parts(unit, b)[0] for b in batches])
-    memory = np.array([_roofline_parts(unit, b)[1] for b in batches])
+    work = np.array([unit.work(b) for b in batches])
+    gemm, attn = work[:, 0] / accel.peak_flops, work[:, 1] / accel.peak_flops
+    mem = work[:, 2] / accel.mem_bytes_per_s
+    tokens = np.array([b.tokens for b in batches], dtype=np.float64)
     seqs = np.array([b.seqs for b in batches], dtype=np.float64)
     t = np.array([p.seconds for p in points])
-    best: tuple[float, Efficiency] | None = None
-    grid = np.geomspace(0.005, 1.0, 80)
-    for mfu in grid:
-        for mbu in grid:
-            roof = np.maximum(compute / mfu, memory / mbu)
-            over, per_seq = _fit_overheads(t - roof, seqs, t)
-            pred = roof + over + per_seq * seqs
-            err = float(np.sum(((pred - t) / t) ** 2))
-            if best is None or err < best[0]:
-                best = (err, Efficiency(float(mfu), float(mbu), over, per_seq))
+    linear = np.stack([np.ones_like(t), seqs, attn], axis=1) / t[:, None]
+    best = (math.inf, Efficiency())
+    for mfu, half, mbu in itertools.product(EFF_GRID, HALF_TOKENS_GRID, EFF_GRID):
+        roof = np.maximum(gemm / mfu * (1 + half / tokens), mem / mbu)
+        coef, err = _nnls(linear, (t - roof) / t)
+        if err < best[0]:
+            over, per_seq, attn_cost = coef
+            attn_eff = min(1.0, 1.0 / attn_cost) if attn_cost > 0 else 1.0
+            best = (err, Efficiency(mfu, mbu, over, per_seq, attn_eff, half))
     eff = best[1]
-    rel = np.abs(np.array([LatencyModel(model, accel, 1, eff, weight_dtype, weight_dtype)
-                           .iteration(b) for b in batches]) / t - 1)  # fmt: skip
+    fitted = LatencyModel(model, accel, 1, eff, weight_dtype, weight_dtype)
+    rel = np.abs(np.array([fitted.iteration(b) for b in batches]) / t - 1)
     return Fit(eff, float(np.median(rel)), float(rel.max()))
 
 
-def _roofline_parts(unit: LatencyModel, batch: Batch) -> tuple[float, float]:
-    """(compute seconds, memory seconds) at 100 % efficiency and no overhead."""
-    flops, mem = unit.work(batch)
-    return flops / unit.accel.peak_flops, mem / unit.accel.mem_bytes_per_s
-
-
-def _fit_overheads(resid, seqs, t) -> tuple[float, float]:
-    """Non-negative (overhead, per-seq overhead) minimising relative squared error."""
+def _nnls(a, y) -> tuple[list[float], float]:
+    """Least squares with every coefficient >= 0, by trying each subset of the few columns."""
     import numpy as np
 
-    w = 1.0 / t
-    a = np.stack([w, w * seqs], axis=1)
-    sol, *_ = np.linalg.lstsq(a, resid * w, rcond=None)
-    over, per_seq = float(sol[0]), float(sol[1])
-    if over < 0 or per_seq < 0:  # refit with the offending term pinned at zero
-        over = max(0.0, float(np.sum(resid * w * w) / np.sum(w * w)))
-        per_seq = 0.0
-    return over, per_seq
+    cols = a.shape[1]
+    best: tuple[list[float], float] = ([0.0] * cols, float(y @ y))
+    for r in range(1, cols + 1):
+        for subset in itertools.combinations(range(cols), r):
+            sol, *_ = np.linalg.lstsq(a[:, subset], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            resid = y - a[:, subset] @ sol
+            err = float(resid @ resid)
+            if err < best[1]:
+                coef = [0.0] * cols
+                for k, v in zip(subset, sol, strict=True):
+                    coef[k] = float(v)
+                best = (coef, err)
+    return best
 
 
 def engine_profile(

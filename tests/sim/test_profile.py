@@ -4,22 +4,21 @@ import importlib.util
 import json
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from pdserve.sim.calibration import load_profile, profile_document
 from pdserve.sim.hardware import Accelerator
 from pdserve.sim.latency import Batch, Efficiency, LatencyModel
 from pdserve.sim.models import from_engine_config
-from pdserve.sim.profile import fit_efficiency, measure_engine
+from pdserve.sim.profile import EFF_GRID, fit_efficiency, measure_engine
 
 CPU = Accelerator("cpu", "test cpu", 100e9, 10e9, 16e9, "pcie-gen4", 1)
 CONFIG = SimpleNamespace(
     num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
     intermediate_size=1536, vocab_size=49152,
 )  # fmt: skip
-GRID = np.geomspace(0.005, 1.0, 80)  # the fit's grid: true values on it are recovered exactly
-TRUE = Efficiency(float(GRID[55]), float(GRID[70]), 0.003, 0.0005)
+# True values on the fit's grids are recovered exactly.
+TRUE = Efficiency(EFF_GRID[27], EFF_GRID[25], 0.003, 0.0005, attn_eff=0.25, half_tokens=16.0)
 
 
 class FakeLLM:
@@ -56,10 +55,12 @@ def test_fit_recovers_known_efficiencies(tmp_path):
     llm = FakeLLM()
     points = measure_engine(llm, lambda n: n, clock=lambda: llm.now)
     fit = fit_efficiency(points, from_engine_config(CONFIG), CPU, "fp32")
-    assert (fit.efficiency.mfu, fit.efficiency.mbu) == (TRUE.mfu, TRUE.mbu)
-    assert fit.efficiency.iteration_overhead_s == pytest.approx(0.003, rel=1e-3)
-    assert fit.efficiency.per_seq_overhead_s == pytest.approx(0.0005, rel=1e-2)
-    assert fit.max_rel_error < 1e-3
+    eff = fit.efficiency
+    assert (eff.mfu, eff.mbu, eff.half_tokens) == (TRUE.mfu, TRUE.mbu, 16.0)
+    assert eff.iteration_overhead_s == pytest.approx(0.003, rel=1e-6)
+    assert eff.per_seq_overhead_s == pytest.approx(0.0005, rel=1e-6)
+    assert eff.attn_eff == pytest.approx(0.25, rel=1e-6)
+    assert fit.max_rel_error < 1e-6
     doc = profile_document(CPU.__dict__ | {"tp_link": "pcie-gen4"}, from_engine_config(CONFIG),
                            "fp32", points, fit, 8)  # fmt: skip
     path = tmp_path / "profile.json"

@@ -56,12 +56,14 @@ class NixlPeerInfo(msgspec.Struct, frozen=True):
     """What a sender tells the receiver in its hello: how to reach and read its caches."""
 
     agent_metadata: bytes
+    num_blocks: int  # of the sender's caches: the receiver reads only inside them
     k_addrs: list[int]  # base address of each layer's K cache
     v_addrs: list[int]
 
 
 class _Peer(NamedTuple):
     agent: str
+    num_blocks: int
     k_addrs: list[int]
     v_addrs: list[int]
 
@@ -101,6 +103,7 @@ class NixlSender(TcpSender):
         self._pump.start()
         info = NixlPeerInfo(
             self._agent.agent.get_agent_metadata(),
+            self.num_blocks,
             [t.data_ptr() for t in k_caches],
             [t.data_ptr() for t in v_caches],
         )
@@ -154,7 +157,7 @@ class NixlReceiver(TcpReceiver):
             name = a.agent.add_remote_agent(info.agent_metadata)
             name = name.decode() if isinstance(name, bytes) else name
             a.peers[name] = a.peers.get(name, 0) + 1
-        return _Peer(name, info.k_addrs, info.v_addrs)
+        return _Peer(name, info.num_blocks, info.k_addrs, info.v_addrs)
 
     def _on_peer_closed(self, peer: _Peer | None) -> None:
         if peer is None:
@@ -174,6 +177,8 @@ class NixlReceiver(TcpReceiver):
     def _land(self, conn, hdr: LayerHeader, ticket: WriteTicket, peer: _Peer) -> None:
         if ticket.released or not hdr.dst_block_ids:
             return
+        if not all(0 <= b < peer.num_blocks for b in hdr.src_block_ids):
+            raise ProtocolError(f"source block ids outside the sender's {peer.num_blocks} blocks")
         bb, layer = self.layout.block_bytes, hdr.layer
         # one descriptor per run of blocks consecutive on both sides: UCX pays per descriptor,
         # so 6 KiB single-block descriptors run at a fraction of the bandwidth of long spans

@@ -127,7 +127,7 @@ class SendTracker:
         with self._cond:
             if not self._cond.wait_for(lambda: not p.reading, _ABORT_WAIT_S):
                 log.error("transfer %r: a channel still reads its blocks after abort", transfer_id)
-            del self._progress[transfer_id]
+            self._progress.pop(transfer_id, None)  # two concurrent waits: either may pop
         ok = p.error is None
         seconds = (p.t_end if ok else time.perf_counter()) - p.t0
         # stats.seconds is time spent moving bytes, so failed transfers only count as failures

@@ -25,6 +25,7 @@ from pdserve.kv_transfer.wire import (
     LayerAck,
     LayerHeader,
     ProtocolError,
+    Refuse,
     client_handshake,
     is_loopback,
     parse_endpoint,
@@ -207,12 +208,21 @@ class TcpReceiver(TableReceiver):
                 return  # listener closed by close()
             with self._lock:
                 if self._closed or len(self._conns) >= self._max_connections:
-                    log.warning("KV receiver: refusing connection from %s (limit reached)", addr)
-                    conn.close()
+                    self._turn_away(conn, addr)
                     continue
                 thread = threading.Thread(target=self._serve, args=(conn, addr), daemon=True)
                 self._conns[conn] = thread
             thread.start()
+
+    def _turn_away(self, conn: socket.socket, addr) -> None:
+        reason = f"the KV receiver is at its limit of {self._max_connections} connections"
+        log.warning("KV receiver: refusing %s: %s", addr, reason)
+        try:
+            conn.settimeout(0.1)
+            send_frame(conn, Refuse(reason))  # the sender's wait reports this instead of EOF
+        except OSError:
+            pass
+        conn.close()
 
     def _serve(self, conn: socket.socket, addr) -> None:
         peer = None
@@ -233,6 +243,8 @@ class TcpReceiver(TableReceiver):
             log.warning("KV receiver: dropping sender %s: %s", addr, exc)
         except OSError as exc:  # includes peer disconnects and timeouts
             log.debug("KV receiver: sender %s disconnected: %s", addr, exc)
+        except Exception:  # e.g. a NIXL error: drop this connection, keep serving the others
+            log.exception("KV receiver: connection from %s failed", addr)
         finally:
             self._on_peer_closed(peer)
             with self._lock:

@@ -199,3 +199,16 @@ def test_endpoints_of_another_backend_are_rejected_at_once(make_pair):
     pair = make_pair("tcp")
     with pytest.raises(ValueError, match="expected tcp://HOST:PORT"):
         pair.sender.send_layer("inproc://x", "t", 0, [0], [0])
+
+
+def test_a_receiver_at_its_connection_limit_says_so(make_pair):
+    pair = make_pair("tcp", receiver={"max_connections": 1})
+    pair.receiver.expect("t", [0])
+    with _handshaken_socket(pair.receiver):  # takes the only slot
+        pair.send_all("t", [0], [0], layers=[0])
+        result = pair.sender.wait("t", timeout_s=5)
+    assert result.error == (
+        f"sending to {pair.receiver.endpoint} failed: the KV receiver is at its limit of 1 "
+        "connections"
+    )
+    assert pair.untouched([0])

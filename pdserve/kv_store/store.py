@@ -192,6 +192,26 @@ class Store:
         with self._lock:
             return list(self._dram), list(self._ssd)
 
+    def check_integrity(self, idle: bool = True) -> None:
+        """Raise AssertionError naming the first broken invariant: byte counts match the tiers,
+        every indexed block is in a tier, the files are exactly the SSD index, and (`idle`: no
+        load in progress) every pin is held by a live lease, so no pin leaked."""
+        with self._lock:
+            dram = [self._entries[k] for k in self._dram]
+            ssd = [self._entries[k] for k in self._ssd]
+            assert self._dram_used == sum(e.nbytes for e in dram), "DRAM byte count is off"
+            assert self._ssd_used == sum(e.ssd_size for e in ssd), "SSD byte count is off"
+            leased = Counter(e.key for entries, _ in self._leases.values() for e in entries)
+            for key, e in self._entries.items():
+                assert (e.data is not None) == (key in self._dram), f"{key}: DRAM state"
+                assert bool(e.ssd_size) == (key in self._ssd), f"{key}: SSD state"
+                assert e.data is not None or e.ssd_size, f"{key}: indexed but in no tier"
+                assert e.pins == leased[key] or (not idle and e.pins > leased[key]), (
+                    f"{key}: {e.pins} pins but {leased[key]} leases"
+                )
+            files = set(self.config.store_dir.glob("*/*.kvb"))
+            assert files == {self._files.path(e.key) for e in ssd}, "SSD files != SSD index"
+
     # --- internals (lock held) ------------------------------------------------------------
 
     def _bump(self, name: str) -> None:

@@ -13,7 +13,8 @@ from .helpers import Served, make_config
 
 @pytest.fixture
 def serve(tmp_path):
-    """serve(layout, dram_blocks, ssd_blocks, **server_kw) -> Served; closed after the test."""
+    """serve(layout, dram_blocks, ssd_blocks, **server_kw) -> Served; closed after the test,
+    then checked for leaks."""
     started: list[Served] = []
 
     def factory(layout, dram_blocks=64, ssd_blocks=64, config=None, **server_kw) -> Served:
@@ -26,6 +27,8 @@ def serve(tmp_path):
     yield factory
     for s in started:
         s.server.close()
+    for s in started:  # after every test: no leaked pin, index and files agree
+        s.store.check_integrity()
 
 
 @pytest.fixture

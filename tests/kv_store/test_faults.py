@@ -48,7 +48,7 @@ def test_store_down_every_call_fails_fast_and_clearly(client):
     assert c.stats() is None
     ticket = c.put(chain.hashes, chain.tokens, [0, 1])
     assert ticket.wait(5) and not ticket.ok and "cannot connect" in ticket.error
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0
 
 
 class FakeStore:
@@ -87,7 +87,7 @@ def test_store_failing_mid_load_returns_zero_within_the_timeout(client, hang_up)
         t0 = time.monotonic()
         assert c.load(make_chain(2).hashes, [0, 1], timeout_s=0.5) == 0
         elapsed = time.monotonic() - t0
-        assert elapsed < 0.5 + 0.5
+        assert elapsed < 0.5 + 1.5  # slack for a loaded machine; a hang would take 30 s
         assert ("timed out" in c.last_error) != hang_up
         assert ("closed the connection" in c.last_error) == hang_up
     finally:

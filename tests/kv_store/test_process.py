@@ -82,7 +82,7 @@ def test_store_process_restart_stall_and_kill(tmp_path):
         store.pause()  # a hung store: the load gives up at its timeout
         t0 = time.monotonic()
         assert reader.load(chain.hashes, [0, 1, 2, 3, 4, 5], timeout_s=0.5) == 0
-        assert time.monotonic() - t0 < 1.5 and "timed out" in reader.last_error
+        assert time.monotonic() - t0 < 2.5 and "timed out" in reader.last_error
 
         result: list[int] = []
         loader = threading.Thread(target=lambda: result.append(reader.load(chain.hashes,

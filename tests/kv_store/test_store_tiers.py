@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from pdserve.kv_store.config import Key, layout_key
 from pdserve.kv_store.protocol import BlockMeta
 from pdserve.kv_store.ssd import SsdFiles
@@ -43,6 +45,7 @@ def test_lru_demotion_to_ssd_then_deletion_at_ssd_capacity(tmp_path):
     s = store.stats()
     assert (s.hits_ssd, s.demotions, s.evictions_ssd, s.ssd_blocks, s.dram_blocks) == (
         1, 6, 2, 4, 3)  # fmt: skip
+    store.check_integrity()
 
 
 def test_watermarks_demote_down_to_the_low_mark(tmp_path):
@@ -60,6 +63,7 @@ def test_pinned_blocks_are_never_evicted(tmp_path):
     b = fill(store, LAYOUT, make_chain(4, first_token=900), make_caches(LAYOUT, 4))
     assert store.tier_keys() == ([a[0], b[3]], [])  # every unpinned block left before it
     assert store.stats().evictions_dram == 3
+    store.check_integrity()
     store.unpin(lease)
     assert store.stats().pinned_blocks == 0
     c = fill(store, LAYOUT, make_chain(1, first_token=700), make_caches(LAYOUT, 1))
@@ -149,6 +153,7 @@ def test_torn_and_corrupt_files_are_dropped_never_served(tmp_path):
         SsdFiles(tmp_path).path(key).name for key in (k[0], k[3])
     )
     assert _read(store, k[3]) == payload_of(*caches, 3)
+    store.check_integrity()
 
 
 def test_verify_on_start_checks_every_checksum(tmp_path):
@@ -157,3 +162,17 @@ def test_verify_on_start_checks_every_checksum(tmp_path):
     store = _store(tmp_path, dram=8, ssd=8, verify_on_start=True)
     assert store.stats().corrupt_dropped == 3
     assert store.contains(k) == [True, False, False, True]
+
+
+def test_integrity_check_finds_a_leaked_pin_and_a_stray_file(tmp_path):
+    store = _store(tmp_path, dram=0, ssd=4)
+    k = fill(store, LAYOUT, make_chain(2), make_caches(LAYOUT, 2))
+    entries = store.acquire(k[:1])  # a load that never releases
+    store.check_integrity(idle=False)
+    with pytest.raises(AssertionError, match="1 pins but 0 leases"):
+        store.check_integrity()
+    store.release(entries)
+    store.check_integrity()
+    (tmp_path / k[0].layout_key / "00000000000000aa.kvb").write_bytes(b"stray")
+    with pytest.raises(AssertionError, match="SSD files != SSD index"):
+        store.check_integrity()

@@ -79,6 +79,7 @@ class StoreClient:
         self._jobs: queue.Queue[PutJob | None] = queue.Queue(max_queued_puts)
         self._book = TicketBook()
         self.last_error: str | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._put_loop, name="kv-store-put", daemon=True)
         self._thread.start()
 
@@ -99,6 +100,9 @@ class StoreClient:
         if len(block_ids) != len(metas):
             raise ValueError(f"{len(block_ids)} block ids for {len(metas)} block hashes")
         ticket = self._book.open()
+        if self._closed:
+            self._book.finish(ticket, 0, "KV store client closed")
+            return ticket
         try:
             self._jobs.put_nowait(PutJob(metas, list(block_ids), ticket))
         except queue.Full:
@@ -253,7 +257,9 @@ class StoreClient:
         return 0
 
     def close(self) -> None:
-        """Stop the put thread (queued puts fail), close the connections."""
+        """Stop the put thread (queued puts fail, the one being sent finishes or fails within
+        `timeout_s`), close the connections. Later puts fail at once."""
+        self._closed = True
         while True:
             try:
                 job = self._jobs.get_nowait()

@@ -165,3 +165,12 @@ def test_lookup_lease_pins_until_the_next_request(serve, client):
     c.close()  # a closed connection ends its lease too
     served.server.close()
     assert served.store.stats().pinned_blocks == 0
+
+
+def test_puts_after_close_fail_at_once(serve, client):
+    layout = make_layout()
+    c = client(serve(layout).server.endpoint, layout, *make_caches(layout, 2))
+    c.close()
+    ticket = c.put(make_chain(1).hashes, make_chain(1).tokens, [0])
+    assert ticket.done() and ticket.error == "KV store client closed"
+    assert c.flush(0)

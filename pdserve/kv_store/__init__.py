@@ -3,8 +3,10 @@
 * `store.py`: the index, LRU demotion DRAM -> SSD, deletion at SSD capacity, pins and leases.
 * `ssd.py`: one checksummed file per block; restart rebuilds the index from the files.
 * `server.py`: the `pdserve store` process (thread per connection, HMAC off loopback).
-* `client.py`: `StoreClient`, the engine's side: async zero-copy put, lookup, load into blocks.
-* `protocol.py`: typed frames and limits; `cli.py`: the `store` subcommand.
+* `client.py`: `StoreClient`, the engine's side: async zero-copy put, lookup, load into blocks;
+  `connection.py` (reconnect, backoff, deadlines) and `tickets.py` (put tickets) serve it.
+* `protocol.py`: typed frames and limits; `metrics.py`: Prometheus /metrics; `cli.py`: the
+  `store` subcommand; `bench.py`: put/load throughput per tier.
 
-Importing this package imports neither torch nor numpy.
+Importing this package imports neither torch nor numpy. See docs/kv_store.md.
 """

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "pdserve.serving.cli",  # serve, router, worker
     "pdserve.bench.cli",  # bench, bench compare
     "pdserve.sim.cli",  # kv-size, profile, simulate, plan
+    "pdserve.kv_store.cli",  # store
 )
 
 

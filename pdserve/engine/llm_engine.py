@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -17,7 +18,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.model.loader import ModelFiles, load_model_files, load_tokenizer
 
@@ -109,21 +110,49 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def add_transferring(self, seq: Sequence) -> bool:
+        """Decode role: hold blocks for seq's prompt, whose KV will be pushed by a prefill
+        worker. False if blocks are short right now (retry later)."""
+        if not self.scheduler.add_transferring(seq):
+            return False
+        self.requests[seq.request_id] = seq
+        return True
+
+    def start_decoding(self, request_id: str, first_token: int) -> StepOutput | None:
+        """Decode role: the prompt's KV has landed; join the batch with the first token that
+        the prefill worker sampled."""
+        seq = self.scheduler.finish_transfer(request_id)
+        return None if seq is None else self._append(seq, first_token)
+
+    def resume_local(self, request_id: str) -> bool:
+        """Decode role: the KV transfer failed or expired; prefill the prompt here instead."""
+        return self.scheduler.resume_local(request_id) is not None
+
     def abort(self, request_id: str) -> bool:
+        self.scheduler.release_held(request_id)
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
         return True
 
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV of a finished request has been sent; free its blocks."""
+        self.scheduler.release_held(request_id)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self, layer_hook=None) -> list[StepOutput]:
+    def step(
+        self, layer_hook: Callable[[ScheduledBatch, int], None] | None = None
+    ) -> list[StepOutput]:
+        """One iteration: schedule, run the model, sample, and finish what is done.
+        `layer_hook(batch, layer)` runs after each layer's forward pass (KV streaming)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        indices, logits = self.runner.run(batch, layer_hook)
+        hook = None if layer_hook is None else (lambda layer: layer_hook(batch, layer))
+        indices, logits = self.runner.run(batch, hook)
         self.scheduler.after_step(batch)
         if not indices:
             return []
@@ -149,7 +178,8 @@ class LLMEngine:
         seq.token_ids.append(token)
         reason = self._stop_reason(seq, token)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            # A prefill worker keeps the blocks until their KV is on the decode worker.
+            self.scheduler.finish(seq, reason, keep_blocks=self.config.role == "prefill")
             self.requests.pop(seq.request_id, None)
         return StepOutput(seq, token, reason is not None)
 
@@ -160,6 +190,7 @@ class LLMEngine:
         s, bm = self.scheduler, self.block_manager
         return {
             "waiting": len(s.waiting),
+            "queued_tokens": s.queued_prompt_tokens(),
             "transferring": len(s.transferring),
             "running": len(s.running),
             "free_blocks": bm.num_free_blocks,

@@ -43,15 +43,24 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.transferring: dict[str, Sequence] = {}
         self.running: list[Sequence] = []
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
         self.num_preemptions = 0
 
     @property
     def live(self) -> list[Sequence]:
         """Every sequence that may hold blocks."""
-        return [*self.running, *self.transferring.values()]
+        return [*self.running, *self.transferring.values(), *self.held.values()]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens admitted or waiting but not yet computed (a prefill load signal)."""
+        return sum(
+            s.num_uncomputed_tokens
+            for s in (*self.waiting, *self.running)
+            if s.num_uncomputed_tokens > 1
+        )
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -76,9 +85,28 @@ class Scheduler:
         self.running.append(seq)
         return seq
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove seq from whichever queue holds it and free its blocks."""
+    def resume_local(self, request_id: str) -> Sequence | None:
+        """Decode role fallback: the KV never arrived, so compute the prompt here, keeping the
+        blocks (and prefix hits) already allocated."""
+        seq = self.transferring.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def release_held(self, request_id: str) -> None:
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.bm.free(seq)
+
+    def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> None:
+        """Remove seq from whichever queue holds it and free its blocks (or, with keep_blocks,
+        hold them until `release_held`)."""
         if seq.status == SeqStatus.FINISHED:
+            if not keep_blocks:
+                self.release_held(seq.request_id)
             return
         if seq in self.running:
             self.running.remove(seq)
@@ -86,7 +114,10 @@ class Scheduler:
             del self.transferring[seq.request_id]
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.free(seq)
+        if keep_blocks:
+            self.held[seq.request_id] = seq
+        else:
+            self.bm.free(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
     def _chunk(self, seq: Sequence, budget: int) -> int:

@@ -1,0 +1,1 @@
+"""The router: OpenAI HTTP API in front, placement of every request on the worker pools."""

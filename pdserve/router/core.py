@@ -1,0 +1,307 @@
+"""RouterCore: the control plane. Registers workers, places requests, relays the KV handoff.
+
+Lifecycle of a remote-prefill request (numbers as in docs/architecture.md):
+  submit -> Admit(remote) to D -> Placement from D -> Prefill to P -> PrefillDone from P
+  (first token to the client) -> KVReady to D -> Tokens from D ... -> finished.
+A local request is Admit(remote=False) to D, then Tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from pdserve.engine.block_hash import block_hashes
+from pdserve.kv_transfer.base import KVLayoutMismatch
+from pdserve.router import metrics
+from pdserve.router.state import RequestState, WorkerInfo
+from pdserve.serving import messages as m
+from pdserve.serving.channel import Codec
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    control_host: str = "127.0.0.1"
+    control_port: int = 0
+    mode: str = "disagg"  # disagg | colocated
+    local_prefill_threshold: int = 256  # uncached prompt tokens below this prefill on D
+    lease_s: float = 30.0
+    heartbeat_timeout_s: float = 5.0
+    block_size: int = 16
+    max_inflight: int = 256  # admission control: beyond this, 429
+
+
+class RouterCore:
+    def __init__(self, config: RouterConfig, secret: bytes | None = None):
+        self.config = config
+        self.codec = Codec(secret)
+        self.workers: dict[str, WorkerInfo] = {}
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if config.control_port:
+            self.sock.bind(f"tcp://{config.control_host}:{config.control_port}")
+        else:
+            self.sock.bind(f"tcp://{config.control_host}:0")
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._monitor())]
+
+    async def stop(self) -> None:
+        for w in self.workers.values():
+            self.send(w.worker_id, m.Shutdown())
+        for t in self._tasks:
+            t.cancel()
+        self.sock.close()
+
+    # -- sockets ---------------------------------------------------------------------------
+    def send(self, worker_id: str, msg) -> bool:
+        try:
+            self.sock.send_multipart(
+                [worker_id.encode(), *self.codec.encode(msg)], flags=zmq.NOBLOCK
+            )
+            return True
+        except zmq.ZMQError as exc:  # unknown peer (dead) or full queue
+            log.warning("could not send %s to %s: %s", type(msg).__name__, worker_id, exc)
+            return False
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            msg = self.codec.decode(frames[1:])
+            if msg is None:
+                continue
+            try:
+                getattr(self, f"_on_{type(msg).__name__}")(frames[0].decode(), msg)
+            except Exception:
+                log.exception("router failed to handle %s", type(msg).__name__)
+
+    # -- workers ---------------------------------------------------------------------------
+    def _on_Register(self, wid: str, msg: m.Register) -> None:
+        for other in self.workers.values():
+            if other.worker_id == wid or not other.alive:
+                continue
+            try:
+                other.layout.check_compatible(msg.layout, mine=other.worker_id, theirs=wid)
+            except KVLayoutMismatch as exc:
+                self.send(wid, m.RegisterAck(False, str(exc)))
+                return
+        old = self.workers.get(wid)
+        if old is not None and old.alive:
+            self._worker_lost(old, "it re-registered (restarted)")
+        self.workers[wid] = WorkerInfo(
+            wid, msg.role, msg.layout, msg.kv_endpoint, msg.total_blocks, msg.max_model_len, msg.pid
+        )
+        self.send(wid, m.RegisterAck(True))
+        log.info("worker %s registered as %s", wid, msg.role)
+
+    def _on_Heartbeat(self, wid: str, msg: m.Heartbeat) -> None:
+        w = self.workers.get(msg.worker_id)  # sent from the worker's heartbeat socket "<id>#hb"
+        if w is None or not w.alive or wid.partition("#")[0] != msg.worker_id:
+            return
+        w.last_seen = time.monotonic()
+        if msg.load is not None:
+            w.load = msg.load
+        w.cached.difference_update(msg.removed)
+        w.cached.update(msg.stored)
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                if w.alive and now - w.last_seen > self.config.heartbeat_timeout_s:
+                    self._worker_lost(w, f"no heartbeat for {now - w.last_seen:.1f}s")
+
+    def _worker_lost(self, w: WorkerInfo, why: str) -> None:
+        """Stop routing to w; migrate or re-prefill every request it held."""
+        log.warning("worker %s lost: %s", w.worker_id, why)
+        w.alive = False
+        metrics.WORKER_FAILURES.inc()
+        for rid in list(w.inflight):
+            state = self.requests.get(rid)
+            if state is None or state.finished:
+                continue
+            if state.decode_id == w.worker_id:
+                self._migrate(state)
+            elif state.prefill_id == w.worker_id and state.decode_id:
+                self.send(state.decode_id, m.KVReady(rid, None))  # D prefills locally
+        w.inflight.clear()
+
+    def _migrate(self, state: RequestState) -> None:
+        """Replay prompt + tokens already streamed on another decode worker."""
+        remaining = state.params.max_tokens - len(state.tokens)
+        decode = self._pick_decode(state.prompt)
+        if decode is None or remaining <= 0 or state.migrations >= 3:
+            state.fail(503, "the worker serving this request failed and no other can take it")
+            return
+        state.migrations += 1
+        metrics.MIGRATIONS.inc()
+        state.decode_id, state.prefill_id, state.remote = decode.worker_id, None, False
+        decode.inflight.add(state.request_id)
+        params = m.Params(**{**_asdict(state.params), "max_tokens": remaining})
+        self.send(
+            decode.worker_id,
+            m.Admit(
+                state.request_id,
+                state.prompt + state.tokens,
+                params,
+                remote_prefill=False,
+                skip_tokens=len(state.tokens),
+            ),
+        )
+
+    def alive(self, role: str | None = None) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
+
+    async def wait_for_workers(self, prefill: int, decode: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (
+                len(self.alive("prefill")) >= prefill
+                and len([w for w in self.alive() if w.can_decode]) >= decode
+            ):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    @property
+    def max_model_len(self) -> int | None:
+        lens = [w.max_model_len for w in self.alive()]
+        return min(lens) if lens else None
+
+    # -- placement -------------------------------------------------------------------------
+    def _pick_decode(self, prompt: list[int]) -> WorkerInfo | None:
+        """Longest prefix overlap, then fewest requests in flight, then most free blocks."""
+        hashes = block_hashes(prompt, self.config.block_size)
+        candidates = [w for w in self.alive() if w.can_decode]
+        if not candidates:
+            return None
+        return min(
+            candidates, key=lambda w: (-w.overlap(hashes), len(w.inflight), -w.free_blocks())
+        )
+
+    def _pick_prefill(self, prompt: list[int]) -> WorkerInfo | None:
+        hashes = block_hashes(prompt, self.config.block_size)
+        candidates = self.alive("prefill")
+        if not candidates:
+            return None
+        return min(
+            candidates,
+            key=lambda w: (-w.overlap(hashes), w.queued_prefill_tokens() + 1000 * len(w.inflight)),
+        )
+
+    def submit(self, prompt: list[int], params: m.Params) -> RequestState:
+        """Place a validated request; its events arrive on the returned state's queue."""
+        if len(self.requests) >= self.config.max_inflight:
+            raise OverflowError("too many requests in flight")
+        decode = self._pick_decode(prompt)
+        if decode is None:
+            raise LookupError("no decode worker is available")
+        overlap = (
+            decode.overlap(block_hashes(prompt, self.config.block_size)) * self.config.block_size
+        )
+        remote = (
+            self.config.mode == "disagg"
+            and decode.role == "decode"
+            and bool(self.alive("prefill"))
+            and len(prompt) - overlap >= self.config.local_prefill_threshold
+        )
+        metrics.PREFILL_DECISIONS.labels("remote" if remote else "local").inc()
+        state = RequestState(
+            f"r{next(self._ids)}", prompt, params, remote, decode_id=decode.worker_id
+        )
+        self.requests[state.request_id] = state
+        decode.inflight.add(state.request_id)
+        self.send(
+            decode.worker_id, m.Admit(state.request_id, prompt, params, remote, self.config.lease_s)
+        )
+        return state
+
+    def finish(self, state: RequestState, abort: bool) -> None:
+        """Forget a request; with abort, tell every worker holding it to free its blocks."""
+        self.requests.pop(state.request_id, None)
+        for wid in (state.decode_id, state.prefill_id):
+            w = self.workers.get(wid) if wid else None
+            if w is None:
+                continue
+            w.inflight.discard(state.request_id)
+            if abort and w.alive:
+                self.send(wid, m.Abort(state.request_id))
+
+    # -- messages about requests -----------------------------------------------------------
+    def _on_Placement(self, wid: str, msg: m.Placement) -> None:
+        state = self.requests.get(msg.request_id)
+        if state is None:
+            self.send(wid, m.Abort(msg.request_id))
+            return
+        prefill = self._pick_prefill(state.prompt)
+        if prefill is None:
+            self.send(wid, m.KVReady(msg.request_id, None))  # prefill locally on D
+            return
+        state.prefill_id = prefill.worker_id
+        prefill.inflight.add(state.request_id)
+        self.send(
+            prefill.worker_id,
+            m.Prefill(
+                msg.request_id,
+                state.prompt,
+                state.params,
+                msg.kv_endpoint,
+                msg.block_ids,
+                msg.num_cached_tokens,
+            ),
+        )
+
+    def _on_PrefillDone(self, wid: str, msg: m.PrefillDone) -> None:
+        state = self.requests.get(msg.request_id)
+        w = self.workers.get(wid)
+        if w is not None:
+            w.inflight.discard(msg.request_id)
+        if state is None:
+            return
+        metrics.KV_BYTES.inc(msg.transfer_bytes)
+        metrics.KV_SECONDS.inc(msg.transfer_s)
+        if msg.first_token is None:
+            metrics.KV_FAILURES.inc()
+            log.warning(
+                "prefill of %s failed (%s): decode worker prefills locally",
+                msg.request_id,
+                msg.error,
+            )
+            self.send(state.decode_id, m.KVReady(msg.request_id, None))
+            return
+        state.deliver(0, msg.first_token, None)  # D reports whether it also ends the request
+        self.send(state.decode_id, m.KVReady(msg.request_id, msg.first_token))
+
+    def _on_Tokens(self, wid: str, msg: m.Tokens) -> None:
+        for item in msg.items:
+            state = self.requests.get(item.request_id)
+            if state is not None and state.decode_id == wid:
+                state.deliver(item.index, item.token, item.finish_reason)
+
+    def _on_Failed(self, wid: str, msg: m.Failed) -> None:
+        state = self.requests.get(msg.request_id)
+        if state is not None:
+            state.fail(msg.status, msg.error)
+
+    def _on_RegisterAck(self, wid, msg) -> None:  # workers never send these
+        pass
+
+
+def _asdict(p: m.Params) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(p)

@@ -1,0 +1,57 @@
+"""Prometheus metrics of the router (workers' load is exported through a collector)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import REGISTRY
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TTFT = Histogram("pdserve_ttft_seconds", "time to first token", buckets=_LAT)
+ITL = Histogram("pdserve_itl_seconds", "inter-token latency", buckets=_LAT)
+E2E = Histogram("pdserve_e2e_seconds", "end-to-end request latency", buckets=_LAT)
+REQUESTS = Counter("pdserve_requests", "finished requests", ["status"])
+PREFILL_DECISIONS = Counter("pdserve_prefill_decisions", "where prompts were prefilled", ["where"])
+KV_BYTES = Counter("pdserve_kv_transfer_bytes", "KV bytes pushed prefill -> decode")
+KV_SECONDS = Counter("pdserve_kv_transfer_seconds", "seconds spent pushing KV")
+KV_FAILURES = Counter("pdserve_kv_transfer_failures", "KV pushes that failed (prefilled locally)")
+WORKER_FAILURES = Counter("pdserve_worker_failures", "workers declared dead")
+MIGRATIONS = Counter("pdserve_migrations", "requests replayed on another decode worker")
+REJECTED = Counter("pdserve_rejected", "requests refused by admission control", ["reason"])
+
+
+class WorkerCollector:
+    """Exports each live worker's last load report as gauges labelled by worker and role."""
+
+    FIELDS = (
+        "waiting",
+        "transferring",
+        "running",
+        "queued_tokens",
+        "free_blocks",
+        "total_blocks",
+        "prefix_hit_tokens",
+        "prefix_query_tokens",
+        "preemptions",
+    )
+
+    def __init__(self, core):
+        self.core = core
+
+    def collect(self):
+        families = {
+            f: GaugeMetricFamily(f"pdserve_worker_{f}", f"worker {f}", labels=["worker", "role"])
+            for f in self.FIELDS
+        }
+        for w in self.core.alive():
+            if w.load is None:
+                continue
+            for f in self.FIELDS:
+                families[f].add_metric([w.worker_id, w.role], getattr(w.load, f))
+        yield from families.values()
+
+
+def register_workers(core) -> WorkerCollector:
+    collector = WorkerCollector(core)
+    REGISTRY.register(collector)
+    return collector

@@ -1,0 +1,85 @@
+"""What the router knows: registered workers (load, cached block hashes) and live requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from pdserve.serving import messages as m
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str
+    layout: object
+    kv_endpoint: str | None
+    total_blocks: int
+    max_model_len: int
+    pid: int
+    load: m.Load | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    cached: set[int] = field(default_factory=set)  # block hashes this worker holds
+    inflight: set[str] = field(default_factory=set)  # request ids placed here
+    alive: bool = True
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+    def overlap(self, hashes: list[int]) -> int:
+        """Leading blocks of the prompt this worker already caches."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def queued_prefill_tokens(self) -> int:
+        return self.load.queued_tokens if self.load else 0
+
+    def free_blocks(self) -> int:
+        return self.load.free_blocks if self.load else self.total_blocks
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: list[int]
+    params: m.Params
+    remote: bool
+    decode_id: str | None = None
+    prefill_id: str | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)  # delivered, in order
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished: bool = False
+    migrations: int = 0
+
+    def deliver(self, index: int, token: int, finish_reason: str | None) -> bool:
+        """Queue token `index` for the client unless it is a duplicate (migration replay)."""
+        if self.finished:
+            return False
+        if index == len(self.tokens) - 1 and finish_reason is not None:
+            self.finished = True  # the last delivered token (e.g. from the prefill worker) ends it
+            self.events.put_nowait(("token", None, finish_reason))
+            return True
+        if index != len(self.tokens):
+            return False
+        now = time.monotonic()
+        self.first_token_at = self.first_token_at or now
+        self.last_token_at = now
+        self.tokens.append(token)
+        if finish_reason is not None:
+            self.finished = True
+        self.events.put_nowait(("token", token, finish_reason))
+        return True
+
+    def fail(self, status: int, message: str) -> None:
+        if not self.finished:
+            self.finished = True
+            self.events.put_nowait(("error", status, message))

@@ -1,0 +1,237 @@
+"""`pdserve serve`, `pdserve router` and `pdserve worker`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pdserve.engine.cli import add_engine_args, engine_config_from_args
+
+ENGINE_FLAGS = (
+    "model",
+    "dtype",
+    "device",
+    "kv_cache_gb",
+    "block_size",
+    "max_num_seqs",
+    "max_model_len",
+)
+
+
+def _router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
+    p.add_argument(
+        "--control-host",
+        default="127.0.0.1",
+        help="bind address of the worker control socket; non-loopback needs PDSERVE_SECRET",
+    )
+    p.add_argument(
+        "--control-port", type=int, default=0, help="control socket port (default: any free)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=["disagg", "colocated"],
+        default="disagg",
+        help="disagg: prefill and decode pools; colocated: one engine does both",
+    )
+    p.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=256,
+        help="conditional disaggregation: prompts whose uncached part is shorter than this "
+        "many tokens are prefilled on the decode worker (default 256)",
+    )
+    p.add_argument(
+        "--lease-s", type=float, default=30.0, help="KV lease deadline on decode workers"
+    )
+    p.add_argument(
+        "--heartbeat-timeout-s", type=float, default=5.0, help="silence before a worker is dead"
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=256,
+        help="admission control: requests in flight before new ones get 429 with Retry-After",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--model-name", default=None, help="name served in /v1/models (default: file name)"
+    )
+
+
+def _make_frontend(args):
+    from pdserve.model.loader import load_model_config, load_tokenizer
+    from pdserve.router.app import Frontend
+    from pdserve.router.core import RouterConfig, RouterCore
+    from pdserve.router.metrics import register_workers
+    from pdserve.serving.channel import require_secret_for, resolve_secret
+
+    secret = resolve_secret()
+    require_secret_for(args.control_host, secret)
+    path, _ = load_model_config(args.model)
+    config = RouterConfig(
+        control_host=args.control_host,
+        control_port=args.control_port,
+        mode=args.mode,
+        local_prefill_threshold=args.local_prefill_threshold,
+        lease_s=args.lease_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        block_size=args.block_size,
+        max_inflight=args.max_inflight,
+    )
+    core = RouterCore(config, secret)
+    register_workers(core)
+    name = args.model_name or path.name.removesuffix(".gguf")
+    return Frontend(core, load_tokenizer(args.model), name, api_key=args.api_key)
+
+
+def _router(args) -> int:
+    from pdserve.router.app import build_app
+    from pdserve.serving.launcher import serve_forever
+
+    frontend = _make_frontend(args)
+
+    async def ready(port):
+        print(
+            f"router on http://{args.host}:{port}/v1, workers connect to {frontend.core.endpoint}",
+            flush=True,
+        )
+
+    return serve_forever(build_app(frontend), args.host, args.port, on_ready=ready)
+
+
+def _engine_argv(args) -> list[str]:
+    argv = []
+    for flag in ENGINE_FLAGS:
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    return argv
+
+
+def _serve(args) -> int:
+    from pdserve.router.app import build_app
+    from pdserve.serving.launcher import (
+        ServePlan,
+        WorkerProcs,
+        drain_worker_output,
+        serve_forever,
+        wait_ready,
+    )
+
+    cores = sorted(os.sched_getaffinity(0))
+    plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
+    frontend = _make_frontend(args)
+    procs = WorkerProcs()
+    base_argv = _engine_argv(args)
+
+    async def ready(port):
+        for i, (role, cpus) in enumerate(plan.workers):
+            argv = list(base_argv)
+            if role == "both" and args.chunk_size:
+                argv += ["--chunk-size", str(args.chunk_size)]
+            procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport)
+        n_pre = sum(r == "prefill" for r, _ in plan.workers)
+        try:
+            await wait_ready(
+                frontend.core, procs, n_pre, len(plan.workers) - n_pre, args.startup_timeout_s
+            )
+        except RuntimeError as exc:
+            print(f"pdserve serve: error: {exc}", flush=True)
+            os.kill(os.getpid(), 2)  # stop uvicorn; on_stop stops the other workers
+            return
+        drain_worker_output(procs)
+        url = f"http://{args.host}:{port}"
+        layout = ", ".join(f"{r}@cpu{c}" for r, c in plan.workers)
+        print(f"pdserve ready: {url}/v1 ({args.mode}: {layout})", flush=True)
+        print(
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'',
+            flush=True,
+        )
+
+    return serve_forever(
+        build_app(frontend), args.host, args.port, on_ready=ready, on_stop=procs.stop
+    )
+
+
+def _worker(args) -> int:
+    from pdserve.serving.launcher import pin_cpus, run_worker
+    from pdserve.serving.worker import WorkerConfig
+
+    n = pin_cpus(args.cpus)
+    threads = args.threads or n
+    engine = engine_config_from_args(args, role=args.role)
+    if threads:
+        from dataclasses import replace
+
+        engine = replace(engine, num_threads=threads)
+    if args.role == "prefill":  # a prefill worker computes whole prompts: no chunking
+        from dataclasses import replace
+
+        engine = replace(engine, chunk_size=None)
+    config = WorkerConfig(
+        engine=engine,
+        router=args.router,
+        worker_id=args.worker_id or f"{args.role}-{os.getpid()}",
+        kv_transport=args.kv_transport,
+        kv_host=args.kv_host,
+    )
+    return run_worker(config)
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="start the router and workers on this machine",
+        description="Start the OpenAI-compatible router and its workers on this machine. "
+        "Default: disaggregated, one prefill worker and one decode worker, one core each, "
+        "with the bundled model. Prints the URL and an example curl when ready.",
+    )
+    _router_args(p)
+    add_engine_args(p)
+    p.add_argument(
+        "--prefill", type=int, default=1, help="prefill workers (disagg mode, default 1)"
+    )
+    p.add_argument("--decode", type=int, default=1, help="decode workers (disagg mode, default 1)")
+    p.add_argument(
+        "--colocated-workers", type=int, default=1, help="workers in colocated mode (default 1)"
+    )
+    p.add_argument(
+        "--kv-transport", default="tcp", choices=["tcp", "nixl"], help="KV transfer backend"
+    )
+    p.add_argument("--startup-timeout-s", type=float, default=300.0)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("router", help="start only the router (workers join with `pdserve worker`)")
+    _router_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_router)
+
+    p = sub.add_parser(
+        "worker",
+        help="start one engine worker that joins a router",
+        description="One engine process with a role. It registers with the router, "
+        "heartbeats, and serves requests the router places on it.",
+    )
+    p.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
+    p.add_argument("--router", required=True, help="the router's control endpoint, tcp://HOST:PORT")
+    p.add_argument(
+        "--worker-id", default=None, help="stable id (a restarted worker re-registers under it)"
+    )
+    p.add_argument(
+        "--cpus", default=None, help="pin to these cores, e.g. 0 or 2-3 (threads follow)"
+    )
+    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "nixl"])
+    p.add_argument(
+        "--kv-host", default="127.0.0.1", help="address the KV receiver binds (decode role)"
+    )
+    add_engine_args(p)
+    p.set_defaults(func=_worker)

@@ -1,0 +1,182 @@
+"""Process entry points: `pdserve router`, `pdserve worker`, and `pdserve serve` (both at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("pdserve.serve")
+
+
+def pin_cpus(cpus: str | None) -> int | None:
+    """Pin this process to the listed cores ("0,1" or "2-3"); returns how many."""
+    if not cpus:
+        return None
+    ids: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        ids.update(range(int(lo), int(hi or lo) + 1))
+    os.sched_setaffinity(0, ids)
+    return len(ids)
+
+
+def run_worker(config) -> int:
+    from pdserve.serving.worker import Worker
+
+    worker = Worker(config)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
+    try:
+        worker.run()
+    except RuntimeError as exc:
+        print(f"pdserve worker: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """Which workers `pdserve serve` starts, each as (role, cpus)."""
+
+    workers: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def make(
+        cls, mode: str, prefill: int, decode: int, colocated: int, cores: list[int]
+    ) -> ServePlan:
+        if mode == "colocated":
+            groups = _split(cores, colocated)
+            return cls(tuple(("both", g) for g in groups))
+        if prefill < 0 or decode < 1:
+            raise ValueError("disaggregated serving needs --decode >= 1 and --prefill >= 0")
+        groups = _split(cores, prefill + decode)
+        return cls(
+            tuple(("prefill", g) for g in groups[:prefill])
+            + tuple(("decode", g) for g in groups[prefill:])
+        )
+
+
+def _split(cores: list[int], n: int) -> list[str]:
+    """n groups of cores; with fewer cores than workers, workers share cores round-robin."""
+    if n < 1:
+        raise ValueError("need at least one worker")
+    if len(cores) >= n:
+        size = len(cores) // n
+        return [",".join(map(str, cores[i * size : (i + 1) * size])) for i in range(n)]
+    return [str(cores[i % len(cores)]) for i in range(n)]
+
+
+class WorkerProcs:
+    """The worker subprocesses of `pdserve serve`; stopped together."""
+
+    def __init__(self):
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(
+        self,
+        worker_id: str,
+        role: str,
+        cpus: str,
+        router: str,
+        engine_argv: list[str],
+        transport: str,
+    ):
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "worker",
+            "--role",
+            role,
+            "--router",
+            router,
+            "--worker-id",
+            worker_id,
+            "--cpus",
+            cpus,
+            "--kv-transport",
+            transport,
+            *engine_argv,
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        self.procs.append((worker_id, proc))
+        return proc
+
+    def failed(self) -> tuple[str, str] | None:
+        """(worker id, its output) of the first worker that exited."""
+        for wid, proc in self.procs:
+            if proc.poll() is not None:
+                out = proc.stdout.read() if proc.stdout else ""
+                return wid, out[-3000:]
+        return None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def wait_ready(
+    core, procs: WorkerProcs, n_prefill: int, n_decode: int, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await core.wait_for_workers(n_prefill, n_decode, 0.2):
+        dead = procs.failed()
+        if dead:
+            raise RuntimeError(f"worker {dead[0]} failed to start:\n{dead[1]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers did not register within {timeout_s:.0f}s")
+
+
+def drain_worker_output(procs: WorkerProcs) -> None:
+    """Forward worker logs to our stderr so pipes never fill up."""
+    import threading
+
+    def pump(wid, proc):
+        for line in proc.stdout:
+            sys.stderr.write(f"[{wid}] {line}")
+
+    for wid, proc in procs.procs:
+        threading.Thread(target=pump, args=(wid, proc), daemon=True).start()
+
+
+def serve_forever(app, host: str, port: int, on_ready=None, on_stop=None) -> int:
+    """Runs uvicorn with the router app; on_ready(port) after startup; on_stop on exit."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+
+    async def main():
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                return task.result()
+            await asyncio.sleep(0.05)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        if on_ready:
+            await on_ready(bound)
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        if on_stop:
+            on_stop()
+    return 0

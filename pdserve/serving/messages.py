@@ -1,0 +1,154 @@
+"""Typed control-plane messages (msgspec, tagged union, msgpack on the wire). Nothing is ever
+unpickled from the network: a frame that does not decode into one of these is dropped.
+
+Router <-> decode worker D, prefill worker P (lifecycle in docs/architecture.md):
+  worker -> router: Register, Heartbeat, Placement, PrefillDone, Tokens, Failed
+  router -> worker: RegisterAck, Admit, Prefill, KVReady, Abort, Shutdown
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.kv_transfer.base import KVLayout
+
+
+class Params(msgspec.Struct, frozen=True):
+    """Sampling parameters as they travel (mirrors engine.SamplingParams)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class Register(msgspec.Struct, tag=True):
+    worker_id: str
+    role: str  # prefill | decode | both
+    layout: KVLayout
+    kv_endpoint: str | None  # where a decode worker receives KV
+    total_blocks: int
+    max_model_len: int
+    metrics_port: int | None = None
+    pid: int = 0
+
+
+class RegisterAck(msgspec.Struct, tag=True):
+    ok: bool
+    error: str | None = None
+
+
+class Load(msgspec.Struct):
+    waiting: int
+    transferring: int
+    running: int
+    queued_tokens: int  # prompt tokens not yet computed
+    free_blocks: int
+    total_blocks: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    preemptions: int
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    worker_id: str
+    load: Load | None
+    stored: list[int] = []  # block hashes newly cached (KV events for the router's index)
+    removed: list[int] = []
+
+
+class Admit(msgspec.Struct, tag=True):
+    """Router -> D: take a request. remote_prefill=True: allocate blocks and answer Placement."""
+
+    request_id: str
+    prompt: list[int]
+    params: Params
+    remote_prefill: bool
+    lease_s: float = 30.0
+    skip_tokens: int = 0  # output tokens already streamed to the client (migration replay)
+
+
+class Placement(msgspec.Struct, tag=True):
+    """D -> router: blocks held under a lease for the request's KV."""
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int
+    kv_endpoint: str
+
+
+class Prefill(msgspec.Struct, tag=True):
+    """Router -> P: compute the prompt, push KV of blocks from dst_start_block on into D."""
+
+    request_id: str
+    prompt: list[int]
+    params: Params
+    kv_endpoint: str
+    dst_block_ids: list[int]  # D's blocks for the whole prompt
+    num_cached_tokens: int  # D already holds these (whole blocks): not sent
+
+
+class PrefillDone(msgspec.Struct, tag=True):
+    request_id: str
+    first_token: int | None
+    error: str | None = None
+    transfer_bytes: int = 0
+    transfer_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+class KVReady(msgspec.Struct, tag=True):
+    """Router -> D: every layer was pushed; the request joins D's running batch.
+    first_token None: the prefill failed, so D prefills the prompt itself."""
+
+    request_id: str
+    first_token: int | None
+
+
+class TokenOut(msgspec.Struct, array_like=True):
+    request_id: str
+    index: int  # position in the output (0 = first token)
+    token: int
+    finish_reason: str | None
+
+
+class Tokens(msgspec.Struct, tag=True):
+    worker_id: str
+    items: list[TokenOut]
+
+
+class Failed(msgspec.Struct, tag=True):
+    """Worker -> router: the request cannot go on here; the message is for the client."""
+
+    request_id: str
+    error: str
+    status: int = 500
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+Message = (
+    Register
+    | RegisterAck
+    | Heartbeat
+    | Admit
+    | Placement
+    | Prefill
+    | PrefillDone
+    | KVReady
+    | Tokens
+    | Failed
+    | Abort
+    | Shutdown
+)
+MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt fits; anything larger is refused

@@ -166,6 +166,7 @@ class _Channel:
         self._lock = threading.Lock()  # guards _current and _link against abort()
         self._current: str | None = None
         self._link: Link | None = None
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"kv-send {endpoint}", daemon=True)
         self._thread.start()
 
@@ -175,6 +176,9 @@ class _Channel:
     def _run(self) -> None:
         tracker = self._sender._tracker
         while (job := self._jobs.get()) is not None:
+            if self._stopping:
+                tracker.fail(job.transfer_id, f"the connection to {job.endpoint} was closed")
+                continue
             if not tracker.begin(job.transfer_id):
                 continue
             with self._lock:
@@ -206,6 +210,7 @@ class _Channel:
                 self._link.abort()
 
     def stop(self) -> None:
+        self._stopping = True  # jobs still queued fail instead of being sent
         self._jobs.put(None)
         self.abort_if_current(self._current or "")
         self._thread.join(timeout=10)
@@ -265,6 +270,14 @@ class QueuedSender(KVSender):
 
     def stats(self) -> TransferStats:
         return self._stats.snapshot()
+
+    def close_endpoint(self, endpoint: str) -> None:
+        """Drop the connection and thread kept for `endpoint` (e.g. its decode worker died);
+        layers still queued to it fail. A later send_layer to it reconnects."""
+        with self._lock:
+            channel = self._channels.pop(endpoint, None)
+        if channel is not None:
+            channel.stop()
 
     def close(self) -> None:
         with self._lock:

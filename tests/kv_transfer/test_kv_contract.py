@@ -152,3 +152,15 @@ def test_wait_layer_times_out_and_empty_transfer_is_complete(backend, make_pair)
     pair.receiver.expect("cached", [])  # fully prefix-cached prompt: nothing to receive
     assert pair.receiver.layers_landed("cached") == 3
     assert pair.sender.wait("never-sent", timeout_s=1).ok
+
+
+def test_close_endpoint_fails_queued_layers_and_reconnects_later(backend, make_pair):
+    pair = make_pair(backend)
+    pair.receiver.expect("a", [1])
+    pair.sender.close_endpoint(pair.receiver.endpoint)  # nothing open yet: a no-op
+    pair.send_all("a", [1], [1])
+    assert pair.sender.wait("a", 10).ok
+    pair.sender.close_endpoint(pair.receiver.endpoint)
+    pair.receiver.expect("b", [2])
+    pair.send_all("b", [2], [2])  # a fresh channel and connection
+    assert pair.sender.wait("b", 10).ok and pair.landed_equal(2, [2], [2])

@@ -87,3 +87,15 @@ def test_fault_plan_validation():
         FaultPlan(delay_s=-1)
     with pytest.raises(TypeError, match="frozenset"):
         FaultPlan(drop_layers={1})
+
+
+def test_close_endpoint_fails_what_is_still_queued(pair):
+    pair.sender.faults = FaultPlan(delay_s=0.3)
+    pair.send_all("t", IDS, IDS)
+    time.sleep(0.05)  # layer 0 is in its delay, layers 1 and 2 are queued
+    t0 = time.monotonic()
+    pair.sender.close_endpoint(pair.receiver.endpoint)
+    assert time.monotonic() - t0 < 0.2  # the delayed layer was cut, not waited for
+    result = pair.sender.wait("t", 5)
+    assert result.error == (f"sending to {pair.receiver.endpoint} failed: aborted while delayed")
+    assert pair.receiver.layers_landed("t") == 0 and pair.untouched(IDS)

@@ -3,7 +3,9 @@
 For a SmolLM2-135M-shaped cache (30 layers, 3 KV heads, head_dim 64, block 16) it moves every
 layer of a 512- and a 2048-token prompt from this process to a receiver in a second process, and
 prints the median over repeats next to the memcpy bandwidth (torch copy_) and the raw loopback
-socket bandwidth (sendall -> recv_into, no protocol) for the same bytes.
+socket bandwidth (sendall -> recv_into, no protocol) for the same bytes. The "tcp fp8" row sends
+the same KV FP8-compressed (about half the wire bytes for bfloat16); its MB and GB/s count the
+uncompressed KV bytes, i.e. the effective bandwidth.
 
     .venv/bin/python benchmarks/kv_transfer_raw.py [--dtype bfloat16] [--repeats 5]
 """
@@ -99,14 +101,18 @@ def _receiver_proc(backend: str, layout: KVLayout, num_blocks: int, cmds, replie
     receiver.close()
 
 
-def connector_seconds(backend: str, layout: KVLayout, num_blocks: int, repeats: int) -> list[float]:
+def connector_seconds(
+    backend: str, layout: KVLayout, num_blocks: int, repeats: int, **sender_options
+) -> list[float]:
     """Times from the first send_layer to wait() returning (every layer acknowledged)."""
     ctx = mp.get_context("spawn")
     cmds, replies = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_receiver_proc, args=(backend, layout, num_blocks, cmds, replies))
     child.start()
     endpoint = replies.get(timeout=120)
-    sender = make_sender(backend, layout, *caches(layout, num_blocks, random=True))
+    sender = make_sender(
+        backend, layout, *caches(layout, num_blocks, random=True), **sender_options
+    )
     ids = list(range(num_blocks))
     times = []
     for i in range(repeats + 1):  # round 0 opens the connection
@@ -149,6 +155,7 @@ def main() -> None:
                 "raw socket": socket_seconds(nbytes, args.repeats)}  # fmt: skip
         for backend in backends:
             rows[f"{backend} connector"] = connector_seconds(backend, layout, blocks, args.repeats)
+        rows["tcp fp8"] = connector_seconds("tcp", layout, blocks, args.repeats, compression="fp8")
         med = {name: statistics.median(times) for name, times in rows.items()}
         for name, times in rows.items():
             m = med[name]

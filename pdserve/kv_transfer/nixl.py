@@ -96,6 +96,8 @@ class NixlSender(TcpSender):
     def __init__(
         self, layout: KVLayout, k_caches, v_caches, *, progress_thread: bool = False, **options
     ) -> None:
+        if options.get("compression"):
+            raise ValueError("the nixl transport moves raw blocks; compression is tcp-only")
         super().__init__(layout, k_caches, v_caches, **options)
         self._agent = _Agent("send", [*k_caches, *v_caches], progress_thread)
         self._stop = threading.Event()
@@ -137,6 +139,7 @@ class NixlReceiver(TcpReceiver):
     """Decode side: validates each announced layer, then READs it into the registered blocks."""
 
     scheme = "nixl"
+    encodings = ("raw",)
 
     def __init__(
         self, layout, k_caches, v_caches, host="127.0.0.1", *, progress_thread=False, **options

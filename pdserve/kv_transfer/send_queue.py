@@ -230,6 +230,10 @@ class QueuedSender(KVSender):
         self._lock = threading.Lock()
         self._closed = False
 
+    def _payload_bytes(self, num_blocks: int) -> int:
+        """Bytes one layer of `num_blocks` blocks puts on the wire (K and V)."""
+        return 2 * num_blocks * self.layout.block_bytes
+
     @abstractmethod
     def _check_endpoint(self, endpoint: str) -> None:
         """Raise ValueError if `endpoint` is not an address of this backend."""
@@ -246,7 +250,7 @@ class QueuedSender(KVSender):
                 f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
             )
         check_block_ids(src_block_ids, self.num_blocks, "source")
-        nbytes = 2 * len(src_block_ids) * self.layout.block_bytes
+        nbytes = self._payload_bytes(len(src_block_ids))
         job = Job(dest_endpoint, transfer_id, layer, tuple(src_block_ids), tuple(dst_block_ids),
                   nbytes)  # fmt: skip
         with self._lock:

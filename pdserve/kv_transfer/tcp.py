@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 
+from pdserve.kv_transfer import fp8
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.memory import byte_views, paired_runs
 from pdserve.kv_transfer.send_queue import Job, Link, QueuedSender
@@ -88,7 +89,7 @@ class TcpLink(Link):
         if self._dead:  # the ack reader already failed what was pending, maybe not this job
             raise ConnectionError("connection to the KV receiver lost")
         header = LayerHeader(job.transfer_id, job.layer, list(job.src_ids), list(job.dst_ids),
-                             job.nbytes)  # fmt: skip
+                             job.nbytes, self._sender.encoding)  # fmt: skip
         send_frame(self._sock, header)
         self._sender._write_payload(self._sock, job)
 
@@ -131,10 +132,14 @@ class TcpSender(QueuedSender):
         *,
         secret: bytes | None = None,
         connect_timeout_s: float = 5.0,
+        compression: str | None = None,
     ) -> None:
+        if compression not in (None, fp8.ENCODING):
+            raise ValueError(f"unknown KV compression {compression!r}; use None or 'fp8'")
         super().__init__(layout, k_caches, v_caches)
         self.secret = resolve_secret(secret)
         self.connect_timeout_s = connect_timeout_s
+        self.encoding = compression or "raw"
         self._k_bytes = byte_views(k_caches)
         self._v_bytes = byte_views(v_caches)
 
@@ -147,8 +152,18 @@ class TcpSender(QueuedSender):
     def _hello_extra(self) -> bytes:
         return b""
 
+    def _payload_bytes(self, num_blocks: int) -> int:
+        if self.encoding == fp8.ENCODING:
+            return fp8.payload_bytes(self.layout, num_blocks)
+        return super()._payload_bytes(num_blocks)
+
     def _write_payload(self, sock: socket.socket, job: Job) -> None:
         """All K blocks of the layer in list order, then all V blocks, from cache memory."""
+        if self.encoding == fp8.ENCODING:
+            for cache in (self.k_caches[job.layer], self.v_caches[job.layer]):
+                for part in fp8.encode(cache, job.src_ids):
+                    sock.sendall(part.numpy())
+            return
         runs = paired_runs(job.src_ids, job.dst_ids)
         for views in (self._k_bytes[job.layer], self._v_bytes[job.layer]):
             for run in runs:
@@ -161,6 +176,7 @@ class TcpReceiver(TableReceiver):
     """
 
     scheme = "tcp"
+    encodings = ("raw", fp8.ENCODING)  # what this receiver accepts in LayerHeader.encoding
 
     def __init__(
         self,
@@ -258,7 +274,8 @@ class TcpReceiver(TableReceiver):
             len(hdr.transfer_id) > 256
             or len(hdr.src_block_ids) != n
             or not 0 <= hdr.layer < self.layout.num_layers
-            or hdr.nbytes != 2 * n * self.layout.block_bytes
+            or hdr.encoding not in self.encodings
+            or hdr.nbytes != self._payload_bytes(n, hdr.encoding)
         ):  # the stream cannot be trusted past a header that lies about its payload
             raise ProtocolError(f"inconsistent layer header for {hdr.transfer_id[:256]!r}")
         ticket = self._table.begin_write(
@@ -275,7 +292,15 @@ class TcpReceiver(TableReceiver):
             raise
         return self._table.end_write(ticket, None, hdr.nbytes, time.perf_counter() - t0)
 
+    def _payload_bytes(self, num_blocks: int, encoding: str) -> int:
+        if encoding == fp8.ENCODING:
+            return fp8.payload_bytes(self.layout, num_blocks)
+        return 2 * num_blocks * self.layout.block_bytes
+
     def _land(self, conn: socket.socket, hdr: LayerHeader, ticket: WriteTicket, peer) -> None:
+        if hdr.encoding == fp8.ENCODING:
+            self._land_fp8(conn, hdr, ticket)
+            return
         runs = paired_runs(hdr.src_block_ids, hdr.dst_block_ids)
         bb = self.layout.block_bytes
         for views in (self._k_bytes[hdr.layer], self._v_bytes[hdr.layer]):
@@ -285,6 +310,19 @@ class TcpReceiver(TableReceiver):
                 else:
                     span = views[run.dst : run.dst + run.count]
                     recv_into_exact(conn, memoryview(span).cast("B"))
+
+    def _land_fp8(self, conn: socket.socket, hdr: LayerHeader, ticket: WriteTicket) -> None:
+        """Compressed blocks cannot land in place: stage the layer, then dequantize into blocks
+        (under the ticket, so `release` still waits for it)."""
+        buf = bytearray(hdr.nbytes)
+        recv_into_exact(conn, memoryview(buf))
+        if ticket.released or not hdr.dst_block_ids:
+            return
+        parts = fp8.split_payload(buf, self.layout, len(hdr.dst_block_ids))
+        for cache, (scales, data) in zip(
+            (self.k_caches[hdr.layer], self.v_caches[hdr.layer]), parts, strict=True
+        ):
+            fp8.decode_into(cache, hdr.dst_block_ids, scales, data)
 
     def _skip_payload(self, conn: socket.socket, hdr: LayerHeader) -> None:
         self._discard(conn, hdr.nbytes)

@@ -80,6 +80,7 @@ class LayerHeader(msgspec.Struct, tag="layer", frozen=True):
     src_block_ids: list[int]
     dst_block_ids: list[int]
     nbytes: int  # payload that follows (tcp) or that the receiver reads (nixl)
+    encoding: str = "raw"  # "raw" block bytes, or "fp8" (fp8.py; tcp only)
 
 
 class LayerAck(msgspec.Struct, tag="ack", frozen=True):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -41,9 +43,38 @@ def measure_cpu(threads: int | None = None, repeats: int = 3) -> dict[str, Any]:
         "peak_flops": 2 * n**3 / mm,
         "mem_bytes_per_s": 2 * src.numel() * 4 / copy,  # read + write
         "mem_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        "loopback_bytes_per_s": measure_loopback(),
         "tp_link": "pcie-gen4",
         "max_tp": 1,
     }
+
+
+def measure_loopback(total: int = 128 * 1024 * 1024, chunk: int = 1024 * 1024) -> float:
+    """Bytes/s of one TCP stream over 127.0.0.1 (what the tcp KV backend gets on this host)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def send() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            payload = bytes(chunk)
+            for _ in range(total // chunk):
+                conn.sendall(payload)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    conn, _ = server.accept()
+    buf = memoryview(bytearray(chunk))
+    got, start = 0, time.perf_counter()
+    with conn:
+        while got < total:
+            n = conn.recv_into(buf)
+            if n == 0:
+                break
+            got += n
+    elapsed = time.perf_counter() - start
+    sender.join()
+    server.close()
+    return got / elapsed
 
 
 def _timed(fn) -> float:
@@ -87,6 +118,7 @@ class Profile(NamedTuple):
     model: ModelSpec
     efficiency: Efficiency
     weight_dtype: str
+    loopback_bytes_per_s: float | None
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -103,6 +135,7 @@ def load_profile(path: str | Path) -> Profile:
             ModelSpec(**doc["model"]),
             Efficiency(**doc["efficiency"]),
             doc["weight_dtype"],
+            doc["hardware"].get("loopback_bytes_per_s"),
         )
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
         raise ValueError(

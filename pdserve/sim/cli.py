@@ -1,6 +1,6 @@
 """`pdserve kv-size | profile | simulate | plan`: the planner's commands.
 
-Registering imports argparse only; each handler imports what it needs (numpy, torch) itself.
+Registering imports argparse only; handlers (in `pdserve.sim.commands`) import what they need.
 """
 
 from __future__ import annotations
@@ -8,10 +8,21 @@ from __future__ import annotations
 import argparse
 
 
+def _handler(name: str):
+    def run(args: argparse.Namespace) -> int:
+        from pdserve.sim import commands
+
+        return getattr(commands, name)(args)
+
+    return run
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add kv-size, profile, simulate and plan to the `pdserve` parser."""
     _register_kv_size(subparsers)
     _register_profile(subparsers)
+    _register_simulate(subparsers)
+    _register_plan(subparsers)
 
 
 def _register_kv_size(subparsers: argparse._SubParsersAction) -> None:
@@ -29,25 +40,16 @@ def _register_kv_size(subparsers: argparse._SubParsersAction) -> None:
                    "(default fp16)")  # fmt: skip
     p.add_argument("--link", help="show only this link (e.g. 100gbe, ib-ndr, nvlink4)")
     p.add_argument("--bandwidth-gbps", type=float, help="show only a link of this many Gbps")
-    p.set_defaults(func=_kv_size)
-
-
-def _kv_size(args: argparse.Namespace) -> int:
-    from pdserve.sim.kvsize import kv_size_report, links_for
-    from pdserve.sim.models import get_model
-
-    links = links_for(args.link, args.bandwidth_gbps)
-    print(kv_size_report(get_model(args.model), args.prompt_tokens, args.dtype, links))
-    return 0
+    p.set_defaults(func=_handler("kv_size"))
 
 
 def _register_profile(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "profile",
         help="time the real engine on this machine and fit the simulator's efficiencies",
-        description="Measure this CPU (matmul FLOP/s, memory bandwidth), time the engine's "
-        "prefill and decode over a grid of batch sizes and lengths, fit the latency model's "
-        "efficiencies and overheads, and write them as a JSON profile for `pdserve simulate "
+        description="Measure this CPU (matmul FLOP/s, memory and loopback bandwidth), time the "
+        "engine's prefill and decode over a grid of batch sizes and lengths, fit the latency "
+        "model's efficiencies and overheads, and write a JSON profile for `pdserve simulate "
         "--profile` and `pdserve plan --profile`.",
     )
     p.add_argument("--model", help="engine model path (default: the bundled SmolLM2-135M)")
@@ -55,39 +57,88 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
                    help="engine dtype (default auto)")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps per timing")
+    p.add_argument("--repeats", type=int, default=2, help="timings per point; the fastest counts")
     p.add_argument("--quick", action="store_true", help="a smaller grid (for smoke tests)")
     p.add_argument("--out", default="profile.json", help="where to write the profile JSON")
-    p.set_defaults(func=_profile)
+    p.set_defaults(func=_handler("profile"))
 
 
-def _profile(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("hardware and model")
+    g.add_argument("--model", help="preset or HF config.json (default with --profile: its model)")
+    g.add_argument("--gpu", help="GPU preset: a100-40gb, a100-80gb, h100 (SXM), h100-pcie, h200, "
+                   "b200, l40s, mi300x; or cpu (needs --profile). Default h100, or cpu with "
+                   "--profile")  # fmt: skip
+    g.add_argument("--link", default="ib-ndr", help="KV link between prefill and decode: "
+                   "nvlink4, pcie-gen4/5, ib-hdr/ndr/xdr, 10/25/100/200/400/800gbe, or loopback "
+                   "(measured by profile) (default ib-ndr)")  # fmt: skip
+    g.add_argument("--bandwidth-gbps", type=float, help="a KV link of this many Gbps instead")
+    g.add_argument("--profile", help="JSON from `pdserve profile`: fitted efficiencies (and the "
+                   "CPU, for --gpu cpu)")  # fmt: skip
+    g.add_argument("--dtype", default="bf16", help="weight dtype (default bf16; the profile's "
+                   "with --profile)")  # fmt: skip
+    g.add_argument("--kv-dtype", help="KV-cache dtype (default: the weight dtype)")
 
-    from pdserve.sim.calibration import measure_cpu, profile_document
-    from pdserve.sim.hardware import Accelerator
-    from pdserve.sim.profile import DEFAULT_DECODE, DEFAULT_PREFILL, engine_profile
 
-    if args.decode_steps < 1:
-        raise ValueError("--decode-steps must be >= 1")
-    hardware = measure_cpu(args.threads)
-    prefill, decode = DEFAULT_PREFILL, DEFAULT_DECODE
-    if args.quick:
-        prefill, decode = ((1, 16), (1, 64)), ((1, 32), (4, 32))
-    points, spec, dtype, fit = engine_profile(
-        args.model, args.dtype, args.threads, Accelerator.from_profile(hardware), prefill,
-        decode, args.decode_steps,
-    )  # fmt: skip
-    doc = profile_document(hardware, spec, dtype, points, fit, args.decode_steps)
-    Path(args.out).write_text(json.dumps(doc, indent=2))
-    eff = fit.efficiency
-    print(f"hardware  {hardware['description']}: {hardware['peak_flops'] / 1e9:.1f} GFLOP/s, "
-          f"{hardware['mem_bytes_per_s'] / 1e9:.1f} GB/s")  # fmt: skip
-    for pt in points:
-        print(f"  {pt.phase:<8} batch {pt.batch_size:>3} x {pt.tokens:>4} tokens: "
-              f"{pt.seconds * 1e3:8.1f} ms")  # fmt: skip
-    print(f"fit       mfu {eff.mfu:.3f}, mbu {eff.mbu:.3f}, overhead "
-          f"{eff.iteration_overhead_s * 1e3:.2f} ms + {eff.per_seq_overhead_s * 1e3:.2f} ms/seq; "
-          f"error median {fit.median_rel_error:.1%}, max {fit.max_rel_error:.1%}")  # fmt: skip
-    print(f"wrote     {args.out}")
-    return 0
+def _add_workload_args(p: argparse.ArgumentParser, default_slo: tuple[float, float]) -> None:
+    w = p.add_argument_group("workload and SLO (same syntax as pdserve bench)")
+    w.add_argument("--workload", help="named mix: chat, docs or mixed")
+    w.add_argument("--prompt-tokens", metavar="DIST", help="prompt lengths: N, fixed:N, "
+                   "uniform:LO,HI or lognormal:MEAN,SIGMA")  # fmt: skip
+    w.add_argument("--output-tokens", metavar="DIST", help="output lengths (same syntax)")
+    w.add_argument("--rate", type=float, required=True, help="requests per second")
+    w.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: > 1 burstier")
+    w.add_argument("--seed", type=int, default=0, help="same seed, same requests (default 0)")
+    w.add_argument("--slo-ttft", type=float, default=default_slo[0], metavar="S",
+                   help=f"time to first token target (default {default_slo[0]:g})")  # fmt: skip
+    w.add_argument("--slo-tpot", type=float, default=default_slo[1], metavar="S",
+                   help=f"time per output token target (default {default_slo[1]:g})")  # fmt: skip
+
+
+def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate a deployment serving a workload (same metrics and JSON as bench)",
+        description="Discrete-event simulation of co-located (optionally chunked-prefill) or "
+        "disaggregated serving: TTFT/TPOT/ITL percentiles, SLO attainment and throughput, in "
+        "the shape `pdserve bench` writes, so predictions and measurements compare directly.",
+    )
+    _add_cluster_args(p)
+    _add_workload_args(p, (2.0, 0.1))
+    p.add_argument("--num-requests", type=int, default=1000, help="requests (default 1000)")
+    d = p.add_argument_group("deployment")
+    d.add_argument("--mode", choices=("colocated", "disagg"), default="colocated")
+    d.add_argument("--tp", type=int, default=1, help="co-located: TP degree per instance")
+    d.add_argument("--replicas", type=int, default=1, help="co-located: instances")
+    d.add_argument("--chunk", type=int, help="chunked prefill: tokens per step (default off)")
+    d.add_argument("--prefill-tp", type=int, default=1, help="disagg: TP per prefill instance")
+    d.add_argument("--num-prefill", type=int, default=1, help="disagg: prefill instances")
+    d.add_argument("--decode-tp", type=int, default=1, help="disagg: TP per decode instance")
+    d.add_argument("--num-decode", type=int, default=1, help="disagg: decode instances")
+    d.add_argument("--max-num-seqs", type=int, default=256, help="sequences per instance")
+    d.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per step "
+                   "without chunking (whole prompts always fit)")  # fmt: skip
+    o = p.add_argument_group("output")
+    o.add_argument("--out", metavar="DIR", help="write DIR/results.json (bench's shape)")
+    o.add_argument("--json", action="store_true", help="print the aggregates as JSON")
+    p.set_defaults(func=_handler("simulate"))
+
+
+def _register_plan(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="find the deployment with the fewest GPUs that serves a rate within the SLOs",
+        description="Search co-located (x TP x chunk size) and disaggregated (x prefill TP x "
+        "decode TP x P:D ratio) deployments by simulation for the fewest GPUs that serve "
+        "--rate with >= 90 %% SLO attainment (ties: highest goodput per GPU), and explain the "
+        "choice in numbers.",
+    )
+    _add_cluster_args(p)
+    _add_workload_args(p, (0.5, 0.025))
+    p.add_argument("--num-gpus", type=int, help="GPU budget (default: unbounded)")
+    p.add_argument("--requests", type=int, default=300, help="requests per simulation in the "
+                   "search (default 300; more is slower and less noisy)")  # fmt: skip
+    p.add_argument("--top", type=int, default=3, help="runner-ups to show (default 3)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_handler("plan"))

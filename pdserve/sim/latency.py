@@ -111,6 +111,7 @@ class LatencyModel:
         self._bytes_s = accel.mem_bytes_per_s * self.eff.mbu
         self._attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim
         self._head_flops = 2 * model.vocab_size * model.hidden_size
+        self._init_costs()
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -120,24 +121,29 @@ class LatencyModel:
 
     def weights_read(self, tokens: int) -> float:
         """Weight bytes per GPU one pass reads; MoE reads only the experts its tokens touch."""
-        expert = self.model.expert_params * self.weight_bytes / self.model.num_params
-        if expert and tokens:
-            share = self.model.experts_per_token / self.model.num_experts
-            expert *= 1.0 - (1.0 - share) ** tokens
-        dense = self.weight_bytes - self.model.expert_params * self.weight_bytes / (
-            self.model.num_params
-        )
-        return (dense + expert) / self.tp
+        if not self._expert_w or not tokens:
+            return self._dense_w + self._expert_w
+        share = self.model.experts_per_token / self.model.num_experts
+        return self._dense_w + self._expert_w * (1.0 - (1.0 - share) ** tokens)
 
     def allreduce_s(self, tokens: int) -> float:
         """Two ring all-reduces of the activations per layer across the TP group."""
         if self.tp == 1 or tokens == 0:
             return 0.0
+        return self._ar_fixed + self._ar_per_token * tokens
+
+    def _init_costs(self) -> None:
+        """Per-instance constants of `weights_read` and `allreduce_s` (hot in the simulator)."""
+        expert = self.model.expert_params * self.weight_bytes / self.model.num_params
+        self._dense_w = (self.weight_bytes - expert) / self.tp
+        self._expert_w = expert / self.tp
         link = get_link(self.accel.tp_link)
-        size = tokens * self.model.hidden_size * self._act_bytes
         steps = 2 * (self.tp - 1)
-        one = steps / self.tp * size / link.practical_bytes_per_s + steps * link.latency_s
-        return 2 * self.model.num_layers * one
+        per_token = self.model.hidden_size * self._act_bytes
+        self._ar_per_token = (
+            2 * self.model.num_layers * steps / self.tp * per_token / (link.practical_bytes_per_s)
+        )
+        self._ar_fixed = 2 * self.model.num_layers * steps * link.latency_s
 
     def _fixed(self, batch: Batch) -> float:
         return (
@@ -168,6 +174,10 @@ class LatencyModel:
         """Seconds to prefill one prompt alone (for reports)."""
         n, c = prompt_tokens, cached_tokens
         return self.iteration(Batch(n, 1, n * (c + n / 2), c, 1))
+
+    def iteration_decode(self, seqs: int, ctx_sum: float) -> float:
+        """Seconds for one decode step of `seqs` sequences holding `ctx_sum` cached tokens."""
+        return stretch_time(self.decode_coeffs(seqs, ctx_sum), 1)
 
     def decode_coeffs(self, seqs: int, ctx_sum: float) -> DecodeCoeffs:
         """Coefficients of a pure decode stretch: `seqs` sequences, `ctx_sum` cached tokens."""

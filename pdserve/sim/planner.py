@@ -96,17 +96,17 @@ class _Search:
         return got is not None and got >= self.req.target
 
     def capacity(self, dep: Deployment, slo: SLO) -> float:
-        """Highest rate (to ~4 %) at which one `dep` attains the target; 0 if none in range.
+        """Highest rate (to ~8 %) at which one `dep` attains the target; 0 if none in range.
 
-        Starts at the target rate and doubles up or halves down to bracket the capacity, so
-        a low-traffic plan does not spend simulations far below its rate.
+        Starts at the target rate and steps up (x4) or down (/2) to bracket the capacity, so
+        a low-traffic plan does not spend simulations far below its rate, then bisects.
         """
         rate = self.req.rate
         floor = rate * dep.num_gpus / _gpu_cap(self.req)  # below this, too many GPUs anyway
         if self.attains(dep, rate, slo):
-            lo, hi = rate, rate * 2
+            lo, hi = rate, rate * 4
             while self.attains(dep, hi, slo):
-                lo, hi = hi, hi * 2
+                lo, hi = hi, hi * 4
                 if hi > rate * 1024:
                     return lo
         else:
@@ -115,7 +115,7 @@ class _Search:
                 lo, hi = lo / 2, lo
                 if lo < floor:
                     return 0.0
-        while hi / lo > 1.045:
+        while hi / lo > 1.08:
             mid = math.sqrt(lo * hi)
             lo, hi = (mid, hi) if self.attains(dep, mid, slo) else (lo, mid)
         return lo

@@ -1,0 +1,182 @@
+"""Handlers of `pdserve kv-size | profile | simulate | plan` (parsers live in `cli.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from pdserve.bench.metrics import SLO, summarize_by_class
+from pdserve.bench.workload import LengthDist, Workload, generate_requests, named_workload
+from pdserve.sim.hardware import Link, get_gpu, get_link
+from pdserve.sim.kvmath import dtype_bits
+from pdserve.sim.latency import Efficiency
+from pdserve.sim.models import get_model
+from pdserve.sim.simulator import Cluster, Deployment
+from pdserve.sim.simulator import simulate as run_simulation
+
+
+def kv_size(args: argparse.Namespace) -> int:
+    from pdserve.sim.kvsize import kv_size_report, links_for
+
+    links = links_for(args.link, args.bandwidth_gbps)
+    print(kv_size_report(get_model(args.model), args.prompt_tokens, args.dtype, links))
+    return 0
+
+
+def profile(args: argparse.Namespace) -> int:
+    from pdserve.sim.calibration import measure_cpu, profile_document
+    from pdserve.sim.hardware import Accelerator
+    from pdserve.sim.profile import DEFAULT_DECODE, DEFAULT_PREFILL, engine_profile
+
+    if args.decode_steps < 1 or args.repeats < 1:
+        raise ValueError("--decode-steps and --repeats must be >= 1")
+    hardware = measure_cpu(args.threads)
+    prefill, decode = DEFAULT_PREFILL, DEFAULT_DECODE
+    if args.quick:
+        prefill, decode = ((1, 16), (1, 64)), ((1, 32), (4, 32))
+    points, spec, dtype, fit = engine_profile(
+        args.model, args.dtype, args.threads, Accelerator.from_profile(hardware), prefill,
+        decode, args.decode_steps, args.repeats,
+    )  # fmt: skip
+    doc = profile_document(hardware, spec, dtype, points, fit, args.decode_steps)
+    Path(args.out).write_text(json.dumps(doc, indent=2))
+    eff = fit.efficiency
+    print(f"hardware  {hardware['description']}: {hardware['peak_flops'] / 1e9:.1f} GFLOP/s, "
+          f"{hardware['mem_bytes_per_s'] / 1e9:.1f} GB/s memory, "
+          f"{hardware['loopback_bytes_per_s'] / 1e9:.2f} GB/s loopback TCP")  # fmt: skip
+    for pt in points:
+        print(f"  {pt.phase:<8} batch {pt.batch_size:>3} x {pt.tokens:>4} tokens: "
+              f"{pt.seconds * 1e3:8.1f} ms")  # fmt: skip
+    print(f"fit       mfu {eff.mfu:.3f} (half at {eff.half_tokens:g} tokens), mbu {eff.mbu:.3f}, "
+          f"attention {eff.attn_eff:.3f}, overhead {eff.iteration_overhead_s * 1e3:.2f} ms + "
+          f"{eff.per_seq_overhead_s * 1e3:.2f} ms/seq; error median {fit.median_rel_error:.1%}, "
+          f"max {fit.max_rel_error:.1%}")  # fmt: skip
+    print(f"wrote     {args.out}")
+    return 0
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster:
+    """Model, device, link, efficiencies and dtypes from the shared options."""
+    prof = None
+    if args.profile:
+        from pdserve.sim.calibration import load_profile
+
+        prof = load_profile(args.profile)
+    gpu = (args.gpu or ("cpu" if prof else "h100")).lower()
+    if gpu == "cpu" and prof is None:
+        raise ValueError("--gpu cpu needs --profile PATH (create it with `pdserve profile`)")
+    accel = prof.accelerator if gpu == "cpu" else get_gpu(gpu)
+    if args.model is None and prof is None:
+        raise ValueError("give --model (a preset name or a HF config.json path)")
+    model = get_model(args.model) if args.model else prof.model
+    eff = prof.efficiency if prof else Efficiency()
+    weight_dtype = prof.weight_dtype if prof and args.dtype == "bf16" else args.dtype
+    dtype_bits(weight_dtype)  # validates
+    return Cluster(model, accel, _link_of(args, prof), eff, weight_dtype,
+                   args.kv_dtype or weight_dtype)  # fmt: skip
+
+
+def _link_of(args: argparse.Namespace, prof) -> Link:
+    if args.bandwidth_gbps is not None:
+        return Link.from_gbps(args.bandwidth_gbps)
+    if args.link.lower() == "loopback":
+        if prof is None or not prof.loopback_bytes_per_s:
+            raise ValueError("--link loopback needs --profile (it measures this machine's TCP)")
+        rate = prof.loopback_bytes_per_s
+        return Link("loopback", "TCP over loopback on this machine (measured)", rate, rate)
+    return get_link(args.link)
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    lengths = args.prompt_tokens or args.output_tokens
+    if args.workload and lengths:
+        raise ValueError("give --workload or --prompt-tokens/--output-tokens, not both")
+    if lengths:
+        return Workload.from_lengths(
+            LengthDist.parse(args.prompt_tokens or "256"),
+            LengthDist.parse(args.output_tokens or "128"),
+        )
+    return named_workload(args.workload or "chat")
+
+
+def _check_load(args: argparse.Namespace) -> SLO:
+    if not args.rate > 0 or math.isinf(args.rate):
+        raise ValueError(f"--rate must be a finite number of requests/s > 0, got {args.rate}")
+    return SLO(args.slo_ttft, args.slo_tpot)
+
+
+def deployment_of(args: argparse.Namespace) -> Deployment:
+    return Deployment(
+        args.mode, args.tp, args.replicas, args.chunk, args.prefill_tp, args.num_prefill,
+        args.decode_tp, args.num_decode, args.max_num_seqs, args.max_batched_tokens,
+    )  # fmt: skip
+
+
+def simulate(args: argparse.Namespace) -> int:
+    slo, cluster, dep = _check_load(args), cluster_of(args), deployment_of(args)
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    workload = workload_of(args)
+    reqs = generate_requests(workload, args.num_requests, args.seed, args.arrival, args.rate,
+                             args.burstiness)  # fmt: skip
+    result = run_simulation(cluster, dep, reqs, slo)
+    agg = result.aggregates
+    if args.out:
+        _write_results(Path(args.out), args, cluster, dep, workload, result)
+    if args.json:
+        print(json.dumps(agg, indent=1))
+        return 0
+    print(f"{dep.label} ({dep.num_gpus} x {cluster.accel.name}), {cluster.model.name}, "
+          f"KV over {cluster.link.name}; {args.num_requests} requests of {workload.name} at "
+          f"{args.rate:g}/s")  # fmt: skip
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        s = agg[key]
+        if s["count"]:
+            print(f"  {key[:-2]:<5} p50 {s['p50']:.4f} s  p90 {s['p90']:.4f} s  "
+                  f"p99 {s['p99']:.4f} s")  # fmt: skip
+    busy = ", ".join(f"{k} {v:.0%}" for k, v in result.utilization.items())
+    print(f"  SLO attainment {agg['slo_attainment']:.1%}; {agg['request_throughput']:.3g} req/s, "
+          f"{agg['output_token_throughput']:.4g} output tok/s; busy: {busy}")  # fmt: skip
+    return 0
+
+
+def _write_results(out: Path, args, cluster, dep, workload, result) -> None:
+    """results.json in bench's document shape, one run, so `bench compare` tools read it."""
+    import msgspec
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    doc = {
+        "title": f"simulated: {dep.label}, {cluster.model.name} on {cluster.accel.name}",
+        "config": {**config, "simulated": True},
+        "goodput": None,
+        "runs": [{
+            "label": dep.label,
+            "load": {"arrival": args.arrival, "rate": args.rate, "burstiness": args.burstiness,
+                     "num_requests": args.num_requests, "seed": args.seed},
+            "duration_s": result.aggregates["duration_s"],
+            "aggregates": result.aggregates,
+            "per_class": summarize_by_class(result.records, SLO(args.slo_ttft, args.slo_tpot),
+                                            result.aggregates["duration_s"]),
+            "records": result.records,
+        }],
+    }  # fmt: skip
+    (out / "results.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc), indent=1))
+
+
+def plan(args: argparse.Namespace) -> int:
+    from pdserve.sim.planner import PlanRequest
+    from pdserve.sim.planner import plan as search
+    from pdserve.sim.report import plan_json, plan_text
+
+    slo, cluster = _check_load(args), cluster_of(args)
+    req = PlanRequest(cluster, workload_of(args), args.rate, slo, args.num_gpus, args.requests,
+                      args.seed)  # fmt: skip
+    result = search(req)
+    if args.json:
+        print(json.dumps(plan_json(req, result, args.top), indent=1))
+    else:
+        print(plan_text(req, result, args.top))
+    return 0 if result.feasible else 1

@@ -1,0 +1,121 @@
+"""The simulator against hand-computed timelines on a tiny, exactly-known machine."""
+
+import time
+
+import numpy as np
+import pytest
+
+from pdserve.bench.metrics import SLO, stats
+from pdserve.bench.workload import RequestSpec, generate_requests, named_workload
+from pdserve.sim.hardware import Accelerator, Link, get_gpu, get_link
+from pdserve.sim.kvmath import kv_bytes
+from pdserve.sim.latency import Batch, Efficiency, stretch_time
+from pdserve.sim.models import ModelSpec, get_model
+from pdserve.sim.simulator import Cluster, Deployment, simulate
+from pdserve.sim.stats import weighted_stats
+
+MODEL = ModelSpec("tiny", 4, 256, 4, 2, 64, 1024, 1000, 4_000_000)
+ACCEL = Accelerator("dev", "test device", 1e12, 1e11, 1e10, "pcie-gen4", 1)
+EFF = Efficiency(0.5, 0.5, 0.001, 0.0, 0.5, 0.0)
+SLO_LOOSE = SLO(10.0, 1.0)
+
+
+def cluster(link: Link) -> Cluster:
+    return Cluster(MODEL, ACCEL, link, EFF, "fp16", "fp16")
+
+
+def req(index: int, at: float, prompt: int, output: int) -> RequestSpec:
+    return RequestSpec(index, at, "t", prompt, output)
+
+
+def test_one_request_colocated_matches_the_latency_model():
+    cl = cluster(get_link("ib-ndr"))
+    res = simulate(cl, Deployment(), [req(0, 0.0, 100, 5)], SLO_LOOSE)
+    lat = cl.latency(1)
+    prefill = lat.iteration(Batch(100, 1, 100 * 50, 0, 1))
+    decode = stretch_time(lat.decode_coeffs(1, 101), 4)
+    rec = res.records[0]
+    assert rec.ttft_s == pytest.approx(prefill, rel=1e-12)
+    assert rec.e2e_s == pytest.approx(prefill + decode, rel=1e-12)
+    assert rec.tpot_s == pytest.approx(decode / 4, rel=1e-12)
+    assert res.aggregates["itl_s"]["count"] == 4
+
+
+def test_chunked_prefill_takes_one_iteration_per_chunk():
+    cl = cluster(get_link("ib-ndr"))
+    res = simulate(cl, Deployment(chunk=64), [req(0, 0.0, 200, 1)], SLO_LOOSE)
+    lat = cl.latency(1)
+    chunks = [(64, 0), (64, 64), (64, 128), (8, 192)]
+    want = sum(lat.iteration(Batch(n, int(c + n == 200), n * (c + n / 2), c, 1)) for n, c in chunks)
+    assert res.records[0].ttft_s == pytest.approx(want, rel=1e-12)
+
+
+def test_layerwise_overlap_only_last_layer_adds_when_link_is_fast():
+    fast = Link("fast", "", 1e12, 1e12)
+    cl = cluster(fast)
+    res = simulate(cl, Deployment("disagg"), [req(0, 0.0, 100, 1)], SLO_LOOSE)
+    prefill = cl.latency(1).iteration(Batch(100, 1, 100 * 50, 0, 1))
+    last_layer = kv_bytes(MODEL, 100, "fp16") / MODEL.num_layers / 1e12
+    assert res.records[0].ttft_s == pytest.approx(prefill + last_layer, rel=1e-9)
+
+
+def test_slow_link_transfer_dominates_and_is_shared():
+    slow = Link("slow", "", 1e6, 1e6)  # 1 MB/s: a 100-token prompt's 204,800 B take 0.2 s
+    cl = cluster(slow)
+    one = simulate(cl, Deployment("disagg"), [req(0, 0.0, 100, 1)], SLO_LOOSE)
+    assert kv_bytes(MODEL, 100, "fp16") == 204_800
+    assert one.records[0].ttft_s == pytest.approx(0.2048, rel=1e-9)
+    two = simulate(cl, Deployment("disagg"), [req(0, 0.0, 100, 1), req(1, 0.0, 100, 1)], SLO_LOOSE)
+    # The port is the bottleneck and never idles: the last KV lands when all 409,600 B are
+    # through; sharing it delays the first request beyond its 0.2048 s alone.
+    first, last = sorted(r.ttft_s for r in two.records)
+    assert last == pytest.approx(0.4096, rel=1e-9)
+    assert 0.2048 * 1.5 < first < last
+    assert two.kv_bytes_sent == pytest.approx(409_600, rel=1e-9)
+
+
+def test_chunking_bounds_the_stall_a_long_prompt_causes():
+    cl = cluster(get_link("ib-ndr"))
+    reqs = [req(0, 0.0, 16, 200), req(1, 0.05, 4000, 1)]
+    whole = simulate(cl, Deployment(), reqs, SLO_LOOSE).aggregates["itl_s"]["max"]
+    chunked = simulate(cl, Deployment(chunk=256), reqs, SLO_LOOSE).aggregates["itl_s"]["max"]
+    stall = cl.latency(1).iteration(Batch(4001, 2, 4000 * 2000 + 17, 17, 2))
+    assert whole == pytest.approx(stall, rel=0.01)
+    assert chunked < whole / 5
+
+
+def test_requests_that_cannot_fit_fail_and_early_stop_times_out():
+    cl = Cluster(get_model("llama-3.1-70b"), get_gpu("h100"), get_link("ib-ndr"))
+    res = simulate(cl, Deployment(tp=2), [req(0, 0.0, 100_000, 10)], SLO_LOOSE)
+    assert res.records[0].status == "error" and "do not fit" in res.records[0].error
+    reqs = generate_requests(named_workload("docs"), 60, 0, rate=50)
+    res = simulate(cl, Deployment(tp=8), reqs, SLO(0.1, 0.02), stop_after_misses=5)
+    statuses = {r.status for r in res.records}
+    assert statuses == {"ok", "timeout"} and res.aggregates["slo_attainment"] < 0.5
+
+
+def test_weighted_stats_match_bench_stats():
+    values, weights = [0.3, 0.1, 0.2, 0.1], [2, 3, 0, 5]
+    expanded = [v for v, w in zip(values, weights, strict=True) for _ in range(w)]
+    assert weighted_stats(values, weights) == pytest.approx(stats(expanded))
+    rng = np.random.default_rng(0)
+    v, w = rng.random(50), rng.integers(0, 20, 50)
+    assert weighted_stats(v, w) == pytest.approx(stats(np.repeat(v, w)))
+
+
+def test_deployment_validation():
+    with pytest.raises(ValueError, match="deployment mode must be one of colocated, disagg"):
+        Deployment("split")
+    with pytest.raises(ValueError, match="num_decode must be >= 1"):
+        Deployment("disagg", num_decode=0)
+    assert Deployment("disagg", prefill_tp=8, num_prefill=3, decode_tp=4).num_gpus == 28
+
+
+@pytest.mark.slow
+def test_100k_requests_simulate_in_under_30_cpu_seconds():
+    cl = Cluster(get_model("llama-3.1-8b"), get_gpu("h100"), get_link("ib-ndr"))
+    reqs = generate_requests(named_workload("mixed"), 100_000, 0, rate=100)
+    start = time.process_time()
+    res = simulate(cl, Deployment("disagg", num_prefill=2, num_decode=2), reqs, SLO(1.0, 0.05))
+    assert time.process_time() - start < 30
+    assert res.aggregates["status"]["ok"] == 100_000

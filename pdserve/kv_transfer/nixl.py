@@ -28,7 +28,8 @@ import numpy as np
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.memory import paired_runs
 from pdserve.kv_transfer.send_queue import Job
-from pdserve.kv_transfer.tcp import TcpReceiver, TcpSender
+from pdserve.kv_transfer.tcp import TcpSender
+from pdserve.kv_transfer.tcp_receiver import TcpReceiver
 from pdserve.kv_transfer.transfer_table import WriteTicket
 from pdserve.kv_transfer.wire import ClientHello, LayerHeader, ProtocolError
 

@@ -179,6 +179,14 @@ def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+def shutdown_socket(sock: socket.socket) -> None:
+    """Wake any thread blocked on `sock` (recv returns, sendall raises)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or never connected
+
+
 def _mac(secret: bytes | None, label: bytes, a: bytes, b: bytes) -> bytes:
     if secret is None:
         return b""

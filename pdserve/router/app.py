@@ -8,6 +8,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -246,8 +247,14 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        workers = {w.worker_id: w.role for w in frontend.core.alive()}
-        ok = any(w.can_decode for w in frontend.core.alive())
+        """200 once a decode-capable worker is up; each worker's last load report (block
+        counts, queues, integrity) so operators and tests can see that nothing leaked."""
+        alive = frontend.core.alive()
+        workers = {
+            w.worker_id: {"role": w.role, **(msgspec.structs.asdict(w.load) if w.load else {})}
+            for w in alive
+        }
+        ok = any(w.can_decode for w in alive)
         return JSONResponse(
             {"status": "ok" if ok else "starting", "workers": workers},
             status_code=200 if ok else 503,

@@ -153,7 +153,9 @@ def _serve(args) -> int:
         print(f"pdserve ready: {url}/v1 ({args.mode}: {layout})", flush=True)
         print(
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'',
+            "-d '"
+            + '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+            + "'",
             flush=True,
         )
 

@@ -52,6 +52,7 @@ class Load(msgspec.Struct):
     prefix_hit_tokens: int
     prefix_query_tokens: int
     preemptions: int
+    integrity_error: str | None = None  # check_integrity() of the block manager, when idle
 
 
 class Heartbeat(msgspec.Struct, tag=True):

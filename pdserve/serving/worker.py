@@ -117,6 +117,11 @@ class Worker:
     def publish_load(self) -> None:
         """Engine thread: snapshot load and KV events for the heartbeat thread to send."""
         st = self.engine.stats()
+        try:
+            self.engine.check_integrity()
+            st["integrity_error"] = None
+        except AssertionError as exc:
+            st["integrity_error"] = str(exc) or "integrity check failed"
         self.load = m.Load(**{k: st[k] for k in m.Load.__struct_fields__})
         self.events.extend(self.engine.block_manager.drain_events())
 

@@ -116,6 +116,9 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--num-prefill", type=int, default=1, help="disagg: prefill instances")
     d.add_argument("--decode-tp", type=int, default=1, help="disagg: TP per decode instance")
     d.add_argument("--num-decode", type=int, default=1, help="disagg: decode instances")
+    d.add_argument("--local-prefill-threshold", type=int, default=0, help="disagg: prompts "
+                   "shorter than this prefill on the decode instance, as pdserve's router does "
+                   "(its default is 256; default here 0 = always remote)")  # fmt: skip
     d.add_argument("--max-num-seqs", type=int, default=256, help="sequences per instance")
     d.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per step "
                    "without chunking (whole prompts always fit)")  # fmt: skip

@@ -111,6 +111,7 @@ def deployment_of(args: argparse.Namespace) -> Deployment:
     return Deployment(
         args.mode, args.tp, args.replicas, args.chunk, args.prefill_tp, args.num_prefill,
         args.decode_tp, args.num_decode, args.max_num_seqs, args.max_batched_tokens,
+        args.local_prefill_threshold,
     )  # fmt: skip
 
 

@@ -4,6 +4,8 @@ Queues a request moves through:
     role both:    waiting -> prefilling -> running -> finished
     role prefill: waiting -> prefilling -> (handed to the KV fabric)
     role decode:  ready (KV landed) -> running -> finished
+A "both" instance in a disaggregated deployment (conditional disaggregation) takes both paths:
+short prompts it prefills itself, long ones arrive through `ready`.
 
 Each iteration takes every running sequence (one decode token each) plus prefill tokens, first
 for partly prefilled prompts and then for waiting ones, within the token budget (the chunk size,
@@ -100,10 +102,8 @@ class Instance:
 
     def wants_boundary(self) -> bool:
         """True when queued work could join at the next step boundary (cut a stretch)."""
-        head = self.ready[0] if self.role == "decode" and self.ready else None
-        if head is None and self.role != "decode" and self.waiting:
-            head = self.waiting[0]
-        return head is not None and self._can_admit(head)
+        heads = [q[0] for q in (self.ready, self.waiting) if q]
+        return any(self._can_admit(r) for r in heads)
 
     # -- one iteration --------------------------------------------------------------------
     def plan(self) -> tuple[list[tuple[SimRequest, int]], Batch] | None:

@@ -58,6 +58,7 @@ class Deployment:
     num_decode: int = 1
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
+    local_prefill_threshold: int = 0  # disagg: shorter prompts prefill on the decode instance
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,6 +69,8 @@ class Deployment:
         for name in (*counts, "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold must be >= 0 tokens")
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"chunk size must be >= 1 token, got {self.chunk}")
 
@@ -119,8 +122,11 @@ class _Loop:
         else:
             self.front = [make(f"p{i}", "prefill", dep.prefill_tp, dep.chunk or budget)
                           for i in range(dep.num_prefill)]  # fmt: skip
+            # Conditional disaggregation: decode instances also prefill short prompts.
+            local = dep.local_prefill_threshold > 0
+            role, d_budget = ("both", dep.chunk or budget) if local else ("decode", 1)
             self.decoders = [
-                make(f"d{i}", "decode", dep.decode_tp, 1) for i in range(dep.num_decode)
+                make(f"d{i}", role, dep.decode_tp, d_budget) for i in range(dep.num_decode)
             ]
         self.fabric = Fabric(cluster.link, cluster.model.num_layers)
         self.kv_per_token = kv_bytes_per_token(cluster.model, cluster.kv_dtype)
@@ -177,6 +183,8 @@ class _Loop:
     def arrive(self, r: SimRequest, now: float) -> None:
         if self.dep.mode == "colocated":
             inst = min(self.front, key=lambda i: i.load)
+        elif r.prompt < self.dep.local_prefill_threshold:
+            inst = min(self.decoders, key=lambda i: i.load + i.inbound)
         else:
             inst = min(self.front, key=lambda i: i.queued_tokens)
             r.decoder = min(self.decoders, key=lambda i: i.load + i.inbound)

@@ -119,3 +119,13 @@ def test_100k_requests_simulate_in_under_30_cpu_seconds():
     res = simulate(cl, Deployment("disagg", num_prefill=2, num_decode=2), reqs, SLO(1.0, 0.05))
     assert time.process_time() - start < 30
     assert res.aggregates["status"]["ok"] == 100_000
+
+
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decoder():
+    cl = cluster(Link("slow", "", 1e6, 1e6))
+    dep = Deployment("disagg", local_prefill_threshold=64)
+    res = simulate(cl, dep, [req(0, 0.0, 32, 2), req(1, 10.0, 100, 2)], SLO_LOOSE)
+    prefill = cl.latency(1).iteration(Batch(32, 1, 32 * 16, 0, 1))
+    assert res.records[0].ttft_s == pytest.approx(prefill, rel=1e-12)  # no transfer
+    assert res.kv_bytes_sent == pytest.approx(kv_bytes(MODEL, 100, "fp16"), rel=1e-9)
+    assert res.records[1].ttft_s == pytest.approx(0.2048, rel=1e-9)

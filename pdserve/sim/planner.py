@@ -147,10 +147,17 @@ def plan(req: PlanRequest) -> Plan:
     ok.sort(key=lambda c: (c.deployment.num_gpus, -c.goodput_per_gpu))
     closest = None
     if not ok and candidates:
-        best = max(candidates, key=lambda c: (c.attainment, -c.deployment.num_gpus))
+        best = max(candidates, key=lambda c: (c.attainment, -_overshoot(c, req.slo)))
         full = search.run(best.deployment, req.rate, req.slo, 2 * req.num_requests)
         closest = best._replace(result=full)  # searched runs stop early; report a whole one
     return Plan(ok, closest)
+
+
+def _overshoot(c: Candidate, slo: SLO) -> float:
+    """How far the worse p90 is past its target (1.0 = on target); for ranking misses."""
+    a = c.result.aggregates
+    ttft, tpot = a["ttft_s"]["p90"], a["tpot_s"]["p90"]
+    return max((ttft or math.inf) / slo.ttft_s, (tpot or 0.0) / slo.tpot_s)
 
 
 def _within_budget(req: PlanRequest, c: Candidate) -> bool:

@@ -70,7 +70,8 @@ def reasons(req: PlanRequest, plan: Plan) -> list[str]:
     out.append(_transfer_reason(req, prompt, ptp))
     for mode, c in best_per_mode(plan).items():
         out.append(f"best {_MODE_NAMES[mode]}: {_line(c, slo)}")
-    out.append(_verdict(best_per_mode(plan)))
+    if plan.feasible:
+        out.append(_verdict(best_per_mode(plan)))
     missing = {"colocated", "disagg"} - set(best_per_mode(plan))
     for mode in sorted(missing):
         out.append(f"no {_MODE_NAMES[mode]} deployment met the SLOs within the GPU budget")
@@ -79,7 +80,8 @@ def reasons(req: PlanRequest, plan: Plan) -> list[str]:
         util = dis.result.utilization
         out.append(
             f"disaggregated needs separate pools: at {req.rate:g} req/s its prefill pool is busy "
-            f"{util['prefill']:.0%} and its decode pool {util['decode']:.0%} of the time"
+            f"{util['prefill']:.0%} and its decode pool {util['decode']:.0%} of the time "
+            f"(decode counts as busy whenever any sequence is decoding)"
         )
     return out
 
@@ -107,12 +109,14 @@ def _transfer_reason(req: PlanRequest, prompt: int, ptp: int) -> str:
     bw = cl.link.instance_bytes_per_s(ptp)
     t = nbytes / bw
     last = t / cl.model.num_layers
+    demand = req.rate * nbytes
     return (
         f"KV transfer of a {prompt:,}-token prompt ({nbytes / 1e9:.3g} GB) over {cl.link.name} "
         f"from a TP{ptp} instance ({bw / 1e9:.3g} GB/s) takes {format_duration(t)} = "
         f"{t / slo.ttft_s:.0%} of the TTFT budget; streamed layer by layer, "
         f"{format_duration(last)} of it (the last layer) adds to TTFT while a layer transfers "
-        f"faster than it computes"
+        f"faster than it computes; at {req.rate:g} req/s the KV stream is "
+        f"{demand / 1e9:.3g} GB/s, {demand / bw:.0%} of one such instance's ports"
     )
 
 
@@ -124,6 +128,7 @@ def plan_text(req: PlanRequest, plan: Plan, top: int = 3) -> str:
         lines = [f"{head}: no configuration meets these SLOs"]
         if plan.closest:
             lines.append(f"closest: {_line(plan.closest, req.slo)}")
+            lines.append(f"  to fix: {_relax_hint(plan.closest, req)}")
             lines += [f"  - {r}" for r in reasons(req, plan)]
         return "\n".join(lines)
     best = plan.feasible[0]
@@ -142,6 +147,21 @@ def plan_text(req: PlanRequest, plan: Plan, top: int = 3) -> str:
     return "\n".join(lines)
 
 
+def _relax_hint(c: Candidate, req: PlanRequest) -> str:
+    """Which targets the closest configuration misses, and what would let it pass."""
+    a, slo, fixes = c.result.aggregates, req.slo, []
+    ttft, tpot = a["ttft_s"]["p90"], a["tpot_s"]["p90"]
+    if ttft is not None and ttft > slo.ttft_s:
+        fixes.append(f"--slo-ttft >= {ttft:.3g}")
+    if tpot is not None and tpot > slo.tpot_s:
+        fixes.append(f"--slo-tpot >= {tpot:.3g}")
+    budget = " or a larger --num-gpus" if req.max_gpus else ""
+    return (
+        f"relax {' and '.join(fixes) or 'the SLOs'} (its p90s), lower --rate, or use faster "
+        f"GPUs/links{budget}"
+    )
+
+
 def plan_json(req: PlanRequest, plan: Plan, top: int = 3) -> dict:
     """The plan for `--json`."""
     return {
@@ -154,5 +174,6 @@ def plan_json(req: PlanRequest, plan: Plan, top: int = 3) -> dict:
         "recommendation": candidate_json(plan.feasible[0]) if plan.feasible else None,
         "runner_ups": [candidate_json(c) for c in plan.feasible[1 : top + 1]],
         "closest": candidate_json(plan.closest) if plan.closest else None,
+        "message": None if plan.feasible else "no configuration meets these SLOs",
         "reasons": reasons(req, plan) if plan.feasible or plan.closest else [],
     }

@@ -53,7 +53,8 @@ def test_impossible_slos_name_the_closest_configuration(capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert "no configuration meets these SLOs" in out
-    assert "closest: " in out
+    assert "closest: co-located 1 x TP8" in out
+    assert "to fix: relax --slo-ttft >= " in out
 
 
 @pytest.mark.parametrize(

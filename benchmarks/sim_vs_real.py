@@ -29,8 +29,9 @@ import httpx
 from pdserve.bench.metrics import SLO
 from pdserve.bench.workload import generate_requests, named_workload
 from pdserve.sim.calibration import load_profile
+from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.hardware import Link
-from pdserve.sim.simulator import Cluster, Deployment, simulate
+from pdserve.sim.simulator import simulate
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 THREADS = {"colocated": 2, "disagg": 1}  # cores per worker under `pdserve serve` on 2 cores

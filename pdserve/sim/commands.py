@@ -9,11 +9,11 @@ from pathlib import Path
 
 from pdserve.bench.metrics import SLO, summarize_by_class
 from pdserve.bench.workload import LengthDist, Workload, generate_requests, named_workload
+from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.hardware import Link, get_gpu, get_link
 from pdserve.sim.kvmath import dtype_bits
 from pdserve.sim.latency import Efficiency
 from pdserve.sim.models import get_model
-from pdserve.sim.simulator import Cluster, Deployment
 from pdserve.sim.simulator import simulate as run_simulation
 
 

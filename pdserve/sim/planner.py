@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 from pdserve.bench.metrics import GOODPUT_ATTAINMENT, SLO
 from pdserve.bench.workload import Workload, generate_requests
-from pdserve.sim.simulator import Cluster, Deployment, SimResult, simulate
+from pdserve.sim.deployment import Cluster, Deployment
+from pdserve.sim.simulator import SimResult, simulate
 
 TP_CHOICES = (1, 2, 4, 8)
 CHUNK_CHOICES = (None, 256, 512, 1024, 2048)

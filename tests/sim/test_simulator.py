@@ -7,11 +7,12 @@ import pytest
 
 from pdserve.bench.metrics import SLO, stats
 from pdserve.bench.workload import RequestSpec, generate_requests, named_workload
+from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.hardware import Accelerator, Link, get_gpu, get_link
 from pdserve.sim.kvmath import kv_bytes
 from pdserve.sim.latency import Batch, Efficiency, stretch_time
 from pdserve.sim.models import ModelSpec, get_model
-from pdserve.sim.simulator import Cluster, Deployment, simulate
+from pdserve.sim.simulator import simulate
 from pdserve.sim.stats import weighted_stats
 
 MODEL = ModelSpec("tiny", 4, 256, 4, 2, 64, 1024, 1000, 4_000_000)

@@ -33,12 +33,12 @@ def profile(args: argparse.Namespace) -> int:
     if args.decode_steps < 1 or args.repeats < 1:
         raise ValueError("--decode-steps and --repeats must be >= 1")
     hardware = measure_cpu(args.threads)
-    prefill, decode = DEFAULT_PREFILL, DEFAULT_DECODE
+    prefill, decode, repeats = DEFAULT_PREFILL, DEFAULT_DECODE, args.repeats
     if args.quick:
-        prefill, decode = ((1, 16), (1, 64)), ((1, 32), (4, 32))
+        prefill, decode, repeats = ((1, 16), (1, 64)), ((1, 32), (4, 32)), 1
     points, spec, dtype, fit = engine_profile(
         args.model, args.dtype, args.threads, Accelerator.from_profile(hardware), prefill,
-        decode, args.decode_steps, args.repeats,
+        decode, args.decode_steps, repeats,
     )  # fmt: skip
     doc = profile_document(hardware, spec, dtype, points, fit, args.decode_steps)
     Path(args.out).write_text(json.dumps(doc, indent=2))

@@ -274,6 +274,8 @@ class RouterCore:
             return
         metrics.KV_BYTES.inc(msg.transfer_bytes)
         metrics.KV_SECONDS.inc(msg.transfer_s)
+        metrics.KV_EXPOSED.observe(msg.exposed_s)
+        metrics.REMOTE_PREFILL.observe(msg.prefill_s)
         if msg.first_token is None:
             metrics.KV_FAILURES.inc()
             log.warning(

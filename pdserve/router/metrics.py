@@ -14,6 +14,17 @@ REQUESTS = Counter("pdserve_requests", "finished requests", ["status"])
 PREFILL_DECISIONS = Counter("pdserve_prefill_decisions", "where prompts were prefilled", ["where"])
 KV_BYTES = Counter("pdserve_kv_transfer_bytes", "KV bytes pushed prefill -> decode")
 KV_SECONDS = Counter("pdserve_kv_transfer_seconds", "seconds spent pushing KV")
+KV_EXPOSED = Histogram(
+    "pdserve_kv_transfer_exposed_seconds",
+    "per request, time the prefill worker waited for its KV push after the forward pass "
+    "(what layer-wise streaming did not hide)",
+    buckets=_LAT,
+)
+REMOTE_PREFILL = Histogram(
+    "pdserve_remote_prefill_seconds",
+    "Prefill received -> all KV on the decode worker",
+    buckets=_LAT,
+)
 KV_FAILURES = Counter("pdserve_kv_transfer_failures", "KV pushes that failed (prefilled locally)")
 WORKER_FAILURES = Counter("pdserve_worker_failures", "workers declared dead")
 MIGRATIONS = Counter("pdserve_migrations", "requests replayed on another decode worker")

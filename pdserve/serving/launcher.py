@@ -73,6 +73,18 @@ def _split(cores: list[int], n: int) -> list[str]:
     return [str(cores[i % len(cores)]) for i in range(n)]
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this worker when `pdserve serve` dies, however it dies (even kill -9),
+    so no orphaned worker keeps a core busy."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
 class WorkerProcs:
     """The worker subprocesses of `pdserve serve`; stopped together."""
 
@@ -106,7 +118,12 @@ class WorkerProcs:
             *engine_argv,
         ]
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self.procs.append((worker_id, proc))
         return proc

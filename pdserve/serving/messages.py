@@ -98,8 +98,9 @@ class PrefillDone(msgspec.Struct, tag=True):
     first_token: int | None
     error: str | None = None
     transfer_bytes: int = 0
-    transfer_s: float = 0.0
-    prefill_s: float = 0.0
+    transfer_s: float = 0.0  # first layer queued -> last layer acknowledged
+    prefill_s: float = 0.0  # Prefill received -> KV all on the decode worker
+    exposed_s: float = 0.0  # after the forward pass, waiting for the last layers to land
 
 
 class KVReady(msgspec.Struct, tag=True):

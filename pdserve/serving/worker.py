@@ -242,7 +242,9 @@ class Worker:
             out = self.outgoing.pop(o.seq.request_id, None)
             if out is None:
                 continue
+            t = time.monotonic()
             res = self.sender.wait(o.seq.request_id, self.config.transfer_timeout_s)
+            exposed = time.monotonic() - t
             self.engine.release(o.seq.request_id)
             self.send(
                 m.PrefillDone(
@@ -252,6 +254,7 @@ class Worker:
                     transfer_bytes=res.bytes_sent,
                     transfer_s=res.seconds,
                     prefill_s=time.monotonic() - out.started,
+                    exposed_s=exposed,
                 )
             )
 

@@ -1,18 +1,18 @@
 """Planner and simulator: should this deployment disaggregate, and with how many GPUs?
 
-    models.py      model presets and HF config.json loading (ModelSpec)
-    hardware.py    GPU and link presets; the measured CPU from a profile (Accelerator, Link)
-    kvmath.py      KV bytes per token/prompt (GQA, MQA, MLA; fp32..int4), transfer times
-    kvsize.py      `pdserve kv-size` output
-    latency.py     roofline per forward pass with fitted efficiencies (LatencyModel)
-    profile.py     timing the real engine and fitting the efficiencies
-    calibration.py this machine's FLOP/s, bandwidths, and the profile JSON file
-    deployment.py  what is simulated: Cluster (hardware + model), Deployment (instances)
-    instance.py    one simulated engine instance: scheduling, decode stretches
-    fabric.py      KV transfer flows with shared bandwidth and layer-wise overlap
-    simulator.py   the discrete-event loop; bench-shaped records and aggregates
-    stats.py       percentiles of weighted samples (pooled inter-token latencies)
-    planner.py     the search behind `pdserve plan`
-    report.py      the plan's text and JSON, with reasons in numbers
-    cli.py         argparse registration (cheap); commands.py holds the handlers
+models.py      model presets and HF config.json loading (ModelSpec)
+hardware.py    GPU and link presets; the measured CPU from a profile (Accelerator, Link)
+kvmath.py      KV bytes per token/prompt (GQA, MQA, MLA; fp32..int4), transfer times
+kvsize.py      `pdserve kv-size` output
+latency.py     roofline per forward pass with fitted efficiencies (LatencyModel)
+profile.py     timing the real engine and fitting the efficiencies
+calibration.py this machine's FLOP/s, bandwidths, and the profile JSON file
+deployment.py  what is simulated: Cluster (hardware + model), Deployment (instances)
+instance.py    one simulated engine instance: scheduling, decode stretches
+fabric.py      KV transfer flows with shared bandwidth and layer-wise overlap
+simulator.py   the discrete-event loop; bench-shaped records and aggregates
+stats.py       percentiles of weighted samples (pooled inter-token latencies)
+planner.py     the search behind `pdserve plan`
+report.py      the plan's text and JSON, with reasons in numbers
+cli.py         argparse registration (cheap); commands.py holds the handlers
 """

@@ -1,0 +1,36 @@
+"""One `pdserve serve` for the whole chaos suite: 1 prefill + 2 decode workers, every prompt
+through the prefill pool, float32 so greedy outputs compare token for token, a short heartbeat
+timeout so a killed worker is noticed in ~2 s, and a lease shorter than any test's patience.
+Tests kill and restart its workers; each starts with `cluster.ensure_all()` as it needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from .cluster import Cluster, Server
+
+HEARTBEAT_TIMEOUT_S = 2.0
+LEASE_S = 4.0
+SERVE_ARGS = (
+    "--mode",
+    "disagg",
+    "--prefill",
+    "1",
+    "--decode",
+    "2",
+    "--dtype",
+    "float32",
+    "--local-prefill-threshold",
+    "0",
+    "--heartbeat-timeout-s",
+    str(HEARTBEAT_TIMEOUT_S),
+    "--lease-s",
+    str(LEASE_S),
+)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    c = Cluster(Server(*SERVE_ARGS), tmp_path_factory.mktemp("chaos-workers"))
+    yield c
+    c.stop()

@@ -49,7 +49,7 @@ def stream_timings(
                 stamps.append(time.perf_counter())
     if not stamps:
         raise RuntimeError("no tokens streamed")
-    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])]
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def pct(values: list[float], q: float) -> float:

@@ -140,12 +140,13 @@ def fit_efficiency(
 
 
 def _nnls(a, y) -> tuple[list[float], float]:
-    """Least squares with every coefficient >= 0, by trying each subset of the few columns."""
+    """Least squares with every coefficient >= 0, for a few columns: the unconstrained
+    solution when it is feasible (then it is optimal), else the best over column subsets."""
     import numpy as np
 
     cols = a.shape[1]
     best: tuple[list[float], float] = ([0.0] * cols, float(y @ y))
-    for r in range(1, cols + 1):
+    for r in range(cols, 0, -1):
         for subset in itertools.combinations(range(cols), r):
             sol, *_ = np.linalg.lstsq(a[:, subset], y, rcond=None)
             if (sol < 0).any():
@@ -157,6 +158,8 @@ def _nnls(a, y) -> tuple[list[float], float]:
                 for k, v in zip(subset, sol, strict=True):
                     coef[k] = float(v)
                 best = (coef, err)
+            if r == cols:
+                return best
     return best
 
 

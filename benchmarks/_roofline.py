@@ -167,7 +167,7 @@ def _pct(x: float | None) -> str:
 
 
 def table(results: list[Result], peak_mib: dict[str, float]) -> str:
-    """One row per result; `peak_mib` per system label."""
+    """One row per result; `peak_mib` keyed by "system dtype-label"."""
     head = (
         f"{'system':<13}{'dtype':<18}{'workload':<17}{'tokens/s':>10}{'median':>11}"
         f"{'GFLOP/s':>9}{'GB/s':>7}{'%peak':>8}{'%bw':>8}{'%roof':>8}  peak MiB"
@@ -178,7 +178,7 @@ def table(results: list[Result], peak_mib: dict[str, float]) -> str:
         unit = "s" if r.workload == "prefill" else "ms"
         sec = r.seconds if unit == "s" else r.seconds * 1e3
         bw = "-" if r.roof.bytes_per_s is None else f"{r.roof.bytes_per_s / 1e9:.1f}"
-        mem = peak_mib[r.dtype]
+        mem = peak_mib[f"{r.system} {r.dtype}"]
         lines.append(
             f"{r.system:<13}{r.dtype:<18}{what:<17}{r.tokens_per_s:>10.1f}{sec:>9.3f}{unit:<2}"
             f"{r.roof.flops_per_s / 1e9:>9.1f}{bw:>7}{_pct(r.roof.compute_fraction):>8}"

@@ -24,6 +24,7 @@ from pathlib import Path
 import _roofline as rl  # sibling module: this script runs as a file, not a package
 import torch
 
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF progress bars; read at import
 PREFILL_TOKENS = (512, 2048)
 DECODE_BATCHES = (1, 8, 16, 32)
 HF_DECODE_BATCHES = (1, 16)
@@ -86,7 +87,6 @@ class Theirs:
     system = "transformers"
 
     def __init__(self, dtype: str):
-        os.environ.setdefault("TQDM_DISABLE", "1")  # its GGUF dequantization progress bars
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -131,27 +131,26 @@ class Bench:
         base = rl.reset_peak_rss()
         seconds = fn(*args)
         extra = rl.rss_mib("VmHWM") - base
-        self.peak_mib[system.label] = max(self.peak_mib.get(system.label, 0.0), extra)
+        key = f"{system.system} {system.label}"
+        self.peak_mib[key] = max(self.peak_mib.get(key, 0.0), extra)
         return seconds
 
     def prefill(self, prompts: Prompts, tokens: int) -> list[rl.Result]:
-        samples = {s.label: [] for s in self.systems}
+        samples = {s: [] for s in self.systems}  # keyed by object: labels repeat
         for _ in range(self.repeats):
             for s in self.systems:
-                samples[s.label].append(self.timed(s, s.prefill, prompts.make(tokens)))
-        return [self._result(s, "prefill", 1, tokens, samples[s.label]) for s in self.systems]
+                samples[s].append(self.timed(s, s.prefill, prompts.make(tokens)))
+        return [self._result(s, "prefill", 1, tokens, samples[s]) for s in self.systems]
 
     def decode(self, prompts: Prompts, batch: int, context: int, steps: int) -> list[rl.Result]:
         systems = [s for s in self.systems if s.system == "pdserve" or batch in self.hf_batches]
-        samples = {s.label: [] for s in systems}
+        samples = {s: [] for s in systems}
         for _ in range(self.repeats):
             for s in systems:
                 batch_prompts = [prompts.make(context) for _ in range(batch)]
-                samples[s.label].append(self.timed(s, s.decode, batch_prompts, steps))
+                samples[s].append(self.timed(s, s.decode, batch_prompts, steps))
         mean_ctx = context + 2 + (steps - 1) / 2  # keys attended, averaged over timed steps
-        return [
-            self._result(s, "decode", batch, context, samples[s.label], mean_ctx) for s in systems
-        ]
+        return [self._result(s, "decode", batch, context, samples[s], mean_ctx) for s in systems]
 
     def _result(self, s, workload, batch, tokens, samples, mean_ctx=0.0) -> rl.Result:
         sec = statistics.median(samples)
@@ -182,7 +181,7 @@ def run(args) -> dict:
     for make, dtype in [(Ours, d) for d in args.dtypes] + [(Theirs, d) for d in args.hf_dtypes]:
         before = rl.reset_peak_rss()
         system = Ours(dtype, args.threads, args.kv_cache_gb) if make is Ours else Theirs(dtype)
-        load_mib[system.label] = rl.rss_mib() - before
+        load_mib[f"{system.system} {system.label}"] = rl.rss_mib() - before
         systems.append(system)
     shape = rl.Shape.of(systems[0].llm.model_config)  # --dtypes is never empty
     bench = Bench(machine, shape, systems, args)

@@ -58,6 +58,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._tokenizer = None
         self.eos_ids = set(mc.eos_token_ids)
+        self.hold_finished = False  # set by workers that offload finished blocks to a KV store
 
     @property
     def tokenizer(self):
@@ -178,8 +179,10 @@ class LLMEngine:
         seq.token_ids.append(token)
         reason = self._stop_reason(seq, token)
         if reason is not None:
-            # A prefill worker keeps the blocks until their KV is on the decode worker.
-            self.scheduler.finish(seq, reason, keep_blocks=self.config.role == "prefill")
+            # A prefill worker keeps the blocks until their KV is on the decode worker; with a
+            # KV store, every worker keeps them until the store has read them.
+            keep = self.config.role == "prefill" or self.hold_finished
+            self.scheduler.finish(seq, reason, keep_blocks=keep)
             self.requests.pop(seq.request_id, None)
         return StepOutput(seq, token, reason is not None)
 

@@ -11,6 +11,7 @@ are freed and it is recomputed later (its generated tokens are kept).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager
@@ -44,6 +45,8 @@ class Scheduler:
         self.transferring: dict[str, Sequence] = {}
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
+        # Called right after a sequence gets blocks: may fill more of its prefix (KV store).
+        self.on_allocate: Callable[[Sequence], object] | None = None
         self.num_preemptions = 0
 
     @property
@@ -70,6 +73,8 @@ class Scheduler:
         Returns False if blocks are short (the caller retries or prefills locally)."""
         if not self.bm.allocate(seq):
             return False
+        if self.on_allocate is not None:
+            self.on_allocate(seq)
         seq.status = SeqStatus.TRANSFERRING
         self.transferring[seq.request_id] = seq
         return True
@@ -161,6 +166,8 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.bm.allocate(seq):
                 break
+            if self.on_allocate is not None:
+                self.on_allocate(seq)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

@@ -145,6 +145,9 @@ class Frontend:
         metrics.REQUESTS.labels(status).inc()
         if state.first_token_at:
             metrics.TTFT.observe(state.first_token_at - state.created)
+            metrics.TTFT_BY_CACHE.labels("warm" if state.warm else "cold").observe(
+                state.first_token_at - state.created
+            )
             n = len(state.tokens)
             if n > 1:
                 metrics.ITL.observe((state.last_token_at - state.first_token_at) / (n - 1))
@@ -256,7 +259,11 @@ def build_app(frontend: Frontend) -> FastAPI:
         }
         ok = any(w.can_decode for w in alive)
         return JSONResponse(
-            {"status": "ok" if ok else "starting", "workers": workers},
+            {
+                "status": "ok" if ok else "starting",
+                "workers": workers,
+                "kv_store_blocks_known": len(frontend.core.store_index),
+            },
             status_code=200 if ok else 503,
         )
 

@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import zmq
 import zmq.asyncio
@@ -45,6 +46,9 @@ class RouterCore:
         self.codec = Codec(secret)
         self.workers: dict[str, WorkerInfo] = {}
         self.requests: dict[str, RequestState] = {}
+        # Block hashes workers wrote to the shared KV store (may be stale after store evictions:
+        # a stale hit only means the decode worker computes more than expected).
+        self.store_index: set[int] = set()
         self._ids = itertools.count()
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -68,14 +72,16 @@ class RouterCore:
 
     # -- sockets ---------------------------------------------------------------------------
     def send(self, worker_id: str, msg) -> bool:
+        """Queue msg for a worker. A dead or unknown peer is logged, never raised."""
         try:
-            self.sock.send_multipart(
+            fut = self.sock.send_multipart(
                 [worker_id.encode(), *self.codec.encode(msg)], flags=zmq.NOBLOCK
             )
-            return True
-        except zmq.ZMQError as exc:  # unknown peer (dead) or full queue
+        except zmq.ZMQError as exc:
             log.warning("could not send %s to %s: %s", type(msg).__name__, worker_id, exc)
             return False
+        fut.add_done_callback(partial(_log_send_error, type(msg).__name__, worker_id))
+        return True
 
     async def _recv_loop(self) -> None:
         while True:
@@ -101,9 +107,10 @@ class RouterCore:
         old = self.workers.get(wid)
         if old is not None and old.alive:
             self._worker_lost(old, "it re-registered (restarted)")
-        self.workers[wid] = WorkerInfo(
+        self.workers[wid] = info = WorkerInfo(
             wid, msg.role, msg.layout, msg.kv_endpoint, msg.total_blocks, msg.max_model_len, msg.pid
         )
+        info.has_store = msg.has_store
         self.send(wid, m.RegisterAck(True))
         log.info("worker %s registered as %s", wid, msg.role)
 
@@ -116,6 +123,7 @@ class RouterCore:
             w.load = msg.load
         w.cached.difference_update(msg.removed)
         w.cached.update(msg.stored)
+        self.store_index.update(msg.offloaded)
 
     async def _monitor(self) -> None:
         while True:
@@ -203,6 +211,16 @@ class RouterCore:
             key=lambda w: (-w.overlap(hashes), w.queued_prefill_tokens() + 1000 * len(w.inflight)),
         )
 
+    def _cached_blocks(self, decode: WorkerInfo, hashes: list[int]) -> int:
+        """Leading prompt blocks D can get without computing: its own cache or the KV store."""
+        cached = decode.overlap(hashes)
+        if decode.has_store:
+            in_store = next(
+                (i for i, h in enumerate(hashes) if h not in self.store_index), len(hashes)
+            )
+            cached = max(cached, in_store)
+        return cached
+
     def submit(self, prompt: list[int], params: m.Params) -> RequestState:
         """Place a validated request; its events arrive on the returned state's queue."""
         if len(self.requests) >= self.config.max_inflight:
@@ -210,9 +228,12 @@ class RouterCore:
         decode = self._pick_decode(prompt)
         if decode is None:
             raise LookupError("no decode worker is available")
-        overlap = (
-            decode.overlap(block_hashes(prompt, self.config.block_size)) * self.config.block_size
-        )
+        cached = self._cached_blocks(decode, block_hashes(prompt, self.config.block_size))
+        overlap = cached * self.config.block_size
+        warm = overlap > 0 and overlap >= len(prompt) // 2
+        metrics.CACHE_TEMPERATURE.labels("warm" if warm else "cold").inc()
+        # Conditional, cache-aware disaggregation: only a long *uncached* part goes to the
+        # prefill pool; a warm prompt loads its prefix (local cache or KV store) on D.
         remote = (
             self.config.mode == "disagg"
             and decode.role == "decode"
@@ -221,7 +242,7 @@ class RouterCore:
         )
         metrics.PREFILL_DECISIONS.labels("remote" if remote else "local").inc()
         state = RequestState(
-            f"r{next(self._ids)}", prompt, params, remote, decode_id=decode.worker_id
+            f"r{next(self._ids)}", prompt, params, remote, decode_id=decode.worker_id, warm=warm
         )
         self.requests[state.request_id] = state
         decode.inflight.add(state.request_id)
@@ -307,3 +328,8 @@ def _asdict(p: m.Params) -> dict:
     import msgspec
 
     return msgspec.structs.asdict(p)
+
+
+def _log_send_error(kind: str, worker_id: str, fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("could not send %s to %s: %s", kind, worker_id, fut.exception())

@@ -28,6 +28,12 @@ REMOTE_PREFILL = Histogram(
 KV_FAILURES = Counter("pdserve_kv_transfer_failures", "KV pushes that failed (prefilled locally)")
 WORKER_FAILURES = Counter("pdserve_worker_failures", "workers declared dead")
 MIGRATIONS = Counter("pdserve_migrations", "requests replayed on another decode worker")
+CACHE_TEMPERATURE = Counter(
+    "pdserve_cache_temperature", "requests by cached share of the prompt at placement", ["cache"]
+)
+TTFT_BY_CACHE = Histogram(
+    "pdserve_ttft_by_cache_seconds", "TTFT of warm vs cold requests", ["cache"], buckets=_LAT
+)
 REJECTED = Counter("pdserve_rejected", "requests refused by admission control", ["reason"])
 
 

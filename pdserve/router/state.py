@@ -23,6 +23,7 @@ class WorkerInfo:
     cached: set[int] = field(default_factory=set)  # block hashes this worker holds
     inflight: set[str] = field(default_factory=set)  # request ids placed here
     alive: bool = True
+    has_store: bool = False
 
     @property
     def can_decode(self) -> bool:
@@ -59,6 +60,7 @@ class RequestState:
     last_token_at: float | None = None
     finished: bool = False
     migrations: int = 0
+    warm: bool = False  # most of the prompt was cached (worker or KV store) at placement
 
     def deliver(self, index: int, token: int, finish_reason: str | None) -> bool:
         """Queue token `index` for the client unless it is a duplicate (migration replay)."""

@@ -132,6 +132,12 @@ def _serve(args) -> int:
     procs = WorkerProcs()
     base_argv = _engine_argv(args)
 
+    store_endpoint = args.kv_store_endpoint
+    if args.kv_store and not store_endpoint:
+        store_endpoint = procs.start_store(args.store_dir, args.store_dram_gb, args.store_ssd_gb)
+    if store_endpoint:
+        base_argv += ["--kv-store", store_endpoint]
+
     async def ready(port):
         for i, (role, cpus) in enumerate(plan.workers):
             argv = list(base_argv)
@@ -180,6 +186,7 @@ def _worker(args) -> int:
 
         engine = replace(engine, chunk_size=None)
     config = WorkerConfig(
+        kv_store=args.kv_store,
         engine=engine,
         router=args.router,
         worker_id=args.worker_id or f"{args.role}-{os.getpid()}",
@@ -210,6 +217,26 @@ def register(sub) -> None:
         "--kv-transport", default="tcp", choices=["tcp", "nixl"], help="KV transfer backend"
     )
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--kv-store",
+        action="store_true",
+        help="also start a KV store (DRAM + SSD tiers) that every worker loads from and offloads to",
+    )
+    p.add_argument(
+        "--kv-store-endpoint",
+        default=None,
+        metavar="ENDPOINT",
+        help="use an existing `pdserve store` at tcp://HOST:PORT instead of starting one",
+    )
+    p.add_argument(
+        "--store-dir", default=None, help="SSD tier directory (default: a temporary directory)"
+    )
+    p.add_argument(
+        "--store-dram-gb", type=float, default=1.0, help="store DRAM tier size (default 1)"
+    )
+    p.add_argument(
+        "--store-ssd-gb", type=float, default=4.0, help="store SSD tier size (default 4)"
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("router", help="start only the router (workers join with `pdserve worker`)")
@@ -234,6 +261,13 @@ def register(sub) -> None:
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "nixl"])
     p.add_argument(
         "--kv-host", default="127.0.0.1", help="address the KV receiver binds (decode role)"
+    )
+    p.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="ENDPOINT",
+        help="a `pdserve store` endpoint (tcp://HOST:PORT): load cached prefixes from it and "
+        "offload finished requests' blocks to it",
     )
     add_engine_args(p)
     p.set_defaults(func=_worker)

@@ -128,6 +128,39 @@ class WorkerProcs:
         self.procs.append((worker_id, proc))
         return proc
 
+    def start_store(self, store_dir: str | None, dram_gb: float, ssd_gb: float) -> str:
+        """Start `pdserve store` and return its endpoint once it listens."""
+        import tempfile
+
+        store_dir = store_dir or tempfile.mkdtemp(prefix="pdserve-store-")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "store",
+            "--port",
+            "0",
+            "--store-dir",
+            store_dir,
+            "--dram-gb",
+            str(dram_gb),
+            "--ssd-gb",
+            str(ssd_gb),
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        self.procs.append(("store", proc))
+        for line in proc.stdout:
+            if "listening on " in line:
+                return line.split("listening on ", 1)[1].split()[0]
+        raise RuntimeError(f"the KV store did not start: {proc.stdout.read()[-2000:]}")
+
     def failed(self) -> tuple[str, str] | None:
         """(worker id, its output) of the first worker that exited."""
         for wid, proc in self.procs:

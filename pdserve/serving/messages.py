@@ -35,6 +35,7 @@ class Register(msgspec.Struct, tag=True):
     max_model_len: int
     metrics_port: int | None = None
     pid: int = 0
+    has_store: bool = False  # loads prefixes from / offloads blocks to a KV store
 
 
 class RegisterAck(msgspec.Struct, tag=True):
@@ -52,7 +53,9 @@ class Load(msgspec.Struct):
     prefix_hit_tokens: int
     prefix_query_tokens: int
     preemptions: int
-    integrity_error: str | None = None  # check_integrity() of the block manager, when idle
+    integrity_error: str | None = None  # check_integrity() of the block manager
+    store_hit_tokens: int = 0  # prompt tokens loaded from the KV store instead of computed
+    store_query_tokens: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag=True):
@@ -60,6 +63,7 @@ class Heartbeat(msgspec.Struct, tag=True):
     load: Load | None
     stored: list[int] = []  # block hashes newly cached (KV events for the router's index)
     removed: list[int] = []
+    offloaded: list[int] = []  # block hashes this worker wrote to the KV store
 
 
 class Admit(msgspec.Struct, tag=True):

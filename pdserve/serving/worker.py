@@ -38,6 +38,7 @@ class WorkerConfig:
     kv_transport: str = "tcp"
     kv_host: str = "127.0.0.1"
     transfer_timeout_s: float = 30.0
+    kv_store: str | None = None  # endpoint of a `pdserve store` (tcp://host:port)
 
 
 @dataclass
@@ -79,6 +80,14 @@ class Worker:
             self.sender = make_sender(
                 config.kv_transport, self.layout, runner.k_caches, runner.v_caches
             )
+        self.store = None
+        if config.kv_store:
+            from pdserve.serving.store_link import StoreLink
+
+            self.store = StoreLink(config.kv_store, self.layout, runner.k_caches, runner.v_caches)
+            bm = self.engine.block_manager
+            self.engine.scheduler.on_allocate = lambda seq: self.store.load_prefix(seq, bm)
+            self.engine.hold_finished = self.role != "prefill"
         self.codec = Codec(secret)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, config.worker_id.encode())
@@ -91,6 +100,7 @@ class Worker:
         self.running = True
         self.load: m.Load | None = None
         self.events: deque[tuple[str, int]] = deque()
+        self.offloaded: deque[int] = deque()  # hashes now in the KV store
 
     # -- control plane -------------------------------------------------------------------
     def send(self, msg) -> None:
@@ -104,6 +114,7 @@ class Worker:
                 layout=self.layout,
                 kv_endpoint=self.receiver.endpoint if self.receiver else None,
                 total_blocks=self.engine.block_manager.num_blocks,
+                has_store=self.store is not None,
                 max_model_len=self.engine.max_model_len,
                 pid=os.getpid(),
             )
@@ -117,12 +128,17 @@ class Worker:
     def publish_load(self) -> None:
         """Engine thread: snapshot load and KV events for the heartbeat thread to send."""
         st = self.engine.stats()
+        if self.store is not None:
+            st["store_hit_tokens"] = self.store.hit_tokens
+            st["store_query_tokens"] = self.store.query_tokens
+            self.offloaded.extend(self.store.offloaded)
+            self.store.offloaded.clear()
         try:
             self.engine.check_integrity()
             st["integrity_error"] = None
         except AssertionError as exc:
             st["integrity_error"] = str(exc) or "integrity check failed"
-        self.load = m.Load(**{k: st[k] for k in m.Load.__struct_fields__})
+        self.load = m.Load(**{k: st[k] for k in m.Load.__struct_fields__ if k in st})
         self.events.extend(self.engine.block_manager.drain_events())
 
     def heartbeat_loop(self) -> None:
@@ -138,6 +154,7 @@ class Worker:
                 self.load,
                 stored=[h for kind, h in events if kind == "stored"],
                 removed=[h for kind, h in events if kind == "removed"],
+                offloaded=[self.offloaded.popleft() for _ in range(len(self.offloaded))],
             )
             sock.send_multipart(self.codec.encode(beat))
             time.sleep(HEARTBEAT_S)
@@ -268,6 +285,8 @@ class Worker:
             )
             if o.finished:
                 self.index_offset.pop(rid, None)
+                if self.store is not None and not self.store.offload(o.seq):
+                    self.engine.release(rid)
         if items:
             self.send(m.Tokens(self.config.worker_id, items))
 
@@ -312,6 +331,9 @@ class Worker:
                 self.try_place()
             if self.leases:
                 self.expire_leases()
+            if self.store is not None and self.store.pending:
+                for rid in self.store.done():
+                    self.engine.release(rid)
             if self.engine.has_work():
                 self.step()
             if time.monotonic() >= next_beat:
@@ -320,7 +342,7 @@ class Worker:
         self.close()
 
     def close(self) -> None:
-        for c in (self.receiver, self.sender):
+        for c in (self.receiver, self.sender, self.store):
             if c is not None:
                 c.close()
         self.sock.close()

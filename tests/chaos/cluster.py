@@ -129,9 +129,9 @@ class Cluster:
             if wid not in self.health() or wid not in self.pids():
                 self.restart(wid)
 
-    def assert_clean(self) -> dict:
+    def assert_clean(self, timeout_s: float = 30.0) -> dict:
         """Every live worker idle with all blocks free and an intact block manager."""
-        workers = self.server.wait_idle_and_clean()
+        workers = self.server.wait_idle_and_clean(timeout_s)
         leaked = {w: h["total_blocks"] - h["free_blocks"] for w, h in workers.items()}
         assert leaked == dict.fromkeys(workers, 0), workers
         assert [h["integrity_error"] for h in workers.values()] == [None] * len(workers)

@@ -34,11 +34,20 @@ def real_layout(dtype: str = "float32", block_size: int = 16) -> KVLayout:
 
 
 class FakePrefill:
-    """mode "stall": swallow Prefill; mode "fail": answer PrefillDone(first_token=None)."""
+    """mode "stall": swallow Prefill; mode "fail": answer PrefillDone(first_token=None).
+    `claim`: block hashes it reports as cached, so the router prefers it for those prompts."""
 
-    def __init__(self, endpoint: str, worker_id: str, mode: str, layout: KVLayout, **codec):
+    def __init__(
+        self,
+        endpoint: str,
+        worker_id: str,
+        mode: str,
+        layout: KVLayout,
+        claim: list[int] = (),
+        **codec,
+    ):
         assert mode in ("stall", "fail")
-        self.worker_id, self.mode, self.layout = worker_id, mode, layout
+        self.worker_id, self.mode, self.layout, self.claim = worker_id, mode, layout, list(claim)
         self.codec = Codec(**codec)
         self.prefills: list[m.Prefill] = []
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -65,7 +74,9 @@ class FakePrefill:
 
     def _beat(self) -> None:
         load = m.Load(0, 0, 0, 0, 1024, 1024, 0, 0, 0)
-        self.sock.send_multipart(self.codec.encode(m.Heartbeat(self.worker_id, load)))
+        self.sock.send_multipart(
+            self.codec.encode(m.Heartbeat(self.worker_id, load, stored=self.claim))
+        )
 
     def _loop(self) -> None:
         next_beat = 0.0

@@ -1,0 +1,18 @@
+"""One `pdserve serve` with an API key and a control-channel secret (PDSERVE_SECRET, inherited
+by the workers), for the security suite."""
+
+from __future__ import annotations
+
+import pytest
+from chaos.cluster import Cluster, Server
+
+API_KEY = "sk-test-0123456789abcdef"
+SECRET = "c0ffee" * 8  # 48 bytes: above the KV channel's minimum secret length
+
+
+@pytest.fixture(scope="session")
+def secured(tmp_path_factory):
+    server = Server("--api-key", API_KEY, "--max-model-len", "256", env={"PDSERVE_SECRET": SECRET})
+    c = Cluster(server, tmp_path_factory.mktemp("security-workers"))
+    yield c
+    c.stop()

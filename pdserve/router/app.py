@@ -24,6 +24,10 @@ from pdserve.serving import messages as m
 log = logging.getLogger("pdserve.router")
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
 class Frontend:
     def __init__(
         self,
@@ -58,7 +62,11 @@ class Frontend:
             )
         if chat:
             ids = self.tok.apply_chat_template(p.messages_of(req))
-            max_tokens = req.max_completion_tokens or req.max_tokens
+            max_tokens = (
+                req.max_completion_tokens
+                if req.max_completion_tokens is not None
+                else req.max_tokens
+            )
         else:
             prompt = p.prompt_of(req)
             ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -108,19 +116,29 @@ class Frontend:
                 503, "no decode worker is available; retry shortly", headers={"Retry-After": "2"}
             ) from None
 
-    async def events(self, state: RequestState, stops: tuple[str, ...]):
-        """Yields (text_delta, finish_reason|None); raises APIError on a worker failure."""
+    async def events(
+        self, state: RequestState, stops: tuple[str, ...], request: Request | None = None
+    ):
+        """Yields (text_delta, finish_reason|None); raises APIError on a worker failure or
+        timeout. With `request` (non-streaming), a client that hangs up is noticed within a
+        second (the caller's `finally` then aborts the request on its workers)."""
         dec, stop = IncrementalDecoder(self.tok), StopChecker(stops)
         deadline = time.monotonic() + self.request_timeout_s
+        next_check = time.monotonic() + 0.5
         while True:
-            try:
-                ev = await asyncio.wait_for(
-                    state.events.get(), max(0.01, deadline - time.monotonic())
-                )
-            except TimeoutError:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise p.APIError(
                     504, f"the request did not finish within {self.request_timeout_s:.0f}s"
-                ) from None
+                )
+            if request is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.5
+                if await request.is_disconnected():
+                    raise ClientGone
+            try:
+                ev = await asyncio.wait_for(state.events.get(), min(left, 0.5))
+            except TimeoutError:
+                continue
             if ev[0] == "error":
                 raise p.APIError(ev[1], ev[2])
             _, token, finish = ev
@@ -153,9 +171,25 @@ class Frontend:
                 metrics.ITL.observe((state.last_token_at - state.first_token_at) / (n - 1))
         metrics.E2E.observe(time.monotonic() - state.created)
 
+    async def read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to exceed the limit (a declared
+        Content-Length is checked before anything is read)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > p.MAX_BODY_BYTES:
+            raise p.APIError(
+                413, f"request body of {declared} bytes exceeds the {p.MAX_BODY_BYTES}-byte limit"
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > p.MAX_BODY_BYTES:
+                raise p.APIError(413, f"request body exceeds the {p.MAX_BODY_BYTES}-byte limit")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def complete(self, request: Request, chat: bool) -> Response:
         self.check_auth(request)
-        req = p.parse(await request.body(), p.ChatRequest if chat else p.CompletionRequest)
+        req = p.parse(await self.read_body(request), p.ChatRequest if chat else p.CompletionRequest)
         ids, params = self.prepare(req, chat)
         state = self.submit(ids, params)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
@@ -166,15 +200,18 @@ class Frontend:
                 self.stream(request, state, rid, chat, stops, include_usage),
                 media_type="text/event-stream",
             )
-        return await self.whole(state, rid, chat, stops)
+        return await self.whole(request, state, rid, chat, stops)
 
-    async def whole(self, state, rid, chat, stops) -> Response:
+    async def whole(self, request, state, rid, chat, stops) -> Response:
         parts, finish, status = [], None, "error"
         try:
-            async for text, reason in self.events(state, stops):
+            async for text, reason in self.events(state, stops, request):
                 parts.append(text)
                 finish = reason
             status = "ok"
+        except ClientGone:
+            status = "cancelled"
+            return Response(status_code=499)
         finally:
             self.core.finish(state, abort=status != "ok" or not state.finished)
             self.record(state, status)

@@ -116,7 +116,13 @@ class RouterCore:
 
     def _on_Heartbeat(self, wid: str, msg: m.Heartbeat) -> None:
         w = self.workers.get(msg.worker_id)  # sent from the worker's heartbeat socket "<id>#hb"
-        if w is None or not w.alive or wid.partition("#")[0] != msg.worker_id:
+        if w is None or wid.partition("#")[0] != msg.worker_id:
+            return
+        if not w.alive:  # it was stalled, not dead: make it drop stale work and rejoin
+            now = time.monotonic()
+            if now - w.last_seen > 1.0:
+                w.last_seen = now
+                self.send(msg.worker_id, m.Reset())
             return
         w.last_seen = time.monotonic()
         if msg.load is not None:

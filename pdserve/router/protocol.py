@@ -102,6 +102,11 @@ def _check_sampling(req: _Sampling) -> None:
             "max_tokens",
             "max_tokens must be >= 1",
         ),
+        (
+            (getattr(req, "max_completion_tokens", None) or 1) < 1,
+            "max_completion_tokens",
+            "max_completion_tokens must be >= 1",
+        ),
         (not 0 <= req.temperature <= 2, "temperature", "temperature must be between 0 and 2"),
         (not 0 < req.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
         (req.top_k < 0, "top_k", "top_k must be >= 0 (0 = off)"),

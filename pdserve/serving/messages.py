@@ -143,6 +143,10 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class Reset(msgspec.Struct, tag=True):
+    """Router -> a worker it had declared dead: drop every request, free blocks, re-register."""
+
+
 Message = (
     Register
     | RegisterAck
@@ -156,5 +160,6 @@ Message = (
     | Failed
     | Abort
     | Shutdown
+    | Reset
 )
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt fits; anything larger is refused

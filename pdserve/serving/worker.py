@@ -106,19 +106,20 @@ class Worker:
     def send(self, msg) -> None:
         self.sock.send_multipart(self.codec.encode(msg))
 
-    def register(self, timeout_s: float = 60.0) -> None:
-        self.send(
-            m.Register(
-                worker_id=self.config.worker_id,
-                role=self.role,
-                layout=self.layout,
-                kv_endpoint=self.receiver.endpoint if self.receiver else None,
-                total_blocks=self.engine.block_manager.num_blocks,
-                has_store=self.store is not None,
-                max_model_len=self.engine.max_model_len,
-                pid=os.getpid(),
-            )
+    def registration(self) -> m.Register:
+        return m.Register(
+            worker_id=self.config.worker_id,
+            role=self.role,
+            layout=self.layout,
+            kv_endpoint=self.receiver.endpoint if self.receiver else None,
+            total_blocks=self.engine.block_manager.num_blocks,
+            has_store=self.store is not None,
+            max_model_len=self.engine.max_model_len,
+            pid=os.getpid(),
         )
+
+    def register(self, timeout_s: float = 60.0) -> None:
+        self.send(self.registration())
         if not self.sock.poll(int(timeout_s * 1000)):
             raise RuntimeError(f"the router at {self.config.router} did not answer registration")
         ack = self.codec.decode(self.sock.recv_multipart())
@@ -169,6 +170,34 @@ class Worker:
             handler(msg)
         except ValueError as exc:  # a request the engine refuses: tell the client why
             self.send(m.Failed(getattr(msg, "request_id", "?"), str(exc), 400))
+        except Exception as exc:  # a bug must fail one request, never the worker
+            log.exception("failed to handle %s", type(msg).__name__)
+            if hasattr(msg, "request_id"):
+                self.on_Abort(m.Abort(msg.request_id))
+                self.send(
+                    m.Failed(msg.request_id, f"worker error: {type(exc).__name__}: {exc}", 500)
+                )
+
+    def on_Reset(self, msg: m.Reset) -> None:
+        """The router declared us dead (e.g. we stalled) and moved our requests elsewhere:
+        drop them all, free every block, and register again."""
+        rids = {
+            *self.engine.requests,
+            *self.leases,
+            *self.outgoing,
+            *(a.request_id for a, _ in self.pending),
+        }
+        for rid in rids:
+            self.on_Abort(m.Abort(rid))
+        for rid in list(self.engine.scheduler.held):
+            self.engine.release(rid)
+        log.warning("router reset this worker: dropped %d requests, registering again", len(rids))
+        self.send(self.registration())
+
+    def on_RegisterAck(self, msg: m.RegisterAck) -> None:
+        if not msg.ok:
+            log.error("the router refused this worker: %s", msg.error)
+            self.running = False
 
     def on_Shutdown(self, msg: m.Shutdown) -> None:
         self.running = False

@@ -59,7 +59,8 @@ def main() -> int:
         with server("disagg", *WORKER_CACHE, *extra) as url:
             rows.append((label, *run(url, args)))
     print(
-        f"\n{'':<10} {'warm TTFT p50':>14} {'cold TTFT p50':>14} {'warm/cold':>10} {'session s':>9} {'tokens/s':>9}"
+        f"\n{'':<10} {'warm TTFT p50':>14} {'cold TTFT p50':>14} {'warm/cold':>10} "
+        f"{'session s':>9} {'tokens/s':>9}"
     )
     for label, warm, cold, wall, tokens in rows:
         print(

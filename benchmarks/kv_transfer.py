@@ -63,8 +63,9 @@ def main() -> int:
             d = {k: (after[k] - before[k]) / (args.repeats + 1) for k in before}
             dis[n] = (median(t), d)
     print(
-        f"{'prompt':>7} {'prefill alone':>14} {'disagg TTFT':>12} {'P: KV on D':>11} {'exposed push':>13} "
-        f"{'MB/req':>7} {'push GB/s':>10} {'memcpy GB/s':>12} {'loopback GB/s':>14} {'TTFT overhead':>14}"
+        f"{'prompt':>7} {'prefill alone':>14} {'disagg TTFT':>12} {'P: KV on D':>11} "
+        f"{'exposed push':>13} {'MB/req':>7} {'push GB/s':>10} {'memcpy GB/s':>12} "
+        f"{'loopback GB/s':>14} {'TTFT overhead':>14}"
     )
     for n in lengths:
         ttft, d = dis[n]

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import logging
-import os
-from pathlib import Path
 
 import msgspec
 
+from pdserve.kv_transfer import wire
 from pdserve.serving.messages import MAX_MESSAGE_BYTES, Message
 
 log = logging.getLogger(__name__)
@@ -23,31 +21,19 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 
 def resolve_secret(secret: bytes | None = None) -> bytes | None:
-    """An explicit secret, else $PDSERVE_SECRET, else the file named by $PDSERVE_SECRET_FILE."""
-    if secret:
-        return secret
-    if os.environ.get("PDSERVE_SECRET"):
-        return os.environ["PDSERVE_SECRET"].encode()
-    if os.environ.get("PDSERVE_SECRET_FILE"):
-        return Path(os.environ["PDSERVE_SECRET_FILE"]).read_bytes().strip()
-    return None
+    """An explicit secret, else $PDSERVE_SECRET / $PDSERVE_SECRET_FILE; the same rules (and
+    minimum length) as the KV fabric, so one secret serves both planes."""
+    return wire.resolve_secret(secret)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+is_loopback = wire.is_loopback
 
 
 def require_secret_for(host: str, secret: bytes | None) -> None:
     if not is_loopback(host) and not secret:
         raise ValueError(
-            f"refusing to bind internal channels on {host} without authentication: set "
-            "PDSERVE_SECRET (or PDSERVE_SECRET_FILE=path) to the same secret on every process, "
-            "or bind 127.0.0.1"
+            f"refusing to bind internal channels on {host} without authentication: "
+            f"{wire.HOW_TO_SET_SECRET}; or bind 127.0.0.1"
         )
 
 

@@ -220,7 +220,7 @@ def register(sub) -> None:
     p.add_argument(
         "--kv-store",
         action="store_true",
-        help="also start a KV store (DRAM + SSD tiers) that every worker loads from and offloads to",
+        help="also start a KV store (DRAM + SSD tiers) that workers load from and offload to",
     )
     p.add_argument(
         "--kv-store-endpoint",

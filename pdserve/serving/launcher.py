@@ -117,6 +117,9 @@ class WorkerProcs:
             transport,
             *engine_argv,
         ]
+        return self._spawn(worker_id, cmd)
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -125,7 +128,7 @@ class WorkerProcs:
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-        self.procs.append((worker_id, proc))
+        self.procs.append((name, proc))
         return proc
 
     def start_store(self, store_dir: str | None, dram_gb: float, ssd_gb: float) -> str:
@@ -147,15 +150,7 @@ class WorkerProcs:
             "--ssd-gb",
             str(ssd_gb),
         ]
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        self.procs.append(("store", proc))
+        proc = self._spawn("store", cmd)
         for line in proc.stdout:
             if "listening on " in line:
                 return line.split("listening on ", 1)[1].split()[0]

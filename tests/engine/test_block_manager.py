@@ -93,6 +93,9 @@ def test_hashes_agree_across_processes():
     import subprocess
     import sys
 
-    code = "from pdserve.engine.block_hash import block_hashes; print(block_hashes(list(range(40)), 16))"
+    code = (
+        "from pdserve.engine.block_hash import block_hashes; "
+        "print(block_hashes(list(range(40)), 16))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(block_hashes(list(range(40)), 16))

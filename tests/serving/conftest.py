@@ -83,13 +83,22 @@ class Server:
 def disagg_server():
     """float32 so that outputs can be compared token for token with the offline engine;
     threshold 0 so that every prompt goes through the prefill pool."""
-    server = Server("--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0")
+    server = Server(
+        "--mode",
+        "disagg",
+        "--dtype",
+        "float32",
+        "--local-prefill-threshold",
+        "0",
+        "--kv-cache-gb",
+        "0.5",
+    )
     yield server
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def colocated_server():
-    server = Server("--mode", "colocated", "--dtype", "float32")
+    server = Server("--mode", "colocated", "--dtype", "float32", "--kv-cache-gb", "0.5")
     yield server
     server.stop()

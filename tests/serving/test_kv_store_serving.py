@@ -58,6 +58,8 @@ def store_server():
         "--kv-store",
         "--heartbeat-timeout-s",
         "3",
+        "--kv-cache-gb",
+        "0.25",
     )
     yield server
     server.stop()

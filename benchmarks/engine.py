@@ -14,6 +14,8 @@ ignore_eos). transformers runs the same token ids through `model(...)` with its 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -24,7 +26,6 @@ from pathlib import Path
 import _roofline as rl  # sibling module: this script runs as a file, not a package
 import torch
 
-os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF progress bars; read at import
 PREFILL_TOKENS = (512, 2048)
 DECODE_BATCHES = (1, 8, 16, 32)
 HF_DECODE_BATCHES = (1, 16)
@@ -94,9 +95,10 @@ class Theirs:
 
         hf_logging.set_verbosity_error()  # its advice to load GGUF in float32: we run both
         path = bundled_model_path()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
-        ).eval()
+        with contextlib.redirect_stderr(io.StringIO()):  # its per-tensor progress bars
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+            ).eval()
         weights = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
         self.dtype = dtype  # the roofline counts bytes in this dtype: say so if weights differ
         self.label = dtype if weights == {dtype} else f"{dtype} (weights {'/'.join(weights)})"

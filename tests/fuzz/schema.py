@@ -1,0 +1,80 @@
+"""An OpenAPI 3.1 document for the two generation endpoints, built from the router's own msgspec
+request schemas (FastAPI's generated one is empty: the endpoints take a raw Request) and
+tightened with the semantic rules the router enforces (n = 1, temperature in [0, 2], ...), so
+that a schema-valid request must be served and each violation must be a 4xx."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.router import protocol as p
+
+ENDPOINTS = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatRequest"}
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+VOCAB = 49152
+NULL = {"type": "null"}
+U64 = 2**64 - 1  # msgspec decodes integers in [-2**63, 2**64 - 1]
+POSITIVE_INT = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": U64}, NULL]}
+RULES = {  # what protocol._check_sampling and Frontend.prepare accept
+    "model": {"anyOf": [{"const": MODEL}, NULL]},
+    "max_tokens": POSITIVE_INT,
+    "max_completion_tokens": POSITIVE_INT,
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0, "maximum": U64},
+    "n": {"const": 1},
+    "presence_penalty": {"const": 0},
+    "frequency_penalty": {"const": 0},
+    "logprobs": {"anyOf": [{"const": False}, NULL]},
+    "seed": {"anyOf": [{"type": "integer", "minimum": -(2**63), "maximum": U64}, NULL]},
+    "stop": {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+            NULL,
+        ]
+    },
+    "prompt": {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1},
+                "minItems": 1,
+            },
+        ]
+    },
+    "messages": {
+        "type": "array",
+        "items": {"$ref": "#/components/schemas/ChatMessage"},
+        "minItems": 1,
+    },
+}
+ROLES = ["system", "user", "assistant", "tool", "developer"]
+
+
+def _operation(schema_name: str) -> dict:
+    ref = {"$ref": f"#/components/schemas/{schema_name}"}
+    error = {"description": "OpenAI-style error object"}
+    return {
+        "post": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+            "responses": {"200": {"description": "completion"}, "400": error, "404": error},
+        }
+    }
+
+
+def openapi() -> dict:
+    _, components = msgspec.json.schema_components(
+        [p.CompletionRequest, p.ChatRequest], ref_template="#/components/schemas/{name}"
+    )
+    for name in ENDPOINTS.values():
+        props = components[name]["properties"]
+        props.update({k: v for k, v in RULES.items() if k in props})
+    components["ChatMessage"]["properties"]["role"] = {"enum": ROLES}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pdserve router", "version": "1"},
+        "paths": {path: _operation(name) for path, name in ENDPOINTS.items()},
+        "components": {"schemas": components},
+    }

@@ -61,8 +61,8 @@ class Ours:
         self.llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
         return time.perf_counter() - start
 
-    def decode(self, prompts: list[list[int]], steps: int) -> float:
-        """Seconds per decode step once every sequence is decoding."""
+    def start_decode(self, prompts: list[list[int]], steps: int) -> list:
+        """Add the prompts and step until every sequence is decoding (one decode step done)."""
         from pdserve import SamplingParams
 
         eng = self.llm.engine
@@ -71,6 +71,11 @@ class Ours:
         while any(s.num_output_tokens == 0 for s in seqs):
             eng.step()
         eng.step()  # untimed: the first step with every sequence decoding
+        return seqs
+
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        """Seconds per decode step once every sequence is decoding."""
+        eng, seqs = self.llm.engine, self.start_decode(prompts, steps)
         start = time.perf_counter()
         for _ in range(steps):
             eng.step()
@@ -219,12 +224,16 @@ def profile(args) -> None:
     from torch.profiler import profile as torch_profile
 
     ours = Ours(args.dtypes[0], args.threads, args.kv_cache_gb)
-    prompts = Prompts(ours.llm.model_config.vocab_size)
-    work = {
-        "decode b=16": lambda: ours.decode([prompts.make(args.context) for _ in range(16)], 8),
+    prompts, eng = Prompts(ours.llm.model_config.vocab_size), ours.llm.engine
+    ours.start_decode([prompts.make(args.context) for _ in range(16)], 40)
+    work = {  # decode: only steady steps of the 16 sequences started above (40 tokens each)
+        "decode b=16": lambda: [eng.step() for _ in range(8)],
         "prefill 2048": lambda: ours.prefill(prompts.make(2048)),
     }
     for name, fn in work.items():
+        if name.startswith("prefill"):
+            for seq in list(eng.requests.values()):
+                eng.abort(seq.request_id)  # the decode batch is done with
         fn()  # warm-up
         print(f"\n=== {name} ({ours.label}, {args.threads} threads, {load_line()}) ===")
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -44,6 +44,8 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.runner = ModelRunner(config, self.files, self.max_model_len)
+        # The model holds its own (fused, cast) copies: drop the float32 arrays (~0.5 GiB).
+        self.files = self.files._replace(weights={})
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -36,9 +36,23 @@ class AttentionMetadata:
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Blocks of one or more sequences laid end to end: (..., n_blocks * block_size, n_kv, d)."""
-    g = cache[block_table]  # (..., n_blocks, block_size, n_kv, d)
-    return g.flatten(-4, -3)
+    """Blocks of one or more sequences laid end to end: (..., n_blocks * block_size, n_kv, d).
+    index_select is ~5x faster than advanced indexing (cache[table]) on CPU."""
+    flat = cache.index_select(0, block_table.reshape(-1))
+    return flat.view(*block_table.shape[:-1], -1, *cache.shape[2:])
+
+
+def _decode(q, k_cache, v_cache, tables, mask) -> torch.Tensor:
+    """One query token per sequence. Two matmuls over the GQA-grouped queries: the CPU SDPA
+    kernels are ~15x slower for a single bf16 query."""
+    b, n_heads, d = q.shape
+    n_kv = k_cache.shape[2]
+    kd = _gather(k_cache, tables).transpose(1, 2)  # (B, n_kv, L, d)
+    vd = _gather(v_cache, tables).transpose(1, 2)
+    qg = q.view(b, n_kv, n_heads // n_kv, d)  # head h reads kv head h // group, as enable_gqa
+    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * d**-0.5  # (B, n_kv, group, L)
+    scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, L)
+    return torch.matmul(scores.softmax(-1).to(q.dtype), vd).view(b, n_heads, d)
 
 
 def paged_attention(
@@ -55,24 +69,21 @@ def paged_attention(
     out = torch.empty_like(q)
     b = meta.num_decodes
     if b:
-        kd = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # (B, n_kv, L, d)
-        vd = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
-        qd = q[:b].unsqueeze(2)  # (B, n_heads, 1, d)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-        out[:b] = o.squeeze(2)
+        out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask)
     for span in meta.prefills:
-        qs = q[span.start : span.end].transpose(0, 1)  # (n_heads, n, d)
+        # 4-D tensors: with 3-D ones torch's CPU dispatcher falls back to the math kernel,
+        # which materializes every score (6x slower at 2,048 tokens).
+        qs = q[span.start : span.end].transpose(0, 1)[None]  # (1, n_heads, n, d)
         if span.fresh:
-            ks = k[span.start : span.end].transpose(0, 1)  # (n_kv, n, d)
-            vs = v[span.start : span.end].transpose(0, 1)
+            ks = k[span.start : span.end].transpose(0, 1)[None]  # (1, n_kv, n, d)
+            vs = v[span.start : span.end].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            ctx = span.context_len
-            ks = _gather(k_cache, span.block_table)[:ctx].transpose(0, 1)  # (n_kv, ctx, d)
-            vs = _gather(v_cache, span.block_table)[:ctx].transpose(0, 1)
-            n = span.end - span.start
+            ctx, n = span.context_len, span.end - span.start
+            ks = _gather(k_cache, span.block_table)[:ctx].transpose(0, 1)[None]  # (1, n_kv, ctx, d)
+            vs = _gather(v_cache, span.block_table)[:ctx].transpose(0, 1)[None]
             q_pos = torch.arange(ctx - n, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # (n, ctx)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-        out[span.start : span.end] = o.transpose(0, 1)
+        out[span.start : span.end] = o[0].transpose(0, 1)
     return out

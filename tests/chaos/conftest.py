@@ -26,6 +26,8 @@ SERVE_ARGS = (
     str(HEARTBEAT_TIMEOUT_S),
     "--lease-s",
     str(LEASE_S),
+    "--kv-cache-gb",
+    "0.5",  # ~11k tokens per worker: plenty here, and the whole test suite fits in memory
 )
 
 

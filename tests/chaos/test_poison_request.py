@@ -11,12 +11,6 @@ from .cluster import complete
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bugs: the router does not validate max_completion_tokens, and a decode worker's "
-    "try_place() re-raises a refused Admit outside handle() on every loop: the worker exits; "
-    "patches in report",
-)
 def test_refused_remote_admit_does_not_kill_the_decode_worker(cluster):
     cluster.ensure_all()
     pids = cluster.pids()

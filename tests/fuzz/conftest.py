@@ -11,7 +11,9 @@ from .driver import TRIED
 
 @pytest.fixture(scope="session")
 def fuzz_server(tmp_path_factory):
-    server = Server("--local-prefill-threshold", "0", "--max-model-len", "64")
+    server = Server(
+        "--local-prefill-threshold", "0", "--max-model-len", "64", "--kv-cache-gb", "0.25"
+    )
     c = Cluster(server, tmp_path_factory.mktemp("fuzz-workers"))
     try:
         yield c

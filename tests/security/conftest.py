@@ -12,7 +12,15 @@ SECRET = "c0ffee" * 8  # 48 bytes: above the KV channel's minimum secret length
 
 @pytest.fixture(scope="session")
 def secured(tmp_path_factory):
-    server = Server("--api-key", API_KEY, "--max-model-len", "256", env={"PDSERVE_SECRET": SECRET})
+    server = Server(
+        "--api-key",
+        API_KEY,
+        "--max-model-len",
+        "256",
+        "--kv-cache-gb",
+        "0.25",
+        env={"PDSERVE_SECRET": SECRET},
+    )
     c = Cluster(server, tmp_path_factory.mktemp("security-workers"))
     yield c
     c.stop()

@@ -23,6 +23,7 @@ RULES = {  # what protocol._check_sampling and Frontend.prepare accept
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "top_k": {"type": "integer", "minimum": 0, "maximum": U64},
     "n": {"const": 1},
+    "echo": {"const": False},  # accepted but ignored today: see docs/reliability.md
     "presence_penalty": {"const": 0},
     "frequency_penalty": {"const": 0},
     "logprobs": {"anyOf": [{"const": False}, NULL]},

@@ -33,5 +33,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if p.seed is not None and seq.generator is None:
             seq.generator = torch.Generator().manual_seed(p.seed)
         probs = _filter(row / p.temperature, p.top_k, p.top_p).softmax(-1)
+        if not torch.isfinite(probs).all():  # degenerate settings: fall back to the argmax
+            out.append(int(row.argmax()))
+            continue
         out.append(int(torch.multinomial(probs.cpu(), 1, generator=seq.generator)))
     return out

@@ -45,4 +45,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below ~1e-5 the scaled logits overflow to inf/NaN; such a temperature is argmax anyway.
+        return self.temperature < 1e-5

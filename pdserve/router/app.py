@@ -12,11 +12,12 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.model.tokenizer import IncrementalDecoder, Tokenizer
 from pdserve.router import metrics
 from pdserve.router import protocol as p
-from pdserve.router.core import RouterCore
+from pdserve.router.core import Overloaded, RouterCore
 from pdserve.router.state import RequestState
 from pdserve.router.stop import StopChecker
 from pdserve.serving import messages as m
@@ -102,7 +103,7 @@ class Frontend:
     def submit(self, ids, params) -> RequestState:
         try:
             return self.core.submit(ids, params)
-        except OverflowError:
+        except Overloaded:
             metrics.REJECTED.labels("overloaded").inc()
             raise p.APIError(
                 429,
@@ -253,6 +254,16 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.exception_handler(p.APIError)
     async def api_error(request: Request, exc: p.APIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = {
+            404: f"no route {request.url.path}; see /v1/completions, /v1/chat/completions, "
+            "/v1/models, /health, /metrics",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }
+        err = p.APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+        return JSONResponse(err.body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):

@@ -28,6 +28,10 @@ from pdserve.serving.channel import Codec
 log = logging.getLogger("pdserve.router")
 
 
+class Overloaded(Exception):
+    """Admission control refused a request (the client should retry later: 429)."""
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     control_host: str = "127.0.0.1"
@@ -74,10 +78,9 @@ class RouterCore:
     def send(self, worker_id: str, msg) -> bool:
         """Queue msg for a worker. A dead or unknown peer is logged, never raised."""
         try:
-            fut = self.sock.send_multipart(
-                [worker_id.encode(), *self.codec.encode(msg)], flags=zmq.NOBLOCK
-            )
-        except zmq.ZMQError as exc:
+            frames = self.codec.encode(msg)
+            fut = self.sock.send_multipart([worker_id.encode(), *frames], flags=zmq.NOBLOCK)
+        except (zmq.ZMQError, OverflowError, ValueError) as exc:
             log.warning("could not send %s to %s: %s", type(msg).__name__, worker_id, exc)
             return False
         fut.add_done_callback(partial(_log_send_error, type(msg).__name__, worker_id))
@@ -230,7 +233,7 @@ class RouterCore:
     def submit(self, prompt: list[int], params: m.Params) -> RequestState:
         """Place a validated request; its events arrive on the returned state's queue."""
         if len(self.requests) >= self.config.max_inflight:
-            raise OverflowError("too many requests in flight")
+            raise Overloaded("too many requests in flight")
         decode = self._pick_decode(prompt)
         if decode is None:
             raise LookupError("no decode worker is available")
@@ -250,11 +253,11 @@ class RouterCore:
         state = RequestState(
             f"r{next(self._ids)}", prompt, params, remote, decode_id=decode.worker_id, warm=warm
         )
+        admit = m.Admit(state.request_id, prompt, params, remote, self.config.lease_s)
+        if not self.send(decode.worker_id, admit):
+            raise LookupError("the decode worker could not be reached")
         self.requests[state.request_id] = state
         decode.inflight.add(state.request_id)
-        self.send(
-            decode.worker_id, m.Admit(state.request_id, prompt, params, remote, self.config.lease_s)
-        )
         return state
 
     def finish(self, state: RequestState, abort: bool) -> None:

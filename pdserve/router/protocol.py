@@ -90,6 +90,10 @@ def parse(body: bytes, kind: type):
         raise APIError(400, f"invalid request: {exc}", param=param) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the body is not valid JSON ({exc}); send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the JSON is nested too deeply; send a flat request object") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the body is not valid UTF-8; send UTF-8 encoded JSON") from None
     _check_sampling(req)
     return req
 
@@ -109,7 +113,13 @@ def _check_sampling(req: _Sampling) -> None:
         ),
         (not 0 <= req.temperature <= 2, "temperature", "temperature must be between 0 and 2"),
         (not 0 < req.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
-        (req.top_k < 0, "top_k", "top_k must be >= 0 (0 = off)"),
+        (not 0 <= req.top_k < 2**31, "top_k", "top_k must be in [0, 2^31) (0 = off)"),
+        (req.seed is not None and not 0 <= req.seed < 2**63, "seed", "seed must be in [0, 2^63)"),
+        (
+            req.max_tokens is not None and req.max_tokens >= 2**31,
+            "max_tokens",
+            "max_tokens must be < 2^31",
+        ),
         (
             req.presence_penalty != 0 or req.frequency_penalty != 0,
             "presence_penalty",

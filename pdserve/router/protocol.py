@@ -151,6 +151,10 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
         p = p[0]
     if not p:
         raise APIError(400, "prompt is empty: give at least one token of text", param="prompt")
+    if isinstance(p, list) and not all(type(t) is int for t in p):
+        raise APIError(
+            400, "prompt must be a string or a list of token ids (integers)", param="prompt"
+        )
     return p
 
 

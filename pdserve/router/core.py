@@ -38,7 +38,7 @@ class RouterConfig:
     control_port: int = 0
     mode: str = "disagg"  # disagg | colocated
     local_prefill_threshold: int = 256  # uncached prompt tokens below this prefill on D
-    lease_s: float = 30.0
+    lease_s: float = 120.0
     heartbeat_timeout_s: float = 5.0
     block_size: int = 16
     max_inflight: int = 256  # admission control: beyond this, 429

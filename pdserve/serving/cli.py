@@ -43,7 +43,12 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         "many tokens are prefilled on the decode worker (default 256)",
     )
     p.add_argument(
-        "--lease-s", type=float, default=30.0, help="KV lease deadline on decode workers"
+        "--lease-s",
+        type=float,
+        default=120.0,
+        help="KV lease deadline on decode workers (default 120 s). A dead prefill worker is "
+        "detected by heartbeats much sooner; the lease is the backstop for lost messages and "
+        "long prefill queues",
     )
     p.add_argument(
         "--heartbeat-timeout-s", type=float, default=5.0, help="silence before a worker is dead"

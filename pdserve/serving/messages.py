@@ -73,7 +73,7 @@ class Admit(msgspec.Struct, tag=True):
     prompt: list[int]
     params: Params
     remote_prefill: bool
-    lease_s: float = 30.0
+    lease_s: float = 120.0
     skip_tokens: int = 0  # output tokens already streamed to the client (migration replay)
 
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 # Shorter than one block (16 tokens): no prefix overlap steers placement, so the router's
 # tie-break (fewest requests in flight) puts two concurrent requests on different workers.
 PROMPTS = ("The capital of France is", "def add(a, b):")
-N = 24
+N = 40  # long enough that the load report shows the stream running before it ends
 GREEDY = {"max_tokens": N, "temperature": 0, "ignore_eos": True}
 
 

@@ -38,7 +38,9 @@ def _add_common_args(p: argparse.ArgumentParser) -> None:
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument(
-        "--workload", metavar="NAME", help="named mix: chat, docs or mixed (default: chat)"
+        "--workload",
+        metavar="NAME",
+        help="named mix: chat, docs, mixed or multiturn (default: chat)",
     )
     w.add_argument(
         "--prompt-tokens",

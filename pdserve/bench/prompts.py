@@ -50,10 +50,29 @@ class PromptBuilder:
         self.source = source  # what the lengths are counted with, for the report
 
     def build(self, spec: RequestSpec) -> str:
-        """`spec.prompt_tokens` words, the same for the same (seed, index)."""
+        """`spec.prompt_tokens` words, the same for the same (seed, index). Multi-turn requests
+        ("turn" class) share their session's history and every session's system prompt."""
+        if spec.klass == "turn":
+            return self._turn(spec)
         rng = np.random.default_rng([self.seed, 2, spec.index])
         picks = rng.integers(len(self.words), size=spec.prompt_tokens)
         return "".join(self.words[i] for i in picks)
+
+    def _words(self, key: list[int], n: int) -> str:
+        picks = np.random.default_rng([self.seed, *key]).integers(len(self.words), size=n)
+        return "".join(self.words[i] for i in picks)
+
+    def _turn(self, spec: RequestSpec) -> str:
+        from pdserve.bench import workload as w
+
+        sessions = w.MT_SESSIONS
+        session, turn, _ = w.multiturn_lengths(spec.index, sessions)
+        parts = [self._words([3], w.MT_SYSTEM)]
+        for k in range(turn + 1):
+            parts.append(self._words([4, session, k], w.MT_USER))
+            if k < turn:  # the previous answers, as the client would resend them
+                parts.append(self._words([5, session, k], w.MT_ANSWER))
+        return "".join(parts)
 
 
 def approximate_builder(seed: int) -> PromptBuilder:

@@ -170,6 +170,7 @@ class Workload:
 
     name: str
     classes: tuple[RequestClass, ...]
+    sessions: int = 0  # > 0: multi-turn conversations (see `multiturn_lengths`)
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.classes]
@@ -193,8 +194,19 @@ _CHAT = RequestClass("chat", 1.0, LengthDist.uniform(64, 256), LengthDist.unifor
 # 8000 rather than 8192 leaves room for the output inside an 8k context (the bundled model's).
 _DOC = RequestClass("doc", 1.0, LengthDist.uniform(2048, 8000), LengthDist.uniform(16, 64))
 
-# Named mixes. A "multiturn" mix (shared growing prefixes) needs conversation state in
-# RequestSpec and is meant to be added here as one more entry.
+# Multi-turn conversations: every session opens with the same system prompt; turn t of a
+# session resends its whole history (system + t earlier user turns and answers) plus a new user
+# turn. Request i is turn i // sessions of session i % sessions, so sessions interleave.
+MT_SYSTEM, MT_USER, MT_ANSWER, MT_SESSIONS = 512, 96, 32, 8
+
+
+def multiturn_lengths(index: int, sessions: int) -> tuple[int, int, int]:
+    """(session, turn, prompt tokens) of request `index` of a multi-turn workload."""
+    session, turn = index % sessions, index // sessions
+    return session, turn, MT_SYSTEM + (turn + 1) * MT_USER + turn * MT_ANSWER
+
+
+# Named mixes.
 NAMED_WORKLOADS: dict[str, Callable[[], Workload]] = {
     "chat": lambda: Workload("chat", (_CHAT,)),
     "docs": lambda: Workload("docs", (_DOC,)),
@@ -206,6 +218,12 @@ NAMED_WORKLOADS: dict[str, Callable[[], Workload]] = {
             RequestClass("chat", 0.9, _CHAT.prompt, _CHAT.output),
             RequestClass("doc", 0.1, LengthDist.uniform(2048, 4096), _DOC.output),
         ),
+    ),
+    # Shared system prompt, growing histories, sessions interleaved: the KV store's workload.
+    "multiturn": lambda: Workload(
+        "multiturn",
+        (RequestClass("turn", 1.0, LengthDist.fixed(MT_SYSTEM), LengthDist.fixed(MT_ANSWER)),),
+        sessions=MT_SESSIONS,
     ),
 }
 
@@ -277,6 +295,8 @@ def generate_requests(
         count = int(mask.sum())
         prompt[mask] = klass.prompt.sample(rng, count)
         output[mask] = klass.output.sample(rng, count)
+    if workload.sessions:
+        prompt = np.array([multiturn_lengths(i, workload.sessions)[2] for i in range(n)], np.int64)
     return [
         RequestSpec(i, float(times[i]), workload.classes[which[i]].name, int(p), int(o))
         for i, (p, o) in enumerate(zip(prompt, output, strict=True))

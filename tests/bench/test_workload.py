@@ -130,3 +130,17 @@ def test_workload_validation():
         RequestClass("a", 0, d, d)
     custom = Workload.from_lengths(LengthDist.fixed(5), LengthDist.fixed(6))
     assert generate_requests(custom, 1, seed=0)[0][2:] == ("custom", 5, 6)
+
+
+def test_multiturn_sessions_share_the_system_prompt_and_grow_turn_by_turn():
+    from pdserve.bench.prompts import approximate_builder
+    from pdserve.bench.workload import MT_SESSIONS, generate_requests, named_workload
+
+    specs = generate_requests(named_workload("multiturn"), 3 * MT_SESSIONS, seed=0, rate=1.0)
+    assert [s.prompt_tokens for s in specs[::MT_SESSIONS]] == [608, 736, 864]
+    builder = approximate_builder(seed=0)
+    first, second = builder.build(specs[0]), builder.build(specs[MT_SESSIONS])
+    assert second.startswith(first)  # turn 2 of session 0 resends turn 1
+    other = builder.build(specs[1])  # session 1: same system prompt, its own turns
+    assert other.split()[:512] == first.split()[:512] and other != first
+    assert len(second.split()) == 736

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from .cluster import complete, metric
+from .conftest import HEARTBEAT_TIMEOUT_S
 
 pytestmark = pytest.mark.slow
 N = 8
@@ -51,9 +52,10 @@ def test_prefill_worker_killed_mid_prefill(cluster):
         cluster.kill("prefill-0")
         outs = [f.result() for f in futures]
     assert [o.kind for o in outs] == ["ok"] * len(PROMPTS), outs
-    assert max(o.seconds for o in outs) < DEADLINE_S
-    assert metric(cluster.url, "pdserve_worker_failures_total") == failures + 1
+    # At least one request waited for the failure detector: it was held by the dead worker.
+    assert HEARTBEAT_TIMEOUT_S < max(o.seconds for o in outs) < DEADLINE_S, outs
     cluster.wait_gone("prefill-0")
+    assert metric(cluster.url, "pdserve_worker_failures_total") == failures + 1
     cluster.assert_clean()
     # The same prompts through a healthy prefill pool give the same tokens.
     cluster.restart("prefill-0")

@@ -14,20 +14,25 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 VOCAB = 49152
 NULL = {"type": "null"}
 U64 = 2**64 - 1  # msgspec decodes integers in [-2**63, 2**64 - 1]
-POSITIVE_INT = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": U64}, NULL]}
+
+
+def positive_int(maximum: int) -> dict:
+    return {"anyOf": [{"type": "integer", "minimum": 1, "maximum": maximum}, NULL]}
+
+
 RULES = {  # what protocol._check_sampling and Frontend.prepare accept
     "model": {"anyOf": [{"const": MODEL}, NULL]},
-    "max_tokens": POSITIVE_INT,
-    "max_completion_tokens": POSITIVE_INT,
+    "max_tokens": positive_int(2**31 - 1),
+    "max_completion_tokens": positive_int(U64),
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0, "maximum": U64},
+    "top_k": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
     "n": {"const": 1},
     "echo": {"const": False},  # accepted but ignored today: see docs/reliability.md
     "presence_penalty": {"const": 0},
     "frequency_penalty": {"const": 0},
     "logprobs": {"anyOf": [{"const": False}, NULL]},
-    "seed": {"anyOf": [{"type": "integer", "minimum": -(2**63), "maximum": U64}, NULL]},
+    "seed": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 2**63 - 1}, NULL]},
     "stop": {
         "anyOf": [
             {"type": "string", "minLength": 1},

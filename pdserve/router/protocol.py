@@ -126,6 +126,11 @@ def _check_sampling(req: _Sampling) -> None:
             "presence/frequency penalties are not supported; leave them at 0",
         ),
         (bool(req.logprobs), "logprobs", "logprobs are not supported; leave logprobs unset"),
+        (
+            getattr(req, "echo", False),
+            "echo",
+            "echo is not supported; leave it false and prepend the prompt yourself",
+        ),
     ]
     for bad, param, message in checks:
         if bad:

@@ -154,6 +154,8 @@ def compare(args: argparse.Namespace, out: Path, command: str) -> int:
     """`pdserve bench compare`: every mode against the same requests, one report."""
     factory, source, description = requests_of(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:  # refuse a bad mode before starting any server
+        cmp.mode_args(mode, args.chunk_size)
     specs = [
         cmp.ServerSpec(
             args.serve_cmd or cmp.default_serve_cmd(),

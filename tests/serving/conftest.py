@@ -91,7 +91,7 @@ def disagg_server():
         "--local-prefill-threshold",
         "0",
         "--kv-cache-gb",
-        "0.5",
+        "1.0",  # holds the bench test's working set (docs of 2-4k tokens) without preemption
     )
     yield server
     server.stop()

@@ -282,6 +282,7 @@ class RouterCore:
             self.send(wid, m.KVReady(msg.request_id, None))  # prefill locally on D
             return
         state.prefill_id = prefill.worker_id
+        state.placed_at = time.monotonic()
         prefill.inflight.add(state.request_id)
         self.send(
             prefill.worker_id,
@@ -305,6 +306,8 @@ class RouterCore:
         metrics.KV_BYTES.inc(msg.transfer_bytes)
         metrics.KV_SECONDS.inc(msg.transfer_s)
         metrics.KV_EXPOSED.observe(msg.exposed_s)
+        if state.placed_at is not None:  # D's blocks waited under lease this long
+            metrics.DECODE_KV_WAIT.observe(time.monotonic() - state.placed_at)
         metrics.REMOTE_PREFILL.observe(msg.prefill_s)
         if msg.first_token is None:
             metrics.KV_FAILURES.inc()

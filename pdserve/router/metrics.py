@@ -20,6 +20,11 @@ KV_EXPOSED = Histogram(
     "(what layer-wise streaming did not hide)",
     buckets=_LAT,
 )
+DECODE_KV_WAIT = Histogram(
+    "pdserve_decode_kv_wait_seconds",
+    "decode side: blocks placed -> every layer landed (the lease's wait for remote prefill)",
+    buckets=_LAT,
+)
 REMOTE_PREFILL = Histogram(
     "pdserve_remote_prefill_seconds",
     "Prefill received -> all KV on the decode worker",

@@ -60,6 +60,7 @@ class RequestState:
     last_token_at: float | None = None
     finished: bool = False
     migrations: int = 0
+    placed_at: float | None = None  # when D reported its blocks (remote prefill)
     warm: bool = False  # most of the prompt was cached (worker or KV store) at placement
 
     def deliver(self, index: int, token: int, finish_reason: str | None) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.model.attention import AttentionMetadata, PrefillSpan
+from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import ModelFiles
 
@@ -81,7 +81,11 @@ class ModelRunner:
 
     def _prepare(self, batch: ScheduledBatch):
         bs, dev = self.block_size, self.device
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        # Decodes first, shortest context first, so that they can be grouped by length below.
+        order = sorted(
+            range(len(batch.seqs)),
+            key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens),
+        )
         ids, pos, slots, prefills, dec_tables, dec_lens, sample_rows = [], [], [], [], [], [], []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -101,20 +105,30 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=len(dec_lens),
-            decode_block_tables=None,
-            decode_mask=None,
+            decode_groups=self._decode_groups(dec_tables, dec_lens),
             prefills=prefills,
         )
-        if dec_lens:
-            width = max(len(t) for t in dec_tables)
-            padded = [t + [0] * (width - len(t)) for t in dec_tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            lens = torch.tensor(dec_lens, device=dev)
-            key_pos = torch.arange(width * bs, device=dev)
-            meta.decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # (B,1,1,L)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, sample_rows
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Decodes (sorted by length) in groups whose contexts are within 2x of each other:
+        each group is padded only to its own longest context, so one long document does not
+        make every short chat gather thousands of padded keys."""
+        groups, start, bs, dev = [], 0, self.block_size, self.device
+        for i in range(1, len(tables) + 1):
+            if i < len(tables) and len(tables[i]) <= max(8, 2 * len(tables[start])):
+                continue
+            width = len(tables[i - 1])
+            padded = [t + [0] * (width - len(t)) for t in tables[start:i]]
+            glens = torch.tensor(lens[start:i], device=dev)
+            key_pos = torch.arange(width * bs, device=dev)
+            mask = (key_pos[None, :] < glens[:, None])[:, None, None, :]  # (b, 1, 1, L)
+            table = torch.tensor(padded, dtype=torch.long, device=dev)
+            groups.append(DecodeGroup(start, i, table, mask))
+            start = i
+        return groups
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, layer_hook=None) -> tuple[list[int], torch.Tensor | None]:

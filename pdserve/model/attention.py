@@ -1,7 +1,8 @@
 """Paged attention over the block-structured KV cache, with metadata passed explicitly.
 
-The flat batch holds decode tokens first (one per sequence), then prefill spans. Decodes share
-one SDPA call over a padded gather of their blocks; each prefill span gets its own call.
+The flat batch holds decode tokens first (one per sequence, grouped by context length), then
+prefill spans. Each decode group shares one attention call over a padded gather of its blocks;
+each prefill span gets its own call.
 """
 
 from __future__ import annotations
@@ -26,11 +27,20 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode tokens [start, end) of the flat batch, padded to their group's longest context."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # (b, max_blocks) long
+    mask: torch.Tensor  # (b, 1, 1, max_blocks * block_size) bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) long: flat cache slot of every token
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # (B, max_blocks) long
-    decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) bool, True = attend
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     layer_hook: Callable[[int], None] | None = None  # called after each layer (KV streaming)
 
@@ -67,9 +77,8 @@ def paged_attention(
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    b = meta.num_decodes
-    if b:
-        out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask)
+    for g in meta.decode_groups:
+        out[g.start : g.end] = _decode(q[g.start : g.end], k_cache, v_cache, g.block_tables, g.mask)
     for span in meta.prefills:
         # 4-D tensors: with 3-D ones torch's CPU dispatcher falls back to the math kernel,
         # which materializes every score (6x slower at 2,048 tokens).

@@ -131,3 +131,24 @@ def test_bad_prompts_say_what_to_change(files):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         eng.add_request([1, 999], GREEDY)
     assert not eng.has_work()
+
+
+def test_decodes_of_very_different_lengths_are_grouped_and_match_single(files):
+    long_prompt = [(7 * i) % 250 + 1 for i in range(150)]  # 38 blocks vs 2: separate groups
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    single = [
+        run_to_completion(make_engine(files), [p], params)[0] for p in (PROMPTS[0], long_prompt)
+    ]
+    eng = make_engine(files)
+    assert run_to_completion(eng, [PROMPTS[0], long_prompt, PROMPTS[2]], params)[:2] == single
+    assert_idle_and_clean(eng)
+    seqs = [eng.make_sequence(p, params, f"g{i}") for i, p in enumerate((PROMPTS[0], long_prompt))]
+    for s in seqs:  # shaped as two sequences mid-decode
+        assert eng.block_manager.allocate(s)
+        s.num_computed_tokens = s.num_tokens - 1
+    from pdserve.engine.scheduler import ScheduledBatch
+
+    _, _, meta, _ = eng.runner._prepare(ScheduledBatch(seqs, [1, 1]))
+    assert [(g.start, g.end) for g in meta.decode_groups] == [(0, 1), (1, 2)]
+    for s in seqs:
+        eng.block_manager.free(s)

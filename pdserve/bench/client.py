@@ -160,7 +160,9 @@ async def _stream(client: httpx.AsyncClient, endpoint: Endpoint, body: dict, sta
     ) as response:
         if response.status_code >= 400:
             text = (await response.aread())[:300].decode(errors="replace")
-            raise BadStream(f"HTTP {response.status_code}: {text}")
+            retry = response.headers.get("retry-after")
+            after = f" (Retry-After: {retry})" if retry is not None else ""
+            raise BadStream(f"HTTP {response.status_code}{after}: {text}")
         async for line in response.aiter_lines():
             if state.on_line(line, time.perf_counter()):
                 break

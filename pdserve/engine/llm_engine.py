@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_perf import StepPerf
 from pdserve.model.loader import ModelFiles, load_model_files, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.perf = StepPerf()
         self._tokenizer = None
         self.eos_ids = set(mc.eos_token_ids)
         self.hold_finished = False  # set by workers that offload finished blocks to a KV store
@@ -151,17 +154,23 @@ class LLMEngine:
     ) -> list[StepOutput]:
         """One iteration: schedule, run the model, sample, and finish what is done.
         `layer_hook(batch, layer)` runs after each layer's forward pass (KV streaming)."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        prefilling = [s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs]
+        prefill_tokens = sum(n for n, p in zip(batch.num_new_tokens, prefilling, strict=True) if p)
+        decode_seqs = prefilling.count(False)
         hook = None if layer_hook is None else (lambda layer: layer_hook(batch, layer))
         indices, logits = self.runner.run(batch, hook)
         self.scheduler.after_step(batch)
-        if not indices:
-            return []
-        seqs = [batch.seqs[i] for i in indices]
-        tokens = sample(logits, seqs)
-        return [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+        outs = []
+        if indices:
+            seqs = [batch.seqs[i] for i in indices]
+            tokens = sample(logits, seqs)
+            outs = [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+        self.perf.observe(prefill_tokens, decode_seqs, time.perf_counter() - start)
+        return outs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -203,5 +212,7 @@ class LLMEngine:
             "prefix_hit_tokens": bm.hits,
             "prefix_query_tokens": bm.queries,
             "preemptions": s.num_preemptions,
+            "prefill_tok_s": self.perf.prefill_tok_s,
+            "decode_step_s": self.perf.decode_step_s,
             "pid": os.getpid(),
         }

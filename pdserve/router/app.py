@@ -103,13 +103,13 @@ class Frontend:
     def submit(self, ids, params) -> RequestState:
         try:
             return self.core.submit(ids, params)
-        except Overloaded:
-            metrics.REJECTED.labels("overloaded").inc()
+        except Overloaded as exc:
+            metrics.REJECTED.labels(exc.reason).inc()
             raise p.APIError(
                 429,
-                "the server is at capacity; retry after the indicated delay",
+                f"the server is at capacity: {exc}; retry after the indicated delay",
                 code="overloaded",
-                headers={"Retry-After": "1"},
+                headers={"Retry-After": str(exc.retry_after_s)},
             ) from None
         except LookupError:
             metrics.REJECTED.labels("no_worker").inc()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -29,7 +30,13 @@ log = logging.getLogger("pdserve.router")
 
 
 class Overloaded(Exception):
-    """Admission control refused a request (the client should retry later: 429)."""
+    """Admission control refused a request (the client should retry later: 429).
+    `reason` labels the metric; `retry_after_s` is when admitting it is likely to work."""
+
+    def __init__(self, message: str, reason: str = "max_inflight", retry_after_s: int = 1):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,10 @@ class RouterConfig:
     heartbeat_timeout_s: float = 5.0
     block_size: int = 16
     max_inflight: int = 256  # admission control: beyond this, 429
+    # SLO-aware admission (None = off): refuse a request whose estimated TTFT, or whose decode
+    # worker's measured time per output token, already misses the target.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 class RouterCore:
@@ -233,14 +244,13 @@ class RouterCore:
     def submit(self, prompt: list[int], params: m.Params) -> RequestState:
         """Place a validated request; its events arrive on the returned state's queue."""
         if len(self.requests) >= self.config.max_inflight:
-            raise Overloaded("too many requests in flight")
+            raise Overloaded(f"{len(self.requests)} requests are in flight (--max-inflight)")
         decode = self._pick_decode(prompt)
         if decode is None:
             raise LookupError("no decode worker is available")
         cached = self._cached_blocks(decode, block_hashes(prompt, self.config.block_size))
-        overlap = cached * self.config.block_size
+        overlap = min(cached * self.config.block_size, len(prompt))
         warm = overlap > 0 and overlap >= len(prompt) // 2
-        metrics.CACHE_TEMPERATURE.labels("warm" if warm else "cold").inc()
         # Conditional, cache-aware disaggregation: only a long *uncached* part goes to the
         # prefill pool; a warm prompt loads its prefix (local cache or KV store) on D.
         remote = (
@@ -249,16 +259,61 @@ class RouterCore:
             and bool(self.alive("prefill"))
             and len(prompt) - overlap >= self.config.local_prefill_threshold
         )
+        self._admit_within_slo(decode, remote, len(prompt) - overlap)
+        metrics.CACHE_TEMPERATURE.labels("warm" if warm else "cold").inc()
         metrics.PREFILL_DECISIONS.labels("remote" if remote else "local").inc()
         state = RequestState(
             f"r{next(self._ids)}", prompt, params, remote, decode_id=decode.worker_id, warm=warm
         )
+        state.uncached_tokens = len(prompt) - overlap
         admit = m.Admit(state.request_id, prompt, params, remote, self.config.lease_s)
         if not self.send(decode.worker_id, admit):
             raise LookupError("the decode worker could not be reached")
         self.requests[state.request_id] = state
         decode.inflight.add(state.request_id)
         return state
+
+    # -- admission control -----------------------------------------------------------------
+    def _admit_within_slo(self, decode: WorkerInfo, remote: bool, uncached: int) -> None:
+        """Raise Overloaded when admitting this request would miss the SLOs because of the
+        work already admitted. A request is never refused for its own size alone (retrying
+        would not help): with nothing queued ahead of it, it is admitted.
+
+        TTFT estimate = (prompt tokens waiting for prefill where this one will be prefilled
+        + this one's uncached tokens) / that pool's measured prefill tokens/s. TPOT = the
+        decode worker's measured seconds per step while it decodes."""
+        cfg = self.config
+        if cfg.slo_ttft_s is not None:
+            pool = self.alive("prefill") if remote else [decode]
+            rate = sum(w.load.prefill_tok_s for w in pool if w.load is not None)
+            ahead = self.pending_prefill_tokens(remote, decode.worker_id)
+            if rate > 0 and ahead > 0:
+                ttft = (ahead + uncached) / rate
+                if ttft > cfg.slo_ttft_s:
+                    raise Overloaded(
+                        f"estimated time to first token {ttft:.2f} s exceeds the "
+                        f"{cfg.slo_ttft_s:g} s SLO ({ahead} prompt tokens queued at "
+                        f"{rate:.0f} tokens/s)",
+                        reason="slo_ttft",
+                        retry_after_s=_retry_after(ttft - cfg.slo_ttft_s),
+                    )
+        if cfg.slo_tpot_s is not None and decode.inflight and decode.load is not None:
+            tpot = decode.load.decode_step_s
+            if tpot > cfg.slo_tpot_s:
+                raise Overloaded(
+                    f"the decode worker's time per output token is {tpot * 1000:.0f} ms, over "
+                    f"the {cfg.slo_tpot_s * 1000:g} ms SLO",
+                    reason="slo_tpot",
+                )
+
+    def pending_prefill_tokens(self, remote: bool, decode_id: str) -> int:
+        """Prompt tokens admitted but not yet prefilled: in the prefill pool (remote) or on
+        decode worker `decode_id` (local prefill)."""
+        return sum(
+            s.uncached_tokens
+            for s in self.requests.values()
+            if not s.tokens and s.remote == remote and (remote or s.decode_id == decode_id)
+        )
 
     def finish(self, state: RequestState, abort: bool) -> None:
         """Forget a request; with abort, tell every worker holding it to free its blocks."""
@@ -334,6 +389,11 @@ class RouterCore:
 
     def _on_RegisterAck(self, wid, msg) -> None:  # workers never send these
         pass
+
+
+def _retry_after(seconds: float) -> int:
+    """Whole seconds for a Retry-After header: at least 1, at most 30."""
+    return max(1, min(30, math.ceil(seconds)))
 
 
 def _asdict(p: m.Params) -> dict:

@@ -62,6 +62,7 @@ class RequestState:
     migrations: int = 0
     placed_at: float | None = None  # when D reported its blocks (remote prefill)
     warm: bool = False  # most of the prompt was cached (worker or KV store) at placement
+    uncached_tokens: int = 0  # prompt tokens someone must compute (admission control)
 
     def deliver(self, index: int, token: int, finish_reason: str | None) -> bool:
         """Queue token `index` for the client unless it is a duplicate (migration replay)."""

@@ -60,6 +60,24 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         help="admission control: requests in flight before new ones get 429 with Retry-After",
     )
     p.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="SLO-aware admission: answer 429 (with Retry-After) to a new request when the "
+        "prompt tokens already queued for prefill, at the workers' measured prefill speed, "
+        "would make its time to first token exceed this (default: off)",
+    )
+    p.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="SLO-aware admission: answer 429 when the chosen decode worker's measured time "
+        "per output token already exceeds this (default: off). Admitted requests are never "
+        "dropped to make room",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("PDSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY, else none)",
@@ -76,6 +94,9 @@ def _make_frontend(args):
     from pdserve.router.metrics import register_workers
     from pdserve.serving.channel import require_secret_for, resolve_secret
 
+    for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
     secret = resolve_secret()
     require_secret_for(args.control_host, secret)
     path, _ = load_model_config(args.model)
@@ -88,6 +109,8 @@ def _make_frontend(args):
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         block_size=args.block_size,
         max_inflight=args.max_inflight,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
     )
     core = RouterCore(config, secret)
     register_workers(core)

@@ -56,6 +56,8 @@ class Load(msgspec.Struct):
     integrity_error: str | None = None  # check_integrity() of the block manager
     store_hit_tokens: int = 0  # prompt tokens loaded from the KV store instead of computed
     store_query_tokens: int = 0
+    prefill_tok_s: float = 0.0  # measured prefill speed (0: not measured yet); admission control
+    decode_step_s: float = 0.0  # measured seconds per step while decoding (each stream's TPOT)
 
 
 class Heartbeat(msgspec.Struct, tag=True):

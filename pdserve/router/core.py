@@ -44,7 +44,8 @@ class RouterConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 0
     mode: str = "disagg"  # disagg | colocated
-    local_prefill_threshold: int = 256  # uncached prompt tokens below this prefill on D
+    local_prefill_threshold: int = 256  # uncached prompt tokens below this prefill on D ...
+    short_prefills_to_idle_pool: bool = True  # ... unless the prefill pool has nothing queued
     lease_s: float = 120.0
     heartbeat_timeout_s: float = 5.0
     block_size: int = 16
@@ -241,6 +242,23 @@ class RouterCore:
             cached = max(cached, in_store)
         return cached
 
+    def _prefill_remotely(self, decode: WorkerInfo, uncached: int, warm: bool) -> bool:
+        """Conditional, cache-aware disaggregation. A long *uncached* part goes to the prefill
+        pool. A short one is prefilled on D (no transfer, no extra hops) unless the pool is
+        idle: then the pool takes it too, so that D's running streams are not paused by it
+        (--keep-short-prefills-local turns that off). A warm prompt always loads its cached
+        prefix (D's own cache or the KV store) on D and computes only the suffix there."""
+        if self.config.mode != "disagg" or decode.role != "decode" or not self.alive("prefill"):
+            return False
+        if uncached >= self.config.local_prefill_threshold:
+            return True
+        return (
+            self.config.short_prefills_to_idle_pool
+            and not warm
+            and uncached > 0
+            and self.pending_prefill_tokens(remote=True, decode_id=decode.worker_id) == 0
+        )
+
     def submit(self, prompt: list[int], params: m.Params) -> RequestState:
         """Place a validated request; its events arrive on the returned state's queue."""
         if len(self.requests) >= self.config.max_inflight:
@@ -251,14 +269,7 @@ class RouterCore:
         cached = self._cached_blocks(decode, block_hashes(prompt, self.config.block_size))
         overlap = min(cached * self.config.block_size, len(prompt))
         warm = overlap > 0 and overlap >= len(prompt) // 2
-        # Conditional, cache-aware disaggregation: only a long *uncached* part goes to the
-        # prefill pool; a warm prompt loads its prefix (local cache or KV store) on D.
-        remote = (
-            self.config.mode == "disagg"
-            and decode.role == "decode"
-            and bool(self.alive("prefill"))
-            and len(prompt) - overlap >= self.config.local_prefill_threshold
-        )
+        remote = self._prefill_remotely(decode, len(prompt) - overlap, warm)
         self._admit_within_slo(decode, remote, len(prompt) - overlap)
         metrics.CACHE_TEMPERATURE.labels("warm" if warm else "cold").inc()
         metrics.PREFILL_DECISIONS.labels("remote" if remote else "local").inc()

@@ -40,7 +40,15 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="conditional disaggregation: prompts whose uncached part is shorter than this "
-        "many tokens are prefilled on the decode worker (default 256)",
+        "many tokens are prefilled on the decode worker while the prefill pool is busy "
+        "(default 256); an idle pool takes them, so decoding streams are not paused",
+    )
+    p.add_argument(
+        "--keep-short-prefills-local",
+        action="store_true",
+        help="prefill every prompt under --local-prefill-threshold on the decode worker, even "
+        "when the prefill pool is idle (lowest TTFT for short prompts, at the cost of pausing "
+        "the decode worker's streams while it prefills)",
     )
     p.add_argument(
         "--lease-s",
@@ -105,6 +113,7 @@ def _make_frontend(args):
         control_port=args.control_port,
         mode=args.mode,
         local_prefill_threshold=args.local_prefill_threshold,
+        short_prefills_to_idle_pool=not args.keep_short_prefills_local,
         lease_s=args.lease_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         block_size=args.block_size,

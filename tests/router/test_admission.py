@@ -7,52 +7,16 @@ from factories import make_engine, run_to_completion
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_perf import StepPerf
-from pdserve.router.core import Overloaded, RouterConfig, RouterCore
-from pdserve.router.state import RequestState, WorkerInfo
-from pdserve.serving import messages as m
+from pdserve.router.core import Overloaded
 
-PARAMS = m.Params(max_tokens=8)
-
-
-def _load(prefill_tok_s: float = 0.0, decode_step_s: float = 0.0) -> m.Load:
-    return m.Load(
-        waiting=0, transferring=0, running=0, queued_tokens=0, free_blocks=100,
-        total_blocks=100, prefix_hit_tokens=0, prefix_query_tokens=0, preemptions=0,
-        prefill_tok_s=prefill_tok_s, decode_step_s=decode_step_s,
-    )  # fmt: skip
-
-
-def _worker(wid: str, role: str, load: m.Load | None) -> WorkerInfo:
-    return WorkerInfo(wid, role, None, None, 100, 2048, 0, load=load)
-
-
-@pytest.fixture
-def core():
-    cores = []
-
-    def make(**config) -> RouterCore:
-        c = RouterCore(RouterConfig(**config))
-        cores.append(c)
-        return c
-
-    yield make
-    for c in cores:
-        c.sock.close()
-
-
-def _pending(core: RouterCore, rid: str, tokens: int, remote: bool, decode_id: str):
-    state = RequestState(rid, [1] * tokens, PARAMS, remote, decode_id=decode_id)
-    state.uncached_tokens = tokens
-    core.requests[rid] = state
-    core.workers[decode_id].inflight.add(rid)
-    return state
+from .conftest import load, pending, worker
 
 
 def test_ttft_estimate_refuses_with_retry_after(core):
     c = core(slo_ttft_s=1.0)
-    d = c.workers["d"] = _worker("d", "both", _load(prefill_tok_s=100.0))
+    d = c.workers["d"] = worker("d", "both", load(prefill_tok_s=100.0))
     c._admit_within_slo(d, remote=False, uncached=50)  # nothing queued: admitted
-    _pending(c, "r0", 80, remote=False, decode_id="d")
+    pending(c, "r0", 80, remote=False, decode_id="d")
     c._admit_within_slo(d, remote=False, uncached=20)  # (80 + 20) / 100 = 1.0 s: admitted
     with pytest.raises(Overloaded) as exc:
         c._admit_within_slo(d, remote=False, uncached=300)  # (80 + 300) / 100 = 3.8 s
@@ -63,17 +27,17 @@ def test_ttft_estimate_refuses_with_retry_after(core):
 
 def test_a_lone_request_is_never_refused_for_its_own_size(core):
     c = core(slo_ttft_s=0.1, slo_tpot_s=0.01)
-    d = c.workers["d"] = _worker("d", "both", _load(prefill_tok_s=10.0, decode_step_s=5.0))
+    d = c.workers["d"] = worker("d", "both", load(prefill_tok_s=10.0, decode_step_s=5.0))
     c._admit_within_slo(d, remote=False, uncached=10_000)  # 1000 s alone, but nothing ahead
 
 
 def test_remote_prefill_uses_the_prefill_pools_backlog_and_speed(core):
     c = core(slo_ttft_s=2.0)
-    d = c.workers["d"] = _worker("d", "decode", _load())
-    c.workers["p0"] = _worker("p0", "prefill", _load(prefill_tok_s=300.0))
-    c.workers["p1"] = _worker("p1", "prefill", _load(prefill_tok_s=300.0))
-    _pending(c, "local", 5000, remote=False, decode_id="d")  # D's own queue: not the pool's
-    _pending(c, "r0", 600, remote=True, decode_id="d")
+    d = c.workers["d"] = worker("d", "decode", load())
+    c.workers["p0"] = worker("p0", "prefill", load(prefill_tok_s=300.0))
+    c.workers["p1"] = worker("p1", "prefill", load(prefill_tok_s=300.0))
+    pending(c, "local", 5000, remote=False, decode_id="d")  # D's own queue: not the pool's
+    pending(c, "r0", 600, remote=True, decode_id="d")
     assert c.pending_prefill_tokens(remote=True, decode_id="d") == 600
     c._admit_within_slo(d, remote=True, uncached=600)  # 1200 / 600 tok/s = 2.0 s
     with pytest.raises(Overloaded):
@@ -82,26 +46,26 @@ def test_remote_prefill_uses_the_prefill_pools_backlog_and_speed(core):
     c._admit_within_slo(d, remote=True, uncached=700)
 
 
-def test_tpot_refuses_only_a_busy_decode_worker(core):
+def test_tpot_refuses_only_a_busy_decodeworker(core):
     c = core(slo_tpot_s=0.1)
-    d = c.workers["d"] = _worker("d", "decode", _load(decode_step_s=0.25))
+    d = c.workers["d"] = worker("d", "decode", load(decode_step_s=0.25))
     c._admit_within_slo(d, remote=False, uncached=10)  # idle: its old figure is stale
-    _pending(c, "r0", 10, remote=False, decode_id="d")
+    pending(c, "r0", 10, remote=False, decode_id="d")
     with pytest.raises(Overloaded) as exc:
         c._admit_within_slo(d, remote=False, uncached=10)
     assert exc.value.reason == "slo_tpot" and "250 ms" in str(exc.value)
-    d.load = _load(decode_step_s=0.05)
+    d.load = load(decode_step_s=0.05)
     c._admit_within_slo(d, remote=False, uncached=10)
 
 
 def test_off_by_default_and_unmeasured_workers_admit(core):
     c = core()
-    d = c.workers["d"] = _worker("d", "both", _load(prefill_tok_s=1.0, decode_step_s=9.0))
-    _pending(c, "r0", 10_000, remote=False, decode_id="d")
+    d = c.workers["d"] = worker("d", "both", load(prefill_tok_s=1.0, decode_step_s=9.0))
+    pending(c, "r0", 10_000, remote=False, decode_id="d")
     c._admit_within_slo(d, remote=False, uncached=10_000)
     c2 = core(slo_ttft_s=0.5, slo_tpot_s=0.05)
-    d2 = c2.workers["d"] = _worker("d", "both", None)  # no heartbeat yet
-    _pending(c2, "r0", 10_000, remote=False, decode_id="d")
+    d2 = c2.workers["d"] = worker("d", "both", None)  # no heartbeat yet
+    pending(c2, "r0", 10_000, remote=False, decode_id="d")
     c2._admit_within_slo(d2, remote=False, uncached=10_000)
 
 

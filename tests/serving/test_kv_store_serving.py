@@ -71,7 +71,12 @@ def test_outputs_identical_with_store_and_warm_turns_hit_it(store_server, disagg
     assert (
         first == complete(disagg_server, turn1)["choices"][0]["text"]
     )  # same tokens, store or not
-    time.sleep(1.5)  # offload is asynchronous; heartbeats tell the router what the store holds
+    # Offload is asynchronous; heartbeats tell the router what the store holds. Wait for it
+    # (a fixed sleep flaked on a busy machine: turn 2 then looked cold and went to P).
+    deadline = time.monotonic() + 30
+    while store_server.health().get("kv_store_blocks_known", 0) < 40:
+        assert time.monotonic() < deadline, store_server.health()
+        time.sleep(0.2)
     # Kill the decode worker that served turn 1: its local prefix cache is gone with it.
     holder = max(
         store_server.health()["workers"].items(), key=lambda kv: kv[1].get("prefix_query_tokens", 0)

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _servers import server  # noqa: E402
@@ -33,7 +36,7 @@ def summary(label: str, rate: float, run, slo: SLO) -> dict:
     records = run.records
     ok = [r for r in records if r.ok]
     refused = [r for r in records if r.error and r.error.startswith("HTTP 429")]
-    agg = run.summary
+    agg = run.aggregates
     return {
         "run": label,
         "rate": rate,
@@ -86,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-duration", type=float, default=40.0, help="seconds per sweep rate")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of overload per run")
     p.add_argument("--overload", type=float, default=3.0, help="multiple of the sustainable rate")
+    p.add_argument(
+        "--runs",
+        choices=["both", "on", "off"],
+        default="both",
+        help="overload runs: without admission, with it, or both (default)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     args = p.parse_args(argv)
@@ -115,12 +124,19 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             sustainable = sweep.goodput
         rate = sustainable * args.overload
-        overload_run(url, f"{args.overload:g}x, admission off", rate)
+        if args.runs != "on":
+            overload_run(url, f"{args.overload:g}x, admission off", rate)
     extra = ("--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot))
-    with server(args.mode, *extra) as url:
-        overload_run(url, f"{args.overload:g}x, admission on", rate)
+    if args.runs != "off":
+        with server(args.mode, *extra) as url:
+            overload_run(url, f"{args.overload:g}x, admission on", rate)
+            text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+            reasons = re.findall(r'^pdserve_rejected_total\{reason="(\w+)"\} (\S+)$', text, re.M)
+            rows[-1]["refused_by"] = {k: int(float(v)) for k, v in reasons}
     print(f"\nmode {args.mode}, workload {args.workload}; sustainable rate {sustainable:g}/s")
     print(table(rows, slo))
+    if rows[-1].get("refused_by"):
+        print(f"429 by reason (admission on): {rows[-1]['refused_by']}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
     return 0

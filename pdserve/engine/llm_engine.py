@@ -169,7 +169,7 @@ class LLMEngine:
             seqs = [batch.seqs[i] for i in indices]
             tokens = sample(logits, seqs)
             outs = [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
-        self.perf.observe(prefill_tokens, decode_seqs, time.perf_counter() - start)
+        self.perf.observe(prefill_tokens, decode_seqs, start, time.perf_counter())
         return outs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

@@ -14,18 +14,25 @@ MIN_PREFILL_TOKENS = 16  # steps with fewer prompt tokens say little about prefi
 class StepPerf:
     def __init__(self) -> None:
         self.prefill_tok_s = 0.0  # prompt tokens per second of step time (0: not measured yet)
-        self.decode_step_s = 0.0  # seconds per step that carried decode tokens (0: not yet)
+        self.decode_step_s = 0.0  # seconds between decode tokens, as streams see them (0: not yet)
+        self._last_decode_end: float | None = None  # end of the previous step, if it decoded
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
-        """One step computed `prefill_tokens` prompt tokens and one token for `decode_seqs`
-        decoding sequences in `seconds`. A mixed step counts for both: its prefill rate is
-        then a little pessimistic, and its duration is exactly the gap the decoders saw."""
-        if seconds <= 0:
+    def observe(self, prefill_tokens: int, decode_seqs: int, start: float, end: float) -> None:
+        """One step, from `start` to `end` (time.perf_counter), computed `prefill_tokens`
+        prompt tokens and one token for each of `decode_seqs` decoding sequences.
+
+        Prefill speed counts the step alone (a mixed step makes it a little pessimistic).
+        The decode figure is the time from the previous decode step's end to this one's: what
+        a running stream waits per token, including whatever the worker did between steps
+        (receiving KV, messages). After a step without decodes, only this step counts."""
+        if end <= start:
             return
         if prefill_tokens >= MIN_PREFILL_TOKENS:
-            self.prefill_tok_s = _ewma(self.prefill_tok_s, prefill_tokens / seconds)
+            self.prefill_tok_s = _ewma(self.prefill_tok_s, prefill_tokens / (end - start))
         if decode_seqs:
-            self.decode_step_s = _ewma(self.decode_step_s, seconds)
+            since = start if self._last_decode_end is None else self._last_decode_end
+            self.decode_step_s = _ewma(self.decode_step_s, end - since)
+        self._last_decode_end = end if decode_seqs else None
 
 
 def _ewma(old: float, new: float) -> float:

@@ -29,6 +29,11 @@ from pdserve.serving.channel import Codec
 log = logging.getLogger("pdserve.router")
 
 
+# A request admitted now decodes beside the streams that join after it, so the decode worker's
+# time per output token must be below the SLO with room to grow, not merely below it.
+TPOT_HEADROOM = 0.85
+
+
 class Overloaded(Exception):
     """Admission control refused a request (the client should retry later: 429).
     `reason` labels the metric; `retry_after_s` is when admitting it is likely to work."""
@@ -310,11 +315,12 @@ class RouterCore:
                     )
         if cfg.slo_tpot_s is not None and decode.inflight and decode.load is not None:
             tpot = decode.load.decode_step_s
-            if tpot > cfg.slo_tpot_s:
+            if tpot > cfg.slo_tpot_s * TPOT_HEADROOM:
                 raise Overloaded(
-                    f"the decode worker's time per output token is {tpot * 1000:.0f} ms, over "
-                    f"the {cfg.slo_tpot_s * 1000:g} ms SLO",
+                    f"the decode worker's time per output token is {tpot * 1000:.0f} ms, too "
+                    f"close to the {cfg.slo_tpot_s * 1000:g} ms SLO to take another stream",
                     reason="slo_tpot",
+                    retry_after_s=2,
                 )
 
     def pending_prefill_tokens(self, remote: bool, decode_id: str) -> int:

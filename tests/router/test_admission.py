@@ -54,7 +54,11 @@ def test_tpot_refuses_only_a_busy_decodeworker(core):
     with pytest.raises(Overloaded) as exc:
         c._admit_within_slo(d, remote=False, uncached=10)
     assert exc.value.reason == "slo_tpot" and "250 ms" in str(exc.value)
-    d.load = load(decode_step_s=0.05)
+    assert exc.value.retry_after_s == 2
+    d.load = load(decode_step_s=0.09)  # within the SLO, but without room for another stream
+    with pytest.raises(Overloaded):
+        c._admit_within_slo(d, remote=False, uncached=10)
+    d.load = load(decode_step_s=0.08)
     c._admit_within_slo(d, remote=False, uncached=10)
 
 
@@ -71,15 +75,15 @@ def test_off_by_default_and_unmeasured_workers_admit(core):
 
 def test_step_perf_moving_averages():
     perf = StepPerf()
-    perf.observe(prefill_tokens=8, decode_seqs=0, seconds=1.0)  # too few prompt tokens
+    perf.observe(prefill_tokens=8, decode_seqs=0, start=0.0, end=1.0)  # too few prompt tokens
     assert perf.prefill_tok_s == 0.0 and perf.decode_step_s == 0.0
-    perf.observe(prefill_tokens=200, decode_seqs=0, seconds=1.0)
+    perf.observe(prefill_tokens=200, decode_seqs=0, start=1.0, end=2.0)
     assert perf.prefill_tok_s == 200.0
-    perf.observe(prefill_tokens=400, decode_seqs=2, seconds=1.0)
+    perf.observe(prefill_tokens=400, decode_seqs=2, start=5.0, end=6.0)  # after a prefill-only
     assert perf.prefill_tok_s == pytest.approx(0.8 * 200 + 0.2 * 400)
-    assert perf.decode_step_s == 1.0
-    perf.observe(prefill_tokens=0, decode_seqs=2, seconds=0.5)
-    assert perf.decode_step_s == pytest.approx(0.9)
+    assert perf.decode_step_s == 1.0  # ... step, only its own duration counts
+    perf.observe(prefill_tokens=0, decode_seqs=2, start=6.2, end=6.5)  # 0.2 s between steps
+    assert perf.decode_step_s == pytest.approx(0.8 * 1.0 + 0.2 * 0.5)
 
 
 def test_engine_reports_its_measured_speed():

@@ -163,6 +163,12 @@ def _serve(args) -> int:
         wait_ready,
     )
 
+    max_seqs = args.max_num_seqs or 64
+    if args.decode_chunk_size and not args.decode_chunk_size >= max_seqs:
+        raise ValueError(
+            f"--decode-chunk-size must be 0 (off) or at least --max-num-seqs ({max_seqs}): every "
+            f"running stream needs one of its tokens in each step, got {args.decode_chunk_size}"
+        )
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
     frontend = _make_frontend(args)
@@ -178,8 +184,9 @@ def _serve(args) -> int:
     async def ready(port):
         for i, (role, cpus) in enumerate(plan.workers):
             argv = list(base_argv)
-            if role == "both" and args.chunk_size:
-                argv += ["--chunk-size", str(args.chunk_size)]
+            chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
+            if chunk:
+                argv += ["--chunk-size", str(chunk)]
             procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport)
         n_pre = sum(r == "prefill" for r, _ in plan.workers)
         try:
@@ -249,6 +256,16 @@ def register(sub) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg mode, default 1)")
     p.add_argument(
         "--colocated-workers", type=int, default=1, help="workers in colocated mode (default 1)"
+    )
+    p.add_argument(
+        "--decode-chunk-size",
+        type=int,
+        default=64,
+        metavar="N",
+        help="disagg mode: a decode worker computes the prompts it keeps (short ones while the "
+        "prefill pool is busy, warm suffixes, migrated streams) at most N tokens per step, its "
+        "running streams' tokens included, so those streams keep flowing (default 64; 0 = whole "
+        "prompts in one step). Co-located workers use --chunk-size",
     )
     p.add_argument(
         "--kv-transport", default="tcp", choices=["tcp", "nixl"], help="KV transfer backend"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pdserve.kv_store.config import GB, Key, StoreConfig, layout_key, payload_bytes
 from pdserve.kv_store.protocol import (
+    MAX_REMOVED,
     AnyLayout,
     Error,
     GetStats,
@@ -59,6 +60,7 @@ class _Session:
         self.layout_key = layout_key(layout)
         self.lease: int | None = None
         self._prev_lease: int | None = None
+        self._removal_cursor = store.removal_cursor()
 
     def keys(self, hashes: list[int]) -> list[Key]:
         return [Key(self.layout_key, h) for h in hashes]
@@ -81,6 +83,13 @@ class _Session:
         finally:
             self.end_prev_lease()
 
+    def removed(self) -> list[int]:
+        """Hashes of this layout that left the store since the previous reply."""
+        hashes, self._removal_cursor = self.store.removed_since(
+            self._removal_cursor, self.layout_key, MAX_REMOVED
+        )
+        return hashes
+
     def end_prev_lease(self) -> None:
         self.store.unpin(self._prev_lease)
         self._prev_lease = None
@@ -91,7 +100,7 @@ class _Session:
         if req.pin_s > 0:
             self.lease = self.store.pin_prefix(keys, req.pin_s)
         self.end_prev_lease()
-        send_msg(self.conn, QueryReply(present))
+        send_msg(self.conn, QueryReply(present, self.removed()))
 
     def put(self, req: Put) -> None:
         """Receive each block straight into the buffer the store keeps (no staging copy)."""
@@ -101,7 +110,7 @@ class _Session:
             buf = bytearray(n)
             recv_into_exact(self.conn, memoryview(buf))
             stored += self.store.put(Key(self.layout_key, meta.block_hash), self.layout, meta, buf)
-        send_msg(self.conn, PutReply(stored))
+        send_msg(self.conn, PutReply(stored, self.removed()))
 
     def load(self, req: Load) -> None:
         """Pin the held prefix while reading it (SSD files are read and checksummed here), then

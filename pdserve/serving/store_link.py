@@ -128,11 +128,7 @@ class StoreLink:
         """Queue evicted copies; return the requests whose blocks the store has finished
         reading (ok or not), which the caller may release now. Cheap when nothing is pending."""
         if self.copies:
-            metas, payloads = zip(*self.copies, strict=True)
-            ticket = self.client.put_copies(metas, payloads)
-            nbytes = sum(len(p) for p in payloads)
-            self.evicting.append((ticket, [m.block_hash for m in metas], nbytes))
-            self.copies = []
+            self._queue_copies()
         for job in [j for j in self.evicting if j[0].done()]:
             ticket, hashes, nbytes = job
             self.evicting.remove(job)
@@ -148,6 +144,18 @@ class StoreLink:
                 del self.pending[rid]
                 out.append(rid)
         return out
+
+    def _queue_copies(self) -> None:
+        metas, payloads = zip(*self.copies, strict=True)
+        nbytes = sum(len(p) for p in payloads)
+        self.copies = []
+        try:
+            ticket = self.client.put_copies(metas, payloads)
+        except ValueError:  # a bug, not a store failure: lose these copies, not the worker
+            log.exception("could not offload %d evicted blocks", len(metas))
+            self.copy_bytes -= nbytes
+            return
+        self.evicting.append((ticket, [m.block_hash for m in metas], nbytes))
 
     def take_index_events(self) -> list[tuple[int, bool]]:
         """(hash, held) in order since the last call: True once a put or load showed the store

@@ -26,28 +26,18 @@ from pdserve.engine.block_hash import block_hashes
 from pdserve.engine.block_manager import Block, BlockManager
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
+from pdserve.kv_store.client import StoreClient
 from pdserve.kv_store.config import payload_bytes
 from pdserve.kv_store.protocol import BlockMeta
-from pdserve.kv_transfer import KVLayout
 
 log = logging.getLogger("pdserve.worker")
 KNOWN_CAPACITY = 1 << 16  # hashes remembered as held by the store (an LRU; a miss costs a copy)
 
 
 class StoreLink:
-    def __init__(
-        self,
-        endpoint: str,
-        layout: KVLayout,
-        k_caches,
-        v_caches,
-        timeout_s: float = 5.0,
-        max_copy_bytes: int = 64 << 20,
-    ):
-        from pdserve.kv_store.client import StoreClient
-
-        self.client = StoreClient(endpoint, layout, k_caches, v_caches, timeout_s=timeout_s)
-        self.block_size = layout.block_size
+    def __init__(self, client: StoreClient, max_copy_bytes: int = 64 << 20):
+        self.client = client
+        self.block_size = client.layout.block_size
         self.max_copy_bytes = max_copy_bytes
         self.pending: dict[str, tuple] = {}  # request id -> (PutTicket, hashes)
         self.evicting: list[tuple] = []  # (PutTicket, hashes, bytes) of evicted copies in flight

@@ -22,6 +22,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.kv_store.client import StoreClient
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
 from pdserve.serving import messages as m
 from pdserve.serving.channel import Codec, require_secret_for, resolve_secret
@@ -83,7 +84,8 @@ class Worker:
             )
         self.store = None
         if config.kv_store:
-            self.store = StoreLink(config.kv_store, self.layout, runner.k_caches, runner.v_caches)
+            client = StoreClient(config.kv_store, self.layout, runner.k_caches, runner.v_caches)
+            self.store = StoreLink(client)
             self.store.attach(self.engine)
             self.engine.hold_finished = self.role != "prefill"
         self.codec = Codec(secret)

@@ -10,6 +10,7 @@ from factories import make_engine, make_model_files, make_sequence, run_to_compl
 from pdserve.engine.block_hash import block_hashes
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_store.client import StoreClient
 from pdserve.kv_transfer.memory import layout_of
 from pdserve.router.core import RouterConfig, RouterCore
 from pdserve.router.state import WorkerInfo
@@ -51,8 +52,8 @@ def linked(files, serve, tmp_path):
             config = make_config(tmp_path / "ssd", layout, dram_blocks, ssd_blocks)
             served = serve(layout, config=config)
             endpoint = served.server.endpoint
-        link = StoreLink(endpoint, layout, engine.runner.k_caches, engine.runner.v_caches,
-                         **link_kw)  # fmt: skip
+        client = StoreClient(endpoint, layout, engine.runner.k_caches, engine.runner.v_caches)
+        link = StoreLink(client, **link_kw)
         link.attach(engine)
         made.append(link)
         return engine, link, served

@@ -43,8 +43,9 @@ class StoreLink:
         self.evicting: list[tuple] = []  # (PutTicket, hashes, bytes) of evicted copies in flight
         self.copies: list[tuple[BlockMeta, bytearray]] = []  # evicted, not yet queued
         self.copy_bytes = 0  # of `copies` and `evicting` together
-        self.known: OrderedDict[int, None] = OrderedDict()  # hashes the store holds, as far as
-        self.index_events: list[tuple[int, bool]] = []  # we know; (hash, held) for the router
+        # hashes the store holds as far as this worker knows: their evicted blocks are not copied
+        self.known: OrderedDict[int, None] = OrderedDict()
+        self.index_events: list[tuple[int, bool]] = []  # (hash, held) for the router, in order
         self.hit_tokens = self.query_tokens = 0
         self.evicted_offloads = 0  # evicted blocks whose copies the store took
         self.load_s = 0.0

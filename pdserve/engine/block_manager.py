@@ -10,6 +10,7 @@ free queue, never both; the hash index points only at blocks carrying that hash.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.block_hash import hash_block
@@ -21,6 +22,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
+    parent: int | None = None  # the hash this block's hash chains from (None: first block)
     token_ids: tuple[int, ...] = ()
 
 
@@ -35,6 +37,9 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.events: list[tuple[str, int]] = []  # ("stored"|"removed", hash), drained by workers
+        # Called with a cached block about to be reused, while its KV is still intact (a worker
+        # copies it out for the KV store). Must not raise and must not touch the block manager.
+        self.on_evict: Callable[[Block], None] | None = None
         self.hits = self.queries = 0  # prefix-cache hit rate, in tokens
 
     @property
@@ -45,9 +50,11 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)  # least recently freed first
         block = self.blocks[block_id]
         if block.hash is not None:  # evict it from the prefix cache
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self.hash_to_block[block.hash]
             self.events.append(("removed", block.hash))
-            block.hash, block.token_ids = None, ()
+            block.hash, block.parent, block.token_ids = None, None, ()
         block.ref_count = 1
         return block_id
 
@@ -102,11 +109,12 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = hash_block(parent, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block and block.hash is None:
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.parent, block.token_ids = h, parent, tokens
                 self.hash_to_block[h] = block.block_id
                 self.events.append(("stored", h))
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Sequence
 from functools import partial
 from typing import TypeVar
 
 from pdserve.engine.block_hash import hash_block
+from pdserve.kv_store.config import payload_bytes
 from pdserve.kv_store.connection import Connection, Deadline, recv_into_by
 from pdserve.kv_store.protocol import (
     MAX_BLOCKS,
@@ -78,6 +80,7 @@ class StoreClient:
         self._lock = threading.Lock()  # one lookup/load/stats at a time on self._conn
         self._jobs: queue.Queue[PutJob | None] = queue.Queue(max_queued_puts)
         self._book = TicketBook()
+        self._removed: deque[int] = deque(maxlen=1 << 16)  # see drain_removed()
         self.last_error: str | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._put_loop, name="kv-store-put", daemon=True)
@@ -100,14 +103,48 @@ class StoreClient:
         if len(block_ids) != len(metas):
             raise ValueError(f"{len(block_ids)} block ids for {len(metas)} block hashes")
         ticket = self._book.open()
+        return self._queue(PutJob(metas, list(block_ids), ticket))
+
+    def put_copies(self, blocks: Sequence[BlockMeta], payloads: Sequence[bytearray]) -> PutTicket:
+        """Queue blocks whose bytes were copied out of the cache with `snapshot` (each chained
+        from its own parent), so that their cache blocks could be reused at once. Raises
+        ValueError if a block's hash does not match its token ids or a payload its layout."""
+        size = payload_bytes(self.layout)
+        for meta, payload in zip(blocks, payloads, strict=True):
+            if len(meta.token_ids) != self.layout.block_size or not chains(meta):
+                raise ValueError(f"block hash {meta.block_hash} does not match its token ids")
+            if len(payload) != size:
+                raise ValueError(f"a payload of {len(payload)} bytes, not {size}")
+        return self._queue(PutJob(list(blocks), list(payloads), self._book.open()))
+
+    def snapshot(self, block_id: int) -> bytearray:
+        """A copy of block `block_id` (K and V of every layer, as the store keeps them: K0 V0
+        K1 V1 ...) for `put_copies`."""
+        check_block_ids([block_id], self.num_blocks, "snapshot")
+        return bytearray().join(self._buffers(block_id))
+
+    @property
+    def backing_off(self) -> bool:
+        """The store could not be reached a moment ago and puts fail at once for now."""
+        return self._put_conn.backing_off
+
+    def _queue(self, job: PutJob) -> PutTicket:
         if self._closed:
-            self._book.finish(ticket, 0, "KV store client closed")
-            return ticket
+            self._book.finish(job.ticket, 0, "KV store client closed")
+            return job.ticket
         try:
-            self._jobs.put_nowait(PutJob(metas, list(block_ids), ticket))
+            self._jobs.put_nowait(job)
         except queue.Full:
-            self._book.finish(ticket, 0, "put queue full: the KV store is slower than the engine")
-        return ticket
+            msg = "put queue full: the KV store is slower than the engine"
+            self._book.finish(job.ticket, 0, msg)
+        return job.ticket
+
+    def _buffers(self, source: int | bytearray) -> list:
+        """What to send for one block: its copy, or its cache memory (a block id)."""
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            return [source]
+        layers = range(self.layout.num_layers)
+        return [buf for la in layers for buf in (self._k[la][source], self._v[la][source])]
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every put issued so far is done (stored or failed); False on timeout."""
@@ -136,7 +173,7 @@ class StoreClient:
                         partial(
                             self._put_chunk,
                             metas=job.metas[i : i + CHUNK],
-                            block_ids=job.block_ids[i : i + CHUNK],
+                            sources=job.sources[i : i + CHUNK],
                         )  # fmt: skip
                     )
                     for i in range(0, len(job.metas), CHUNK)
@@ -146,18 +183,16 @@ class StoreClient:
                 self._put_conn.drop()
                 self._book.finish(job.ticket, 0, f"KV store put failed: {exc}")
 
-    def _put_chunk(self, sock, metas: list[BlockMeta], block_ids: list[int]) -> int:
+    def _put_chunk(self, sock, metas: list[BlockMeta], sources: list) -> int:
         """Send the blocks the store lacks (one query first), K0 V0 K1 V1 ... per block."""
         present = self._request(sock, Query([m.block_hash for m in metas]), QueryReply).present
         todo = [i for i, p in enumerate(present) if not p]
         if not todo:
             return 0
         send_msg(sock, Put([metas[i] for i in todo]))
-        layers = range(self.layout.num_layers)
         for i in todo:
-            b = block_ids[i]
-            send_buffers(sock, [buf for la in layers for buf in (self._k[la][b], self._v[la][b])])
-        return recv_reply(sock, PutReply).stored
+            send_buffers(sock, self._buffers(sources[i]))
+        return self._reply(sock, PutReply).stored
 
     # --- lookup and load ------------------------------------------------------------------------
 
@@ -247,7 +282,18 @@ class StoreClient:
     def _request(self, sock, msg, kind: type[T]) -> T:
         sock.settimeout(self.timeout_s)
         send_msg(sock, msg)
-        return recv_reply(sock, kind)
+        return self._reply(sock, kind)
+
+    def _reply(self, sock, kind: type[T]) -> T:
+        reply = recv_reply(sock, kind)
+        self._removed.extend(getattr(reply, "removed", ()))
+        return reply
+
+    def drain_removed(self) -> list[int]:
+        """Block hashes the store reported gone (evicted or dropped) since the last call, in
+        the order it reported them. The store tells each connection only of removals after it
+        opened; an undrained backlog keeps the newest 65,536."""
+        return [self._removed.popleft() for _ in range(len(self._removed))]
 
     def _failed(self, reason: str) -> int:
         """Record a failure (the connection is dropped: its stream position is unknown)."""

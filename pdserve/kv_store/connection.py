@@ -80,6 +80,11 @@ class Connection:
         self._sock = sock
         return sock
 
+    @property
+    def backing_off(self) -> bool:
+        """A connect failed less than `retry_after_s` ago: calls fail at once for now."""
+        return self._sock is None and time.monotonic() < self._down_until
+
     def call(self, fn: Callable[[socket.socket], T]) -> T:
         """`fn(sock)`; run once more on a new connection if a connection opened earlier turns
         out closed by the store (it restarted, or dropped us while idle). Requests are

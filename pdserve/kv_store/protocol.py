@@ -5,8 +5,8 @@ client's `KVLayout`, optional HMAC challenge-response with the shared secret). T
 every layout: the layout of the connection is part of the key of every block it touches. Then the
 client sends requests and reads one reply each, in order:
 
-    Query(hashes, pin_s)   -> QueryReply(present)          (optionally pins the leading hits)
-    Put(blocks) + payloads -> PutReply(stored)             payload per block: K0 V0 K1 V1 ...
+    Query(hashes, pin_s)   -> QueryReply(present, removed) (optionally pins the leading hits)
+    Put(blocks) + payloads -> PutReply(stored, removed)    payload per block: K0 V0 K1 V1 ...
     Load(hashes)           -> LoadReply(blocks) + payload  layer-major: per layer all K, all V
     GetStats()             -> StatsReply(stats)
     any bad request        -> Error(reason), then the server closes the connection
@@ -14,6 +14,10 @@ client sends requests and reads one reply each, in order:
 Every frame is a 4-byte big-endian length and one msgpack message of at most `MAX_FRAME_BYTES`;
 a message names at most `MAX_BLOCKS` blocks. Payload sizes follow from the layout, never from the
 peer, so a lying header cannot make either side read or allocate more than it expects.
+
+`removed` in a reply lists blocks of the connection's layout that left the store since its
+previous reply (at most `MAX_REMOVED`; the rest follow in later replies): clients forward them so
+that the router's index of what the store holds also shrinks.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pdserve.kv_transfer.wire import ProtocolError, recv_exact
 
 MAX_FRAME_BYTES = 4 << 20
 MAX_BLOCKS = 1024
+MAX_REMOVED = 4096  # removed hashes per reply (~37 KB of msgpack)
 _IOV_MAX = 1024  # buffers per sendmsg call (Linux's IOV_MAX)
 _LEN = struct.Struct("!I")
 T = TypeVar("T")
@@ -84,6 +89,7 @@ class Query(msgspec.Struct, tag="query", frozen=True):
 
 class QueryReply(msgspec.Struct, tag="query_reply", frozen=True):
     present: list[bool]
+    removed: list[int] = []  # block hashes that left the store since the previous reply
 
 
 class Put(msgspec.Struct, tag="put", frozen=True):
@@ -92,6 +98,7 @@ class Put(msgspec.Struct, tag="put", frozen=True):
 
 class PutReply(msgspec.Struct, tag="put_reply", frozen=True):
     stored: int
+    removed: list[int] = []
 
 
 class Load(msgspec.Struct, tag="load", frozen=True):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pdserve.kv_store.config import GB, Key, StoreConfig, layout_key, payload_bytes
 from pdserve.kv_store.protocol import (
+    MAX_REMOVED,
     AnyLayout,
     Error,
     GetStats,
@@ -34,6 +35,7 @@ from pdserve.kv_store.protocol import (
     send_msg,
 )
 from pdserve.kv_store.store import Payload, Store
+from pdserve.kv_transfer.acceptor import Acceptor
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.wire import (
     HOW_TO_SET_SECRET,
@@ -50,13 +52,6 @@ log = logging.getLogger("pdserve.kv_store")
 MAX_BLOCK_BYTES = 256 << 20  # one block of any real model is far smaller; refuse absurd layouts
 
 
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed
-
-
 class _Session:
     """One handshaken connection: its layout, its lease, and a handler per request type."""
 
@@ -65,6 +60,7 @@ class _Session:
         self.layout_key = layout_key(layout)
         self.lease: int | None = None
         self._prev_lease: int | None = None
+        self._removal_cursor = store.removal_cursor()
 
     def keys(self, hashes: list[int]) -> list[Key]:
         return [Key(self.layout_key, h) for h in hashes]
@@ -87,6 +83,13 @@ class _Session:
         finally:
             self.end_prev_lease()
 
+    def removed(self) -> list[int]:
+        """Hashes of this layout that left the store since the previous reply."""
+        hashes, self._removal_cursor = self.store.removed_since(
+            self._removal_cursor, self.layout_key, MAX_REMOVED
+        )
+        return hashes
+
     def end_prev_lease(self) -> None:
         self.store.unpin(self._prev_lease)
         self._prev_lease = None
@@ -97,7 +100,7 @@ class _Session:
         if req.pin_s > 0:
             self.lease = self.store.pin_prefix(keys, req.pin_s)
         self.end_prev_lease()
-        send_msg(self.conn, QueryReply(present))
+        send_msg(self.conn, QueryReply(present, self.removed()))
 
     def put(self, req: Put) -> None:
         """Receive each block straight into the buffer the store keeps (no staging copy)."""
@@ -107,7 +110,7 @@ class _Session:
             buf = bytearray(n)
             recv_into_exact(self.conn, memoryview(buf))
             stored += self.store.put(Key(self.layout_key, meta.block_hash), self.layout, meta, buf)
-        send_msg(self.conn, PutReply(stored))
+        send_msg(self.conn, PutReply(stored, self.removed()))
 
     def load(self, req: Load) -> None:
         """Pin the held prefix while reading it (SSD files are read and checksummed here), then
@@ -159,36 +162,25 @@ class StoreServer:
             )
         self.store = store
         self.io_timeout_s = io_timeout_s
-        self._listener = socket.create_server((host, port))
-        self._host, self._port = host, self._listener.getsockname()[1]
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._acceptor: threading.Thread | None = None
+        self._acceptor = Acceptor(
+            host,
+            port,
+            serve=self._serve,
+            turn_away=self._turn_away,
+            max_connections=store.config.max_connections,
+            name="kv-store",
+        )
 
     @property
     def endpoint(self) -> str:
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"tcp://{host}:{self._port}"
+        return self._acceptor.endpoint("tcp")
 
     def start(self) -> None:
-        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-store", daemon=True)
         self._acceptor.start()
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, addr = self._listener.accept()
-            except OSError:
-                return  # listener closed by close()
-            with self._lock:
-                if self._closed or len(self._conns) >= self.store.config.max_connections:
-                    log.warning("KV store: refusing connection from %s (limit reached)", addr)
-                    conn.close()
-                    continue
-                thread = threading.Thread(target=self._serve, args=(conn, addr), daemon=True)
-                self._conns[conn] = thread
-            thread.start()
+    @staticmethod
+    def _turn_away(conn: socket.socket, addr) -> None:
+        log.warning("KV store: refusing connection from %s (limit reached)", addr)
 
     def _serve(self, conn: socket.socket, addr) -> None:
         session = None
@@ -208,14 +200,9 @@ class StoreServer:
             self._try_send_error(conn, str(exc))
         except OSError as exc:  # disconnects and timeouts
             log.debug("KV store: client %s gone: %s", addr, exc)
-        except Exception:  # a bug must cost one connection, not the store
-            log.exception("KV store: error serving %s", addr)
         finally:
             if session is not None:
                 self.store.unpin(session.lease)
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
 
     def _wait_request(self, conn: socket.socket) -> bool:
         """Block without a deadline until the next request starts; False when the peer left."""
@@ -233,16 +220,7 @@ class StoreServer:
 
     def close(self) -> None:
         """Stop accepting, cut every connection, join the threads."""
-        with self._lock:
-            self._closed = True
-            conns = dict(self._conns)
-        _shutdown(self._listener)
-        self._listener.close()
-        for conn in conns:
-            _shutdown(conn)
-        for thread in [*conns.values(), self._acceptor]:
-            if thread is not None:
-                thread.join(timeout=5)
+        self._acceptor.close()
 
 
 def read_secret_file(path: str) -> bytes:

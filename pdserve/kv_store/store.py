@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from pdserve.kv_store.config import Key, StoreConfig, payload_bytes
 from pdserve.kv_store.protocol import BlockMeta, StoreStats, chains
+from pdserve.kv_store.removals import RemovalLog
 from pdserve.kv_store.ssd import CorruptRecord, SsdFiles
 from pdserve.kv_transfer.base import KVLayout
 
@@ -65,6 +66,7 @@ class Store:
         self._lease_ids = itertools.count(1)
         self._count: Counter[str] = Counter()
         self._load_seconds = 0.0
+        self._removals = RemovalLog()
         self._recover()
 
     def _recover(self) -> None:
@@ -167,6 +169,17 @@ class Store:
             if entry.data is None and self._entries.get(entry.key) is entry:
                 self._add_dram(entry, data)
             return data
+
+    def removal_cursor(self) -> int:
+        """Where a new reader of the removal log starts (it is told only later removals)."""
+        with self._lock:
+            return self._removals.end
+
+    def removed_since(self, cursor: int, layout_key: str, limit: int) -> tuple[list[int], int]:
+        """Block hashes of `layout_key` removed from the store since `cursor` (at most
+        `limit`), and the next cursor."""
+        with self._lock:
+            return self._removals.read(cursor, layout_key, limit)
 
     def record_load(self, requested: int, served: int, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -306,3 +319,4 @@ class Store:
     def _forget_if_gone(self, e: Entry) -> None:
         if e.data is None and not e.ssd_size and self._entries.get(e.key) is e:
             del self._entries[e.key]
+            self._removals.append(e.key)

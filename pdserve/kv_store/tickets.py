@@ -31,7 +31,7 @@ class PutTicket:
 
 class PutJob(NamedTuple):
     metas: list[BlockMeta]
-    block_ids: list[int]
+    sources: list  # per block: its cache block id, or a copy of its bytes (K0 V0 K1 V1 ...)
     ticket: PutTicket
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 
 from pdserve.kv_transfer import fp8
+from pdserve.kv_transfer.acceptor import Acceptor
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.memory import paired_runs
 from pdserve.kv_transfer.transfer_table import TableReceiver, WriteTicket
@@ -61,48 +61,29 @@ class TcpReceiver(TableReceiver):
                 f"authentication; {HOW_TO_SET_SECRET}"
             )
         super().__init__(layout, k_caches, v_caches)
-        self._max_connections = max_connections
         self._handshake_timeout_s = handshake_timeout_s
         self._scratch = bytearray(1 << 20)  # late or refused data is read into this and dropped
-        self._listener = socket.create_server((host, port))
-        self._host, self._port = host, self._listener.getsockname()[1]
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._acceptor: threading.Thread | None = None
+        self._acceptor = Acceptor(
+            host,
+            port,
+            serve=self._serve,
+            turn_away=self._turn_away,
+            max_connections=max_connections,
+            name="kv-accept",
+        )
 
     @property
     def endpoint(self) -> str:
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{self.scheme}://{host}:{self._port}"
+        return self._acceptor.endpoint(self.scheme)
 
     def start(self) -> None:
-        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
         self._acceptor.start()
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, addr = self._listener.accept()
-            except OSError:
-                return  # listener closed by close()
-            with self._lock:
-                if self._closed or len(self._conns) >= self._max_connections:
-                    self._turn_away(conn, addr)
-                    continue
-                thread = threading.Thread(target=self._serve, args=(conn, addr), daemon=True)
-                self._conns[conn] = thread
-            thread.start()
-
     def _turn_away(self, conn: socket.socket, addr) -> None:
-        reason = f"the KV receiver is at its limit of {self._max_connections} connections"
+        reason = f"the KV receiver is at its limit of {self._acceptor.max_connections} connections"
         log.warning("KV receiver: refusing %s: %s", addr, reason)
-        try:
-            conn.settimeout(0.1)
-            send_frame(conn, Refuse(reason))  # the sender's wait reports this instead of EOF
-        except OSError:
-            pass
-        conn.close()
+        conn.settimeout(0.1)
+        send_frame(conn, Refuse(reason))  # the sender's wait reports this instead of EOF
 
     def _serve(self, conn: socket.socket, addr) -> None:
         peer = None
@@ -127,9 +108,6 @@ class TcpReceiver(TableReceiver):
             log.exception("KV receiver: connection from %s failed", addr)
         finally:
             self._on_peer_closed(peer)
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
 
     def _receive_layer(self, conn: socket.socket, hdr: LayerHeader, peer) -> str | None:
         """Land one layer (or discard it); return the error to acknowledge it with."""
@@ -206,13 +184,4 @@ class TcpReceiver(TableReceiver):
         """Backend hook: the connection that `_on_peer` set up is gone."""
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            conns = dict(self._conns)
-        shutdown_socket(self._listener)  # wakes accept(); close() alone does not on Linux
-        self._listener.close()
-        for conn in conns:
-            shutdown_socket(conn)
-        for thread in [*conns.values(), self._acceptor]:
-            if thread is not None:
-                thread.join(timeout=5)
+        self._acceptor.close()

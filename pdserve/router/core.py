@@ -67,8 +67,9 @@ class RouterCore:
         self.codec = Codec(secret)
         self.workers: dict[str, WorkerInfo] = {}
         self.requests: dict[str, RequestState] = {}
-        # Block hashes workers wrote to the shared KV store (may be stale after store evictions:
-        # a stale hit only means the decode worker computes more than expected).
+        # Block hashes the shared KV store holds, as workers report them: added when a worker's
+        # put or load shows the store holds a block, dropped when the store reports evicting
+        # it. A stale entry only means the decode worker computes more than expected.
         self.store_index: set[int] = set()
         self._ids = itertools.count()
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
@@ -150,6 +151,7 @@ class RouterCore:
         w.cached.difference_update(msg.removed)
         w.cached.update(msg.stored)
         self.store_index.update(msg.offloaded)
+        self.store_index.difference_update(msg.store_removed)  # disjoint from offloaded
 
     async def _monitor(self) -> None:
         while True:
@@ -238,13 +240,14 @@ class RouterCore:
         )
 
     def _cached_blocks(self, decode: WorkerInfo, hashes: list[int]) -> int:
-        """Leading prompt blocks D can get without computing: its own cache or the KV store."""
+        """Leading prompt blocks D can get without computing: its own prefix-cache hits, then
+        (as D loads them) the blocks right after those that the KV store holds."""
         cached = decode.overlap(hashes)
         if decode.has_store:
-            in_store = next(
-                (i for i, h in enumerate(hashes) if h not in self.store_index), len(hashes)
+            cached = next(
+                (i for i in range(cached, len(hashes)) if hashes[i] not in self.store_index),
+                len(hashes),
             )
-            cached = max(cached, in_store)
         return cached
 
     def _prefill_remotely(self, decode: WorkerInfo, uncached: int, warm: bool) -> bool:

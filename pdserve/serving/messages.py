@@ -65,7 +65,8 @@ class Heartbeat(msgspec.Struct, tag=True):
     load: Load | None
     stored: list[int] = []  # block hashes newly cached (KV events for the router's index)
     removed: list[int] = []
-    offloaded: list[int] = []  # block hashes this worker wrote to the KV store
+    offloaded: list[int] = []  # block hashes this worker wrote to (or loaded from) the KV store
+    store_removed: list[int] = []  # block hashes the KV store reported evicted
 
 
 class Admit(msgspec.Struct, tag=True):

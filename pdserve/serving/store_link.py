@@ -1,34 +1,60 @@
 """A worker's link to the KV store (Mooncake-style pool): load cached prefixes, offload blocks.
 
 At admission the worker asks the store for the longest prefix beyond its own prefix-cache hits
-and loads those blocks straight into the sequence's new blocks instead of computing them. When a
-request finishes, its full blocks are written to the store asynchronously; the worker holds the
-blocks until the store has read them. Any store failure only means "compute it": never an error.
+and loads those blocks straight into the sequence's new blocks instead of computing them. Blocks
+reach the store two ways, both asynchronous:
+
+* a finished request's full blocks, sent straight from cache memory: the worker holds the blocks
+  until the store has read them (`poll` names the requests it may release);
+* a block evicted from the worker's prefix cache (the block manager is about to reuse it): its
+  bytes are copied out at once (one block, e.g. 360 KiB for SmolLM2-135M in bf16) unless the
+  store is known to hold it, the store is unreachable right now, or copies in flight already
+  take `max_copy_bytes`; the copies go out in one put per engine-loop iteration.
+
+The link also keeps the router's view of the store current: `take_index_events` lists hashes the
+store now holds (puts that completed, loads) and hashes it reported gone (its evictions), in
+order. Any store failure only means "compute it": never an error, never a held block.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 from pdserve.engine.block_hash import block_hashes
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import Block, BlockManager
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
-from pdserve.kv_transfer import KVLayout
+from pdserve.kv_store.client import StoreClient
+from pdserve.kv_store.config import payload_bytes
+from pdserve.kv_store.protocol import BlockMeta
 
 log = logging.getLogger("pdserve.worker")
+KNOWN_CAPACITY = 1 << 16  # hashes remembered as held by the store (an LRU; a miss costs a copy)
 
 
 class StoreLink:
-    def __init__(self, endpoint: str, layout: KVLayout, k_caches, v_caches, timeout_s: float = 5.0):
-        from pdserve.kv_store.client import StoreClient
-
-        self.client = StoreClient(endpoint, layout, k_caches, v_caches, timeout_s=timeout_s)
-        self.block_size = layout.block_size
-        self.pending: dict[str, object] = {}  # request id -> PutTicket
-        self.offloaded: list[int] = []  # hashes stored since the last heartbeat (router's index)
+    def __init__(self, client: StoreClient, max_copy_bytes: int = 64 << 20):
+        self.client = client
+        self.block_size = client.layout.block_size
+        self.max_copy_bytes = max_copy_bytes
+        self.pending: dict[str, tuple] = {}  # request id -> (PutTicket, hashes)
+        self.evicting: list[tuple] = []  # (PutTicket, hashes, bytes) of evicted copies in flight
+        self.copies: list[tuple[BlockMeta, bytearray]] = []  # evicted, not yet queued
+        self.copy_bytes = 0  # of `copies` and `evicting` together
+        # hashes the store holds as far as this worker knows: their evicted blocks are not copied
+        self.known: OrderedDict[int, None] = OrderedDict()
+        self.index_events: list[tuple[int, bool]] = []  # (hash, held) for the router, in order
         self.hit_tokens = self.query_tokens = 0
+        self.evicted_offloads = 0  # evicted blocks whose copies the store took
         self.load_s = 0.0
+
+    def attach(self, engine: LLMEngine) -> None:
+        """Load prefixes when the engine gives a sequence blocks; offload evicted blocks."""
+        bm = engine.block_manager
+        engine.scheduler.on_allocate = lambda seq: self.load_prefix(seq, bm)
+        bm.on_evict = self.on_evict
 
     def load_prefix(self, seq: Sequence, bm: BlockManager) -> int:
         """Fill seq's blocks after its local prefix hits with blocks from the store. Never the
@@ -56,11 +82,12 @@ class StoreLink:
         seq.num_cached_tokens = seq.num_computed_tokens = (start + landed) * bs
         bm.register_computed(seq)  # now also a local prefix-cache entry
         self.hit_tokens += landed * bs
+        self._held(hashes[start : start + landed])
         return landed * bs
 
     def offload(self, seq: Sequence) -> bool:
         """Queue seq's full computed blocks for the store; True if its blocks must be held
-        until `done()` lists it."""
+        until `poll()` lists it."""
         bs = self.block_size
         n = min(seq.num_computed_tokens, seq.num_tokens) // bs
         if n == 0:
@@ -71,17 +98,81 @@ class StoreLink:
         self.pending[seq.request_id] = (ticket, hashes)
         return True
 
-    def done(self) -> list[str]:
-        """Requests whose blocks the store has finished reading (ok or not)."""
+    def on_evict(self, block: Block) -> None:
+        """Block manager hook: `block` (cached, unreferenced) is about to be reused. Copy its KV
+        out for the store unless that is known to be useless or costly right now. Never raises:
+        the engine step must not fail for the store's sake."""
+        if block.hash in self.known or self.client.backing_off:
+            return
+        nbytes = payload_bytes(self.client.layout)
+        if self.copy_bytes + nbytes > self.max_copy_bytes:
+            return  # the store is slower than evictions: drop this one
+        try:
+            payload = self.client.snapshot(block.block_id)
+        except Exception:
+            log.exception("could not copy evicted block %d for the KV store", block.block_id)
+            return
+        self.copies.append((BlockMeta(block.hash, block.parent, list(block.token_ids)), payload))
+        self.copy_bytes += nbytes
+
+    def poll(self) -> list[str]:
+        """Queue evicted copies; return the requests whose blocks the store has finished
+        reading (ok or not), which the caller may release now. Cheap when nothing is pending."""
+        if self.copies:
+            self._queue_copies()
+        for job in [j for j in self.evicting if j[0].done()]:
+            ticket, hashes, nbytes = job
+            self.evicting.remove(job)
+            self.copy_bytes -= nbytes
+            if ticket.ok:
+                self.evicted_offloads += len(hashes)
+                self._held(hashes)
         out = []
         for rid, (ticket, hashes) in list(self.pending.items()):
             if ticket.done():
                 if ticket.ok:
-                    self.offloaded.extend(hashes)
+                    self._held(hashes)
                 del self.pending[rid]
                 out.append(rid)
         return out
 
+    def _queue_copies(self) -> None:
+        metas, payloads = zip(*self.copies, strict=True)
+        nbytes = sum(len(p) for p in payloads)
+        self.copies = []
+        try:
+            ticket = self.client.put_copies(metas, payloads)
+        except ValueError:  # a bug, not a store failure: lose these copies, not the worker
+            log.exception("could not offload %d evicted blocks", len(metas))
+            self.copy_bytes -= nbytes
+            return
+        self.evicting.append((ticket, [m.block_hash for m in metas], nbytes))
+
+    def take_index_events(self) -> list[tuple[int, bool]]:
+        """(hash, held) in order since the last call: True once a put or load showed the store
+        holds it, False once the store reported it gone (its evictions)."""
+        for h in self.client.drain_removed():
+            self.known.pop(h, None)
+            self.index_events.append((h, False))
+        events, self.index_events = self.index_events, []
+        return events
+
+    def _held(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.known[h] = None
+            self.known.move_to_end(h)
+            self.index_events.append((h, True))
+        while len(self.known) > KNOWN_CAPACITY:
+            self.known.popitem(last=False)
+
     def close(self) -> None:
+        self.poll()
         self.client.flush(2.0)
         self.client.close()
+
+
+def split_index_events(events: list[tuple[int, bool]]) -> tuple[list[int], list[int]]:
+    """(held, removed): the latest word on each hash of `events` (in order), so that the two
+    lists are disjoint and the router may apply them in either order."""
+    latest = dict(events)
+    return [h for h, held in latest.items() if held], [h for h, held in latest.items() if not held]

@@ -22,9 +22,11 @@ from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.kv_store.client import StoreClient
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
 from pdserve.serving import messages as m
 from pdserve.serving.channel import Codec, require_secret_for, resolve_secret
+from pdserve.serving.store_link import StoreLink, split_index_events
 
 log = logging.getLogger("pdserve.worker")
 HEARTBEAT_S = 0.5
@@ -82,11 +84,9 @@ class Worker:
             )
         self.store = None
         if config.kv_store:
-            from pdserve.serving.store_link import StoreLink
-
-            self.store = StoreLink(config.kv_store, self.layout, runner.k_caches, runner.v_caches)
-            bm = self.engine.block_manager
-            self.engine.scheduler.on_allocate = lambda seq: self.store.load_prefix(seq, bm)
+            client = StoreClient(config.kv_store, self.layout, runner.k_caches, runner.v_caches)
+            self.store = StoreLink(client)
+            self.store.attach(self.engine)
             self.engine.hold_finished = self.role != "prefill"
         self.codec = Codec(secret)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -101,7 +101,7 @@ class Worker:
         self.load: m.Load | None = None
         self.integrity_error: str | None = None  # last check_integrity() verdict while idle
         self.events: deque[tuple[str, int]] = deque()
-        self.offloaded: deque[int] = deque()  # hashes now in the KV store
+        self.store_events: deque[tuple[int, bool]] = deque()  # (hash, in the KV store now)
 
     # -- control plane -------------------------------------------------------------------
     def send(self, msg) -> None:
@@ -133,8 +133,7 @@ class Worker:
         if self.store is not None:
             st["store_hit_tokens"] = self.store.hit_tokens
             st["store_query_tokens"] = self.store.query_tokens
-            self.offloaded.extend(self.store.offloaded)
-            self.store.offloaded.clear()
+            self.store_events.extend(self.store.take_index_events())
         # The check walks every block: run it only while idle, not between engine steps.
         if not self.engine.has_work():
             try:
@@ -154,12 +153,16 @@ class Worker:
         sock.connect(self.config.router)
         while self.running:
             events = [self.events.popleft() for _ in range(len(self.events))]
+            held, gone = split_index_events(
+                [self.store_events.popleft() for _ in range(len(self.store_events))]
+            )
             beat = m.Heartbeat(
                 self.config.worker_id,
                 self.load,
                 stored=[h for kind, h in events if kind == "stored"],
                 removed=[h for kind, h in events if kind == "removed"],
-                offloaded=[self.offloaded.popleft() for _ in range(len(self.offloaded))],
+                offloaded=held,
+                store_removed=gone,
             )
             sock.send_multipart(self.codec.encode(beat))
             time.sleep(HEARTBEAT_S)
@@ -364,8 +367,8 @@ class Worker:
                 self.try_place()
             if self.leases:
                 self.expire_leases()
-            if self.store is not None and self.store.pending:
-                for rid in self.store.done():
+            if self.store is not None:
+                for rid in self.store.poll():
                     self.engine.release(rid)
             if self.engine.has_work():
                 self.step()

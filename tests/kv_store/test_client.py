@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from kv_transfer.helpers import SENTINEL
@@ -174,3 +175,45 @@ def test_puts_after_close_fail_at_once(serve, client):
     ticket = c.put(make_chain(1).hashes, make_chain(1).tokens, [0])
     assert ticket.done() and ticket.error == "KV store client closed"
     assert c.flush(0)
+
+
+def test_clients_hear_of_the_stores_evictions_in_their_replies(serve, client):
+    layout = make_layout()
+    served = serve(layout, dram_blocks=2, ssd_blocks=0)  # a third block evicts the first
+    chain = make_chain(3)
+    writer = client(served.server.endpoint, layout, *make_caches(layout, 4))
+    watcher = client(served.server.endpoint, layout, *make_caches(layout, 4))
+    assert watcher.lookup([1]) == 0  # its connection is open before the eviction
+    _put(writer, chain, [0, 1, 2])
+    assert writer.drain_removed() == [chain.hashes[0]]  # in the PutReply of the evicting put
+    assert writer.drain_removed() == []
+    assert watcher.lookup(chain.hashes) == 0 and watcher.drain_removed() == [chain.hashes[0]]
+    latecomer = client(served.server.endpoint, layout, *make_caches(layout, 4))
+    assert latecomer.lookup(chain.hashes) == 0 and latecomer.drain_removed() == []
+    other = make_layout("bfloat16")  # hears nothing of another layout's blocks
+    stranger = client(served.server.endpoint, other, *make_caches(other, 2))
+    assert stranger.lookup([1]) == 0
+    _put(writer, make_chain(2, first_token=500), [0, 1])  # evicts chain's blocks 1 and 2
+    assert stranger.lookup([1]) == 0 and stranger.drain_removed() == []
+    assert writer.drain_removed() == chain.hashes[1:]
+
+
+def test_copied_blocks_round_trip_after_the_cache_block_is_reused(serve, client):
+    layout = make_layout()
+    served = serve(layout)
+    src, dst = make_caches(layout, 4, seed=4), make_caches(layout, 4, seed=None)
+    before = make_caches(layout, 4, seed=4)  # the same values, kept aside
+    c = client(served.server.endpoint, layout, *src)
+    chain = make_chain(2)
+    copies = [c.snapshot(3), c.snapshot(1)]
+    for t in (*src[0], *src[1]):
+        t[[3, 1]] = 0.0  # the blocks are reused at once: their bytes were copied
+    ticket = c.put_copies(chain.metas(), copies)
+    assert ticket.wait(10) and ticket.ok and ticket.stored == 2, ticket.error
+    reader = client(served.server.endpoint, layout, *dst)
+    assert reader.load(chain.hashes, [0, 2], token_ids_per_block=chain.tokens) == 2
+    assert _same(before, dst, [3, 1], [0, 2])
+    with pytest.raises(ValueError, match="does not match its token ids"):
+        c.put_copies([msgspec.structs.replace(chain.metas()[1], parent=None)], copies[:1])
+    with pytest.raises(ValueError, match="a payload of 3 bytes"):
+        c.put_copies(chain.metas()[:1], [bytearray(3)])

@@ -196,3 +196,24 @@ def test_a_restarted_store_is_reached_on_the_first_call(serve, client, tmp_path)
     served.server.close()
     serve(layout, dram_blocks=0, ssd_blocks=8, port=port)  # same directory, same port
     assert c.lookup(chain.hashes) == 2 and c.last_error is None
+
+
+def test_connections_beyond_the_limit_are_turned_away_and_the_slot_comes_back(
+    serve, client, tmp_path
+):
+    from .helpers import make_config
+
+    layout = make_layout()
+    served = serve(layout, config=make_config(tmp_path / "ssd", layout, 8, 8, max_connections=1))
+    holder = _raw(served.server.endpoint, layout)  # takes the only slot
+    c = client(served.server.endpoint, layout, *make_caches(layout, 2), retry_after_s=0.0)
+    assert c.lookup([7]) == 0 and "KV store lookup failed" in c.last_error
+    holder.close()
+    deadline = time.monotonic() + 5
+    while True:  # the store notices the close asynchronously
+        c.last_error = None
+        c.lookup([7])
+        if c.last_error is None or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert c.last_error is None  # the freed slot serves the next client

@@ -176,3 +176,29 @@ def test_integrity_check_finds_a_leaked_pin_and_a_stray_file(tmp_path):
     (tmp_path / k[0].layout_key / "00000000000000aa.kvb").write_bytes(b"stray")
     with pytest.raises(AssertionError, match="SSD files != SSD index"):
         store.check_integrity()
+
+
+def test_blocks_leaving_the_store_are_logged_for_readers(tmp_path):
+    store = _store(tmp_path, dram=2, ssd=1)
+    start = store.removal_cursor()
+    k = fill(store, LAYOUT, make_chain(5), make_caches(LAYOUT, 5))
+    # DRAM holds 2, SSD 1: blocks 0 and 1 left the store (demoted, then deleted for room)
+    assert store.contains(k) == [False, False, True, True, True]
+    assert store.removed_since(start, k[0].layout_key, 10) == ([k[0].block_hash, k[1].block_hash],
+                                                               start + 2)  # fmt: skip
+    assert store.removed_since(start, "other-layout", 10) == ([], start + 2)
+    assert store.removed_since(start, k[0].layout_key, 1) == ([k[0].block_hash], start + 1)
+    assert store.removed_since(start + 2, k[0].layout_key, 10) == ([], start + 2)
+    assert store.removal_cursor() == start + 2  # a new reader hears of later removals only
+    store.check_integrity()
+
+
+def test_the_removal_log_is_bounded_and_a_slow_reader_skips_ahead():
+    from pdserve.kv_store.removals import RemovalLog
+
+    log = RemovalLog(capacity=3)
+    for h in range(5):
+        log.append(Key("a" if h != 3 else "b", h))
+    assert log.read(0, "a", 10) == ([2, 4], 5)  # 0 and 1 fell off; 3 is another layout's
+    assert log.read(4, "a", 10) == ([4], 5)
+    assert log.read(5, "a", 10) == ([], 5)

@@ -78,9 +78,8 @@ def test_outputs_identical_with_store_and_warm_turns_hit_it(store_server, disagg
         assert time.monotonic() < deadline, store_server.health()
         time.sleep(0.2)
     # Kill the decode worker that served turn 1: its local prefix cache is gone with it.
-    holder = max(
-        store_server.health()["workers"].items(), key=lambda kv: kv[1].get("prefix_query_tokens", 0)
-    )
+    decoders = [kv for kv in store_server.health()["workers"].items() if kv[1]["role"] == "decode"]
+    holder = max(decoders, key=lambda kv: kv[1].get("prefix_query_tokens", 0))  # not P: it ties
     victim = [p for p in child_pids(store_server, f"--worker-id {holder[0]} ")]
     assert victim, holder
     os.kill(victim[0], signal.SIGKILL)

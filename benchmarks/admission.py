@@ -51,6 +51,10 @@ def summary(label: str, rate: float, run, slo: SLO) -> dict:
         "tpot_p99": agg["tpot_s"]["p99"],
         "admitted_in_slo": sum(slo.meets(r) for r in ok) / len(ok) if ok else None,
         "goodput": sum(slo.meets(r) for r in ok) / run.duration_s,
+        "requests": [  # start (s from the run's start), status, TTFT, TPOT
+            [round(r.start_s, 3), r.status if r.ok else (r.error or "")[:8], r.ttft_s, r.tpot_s]
+            for r in records
+        ],
     }
 
 

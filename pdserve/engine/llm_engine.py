@@ -146,6 +146,19 @@ class LLMEngine:
         """Prefill role: the KV of a finished request has been sent; free its blocks."""
         self.scheduler.release_held(request_id)
 
+    def warm_up(self, prompt_tokens: int = 128, decode_steps: int = 3) -> None:
+        """Run one throwaway request before serving: the first steps pay one-off costs
+        (allocations, kernel selection), and the speed estimates that admission control reads
+        (`self.perf`) exist before the first real request. Leaves no blocks and no KV events."""
+        n = max(1, min(prompt_tokens, self.max_model_len - decode_steps - 1))
+        ids = [(i * 7919) % self.model_config.vocab_size for i in range(n)]
+        params = SamplingParams(max_tokens=decode_steps, ignore_eos=True)
+        seq = self.add_request(ids, params, request_id="__warm_up__")
+        while self.has_work():
+            self.step()
+        self.release(seq.request_id)  # a prefill-role engine holds finished blocks
+        self.block_manager.drain_events()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

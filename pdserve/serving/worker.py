@@ -61,6 +61,7 @@ class Worker:
         self.config = config
         self.role = config.engine.role
         self.engine = LLMEngine(config.engine)
+        self.engine.warm_up()
         runner, mc = self.engine.runner, self.engine.model_config
         self.layout = KVLayout(
             model_fingerprint=self.engine.fingerprint,

@@ -17,11 +17,13 @@ def test_ttft_estimate_refuses_with_retry_after(core):
     d = c.workers["d"] = worker("d", "both", load(prefill_tok_s=100.0))
     c._admit_within_slo(d, remote=False, uncached=50)  # nothing queued: admitted
     pending(c, "r0", 80, remote=False, decode_id="d")
-    c._admit_within_slo(d, remote=False, uncached=20)  # (80 + 20) / 100 = 1.0 s: admitted
+    c._admit_within_slo(d, remote=False, uncached=0)  # 0.8 s: within 80 % of the SLO
+    with pytest.raises(Overloaded):
+        c._admit_within_slo(d, remote=False, uncached=20)  # 1.0 s: no headroom left
     with pytest.raises(Overloaded) as exc:
         c._admit_within_slo(d, remote=False, uncached=300)  # (80 + 300) / 100 = 3.8 s
     assert exc.value.reason == "slo_ttft"
-    assert exc.value.retry_after_s == 3  # ceil(3.8 - 1.0)
+    assert exc.value.retry_after_s == 3  # ceil(3.8 - 0.8 x 1.0)
     assert "3.80 s" in str(exc.value) and "80 prompt tokens queued" in str(exc.value)
 
 
@@ -39,7 +41,7 @@ def test_remote_prefill_uses_the_prefill_pools_backlog_and_speed(core):
     pending(c, "local", 5000, remote=False, decode_id="d")  # D's own queue: not the pool's
     pending(c, "r0", 600, remote=True, decode_id="d")
     assert c.pending_prefill_tokens(remote=True, decode_id="d") == 600
-    c._admit_within_slo(d, remote=True, uncached=600)  # 1200 / 600 tok/s = 2.0 s
+    c._admit_within_slo(d, remote=True, uncached=360)  # 960 / 600 tok/s = 1.6 s = 0.8 x SLO
     with pytest.raises(Overloaded):
         c._admit_within_slo(d, remote=True, uncached=700)
     c.requests["r0"].tokens.append(7)  # its first token arrived: no longer waiting
@@ -55,10 +57,10 @@ def test_tpot_refuses_only_a_busy_decodeworker(core):
         c._admit_within_slo(d, remote=False, uncached=10)
     assert exc.value.reason == "slo_tpot" and "250 ms" in str(exc.value)
     assert exc.value.retry_after_s == 2
-    d.load = load(decode_step_s=0.09)  # within the SLO, but without room for another stream
+    d.load = load(decode_step_s=0.085)  # within the SLO, but without room for another stream
     with pytest.raises(Overloaded):
         c._admit_within_slo(d, remote=False, uncached=10)
-    d.load = load(decode_step_s=0.08)
+    d.load = load(decode_step_s=0.075)
     c._admit_within_slo(d, remote=False, uncached=10)
 
 
@@ -93,3 +95,13 @@ def test_engine_reports_its_measured_speed():
     run_to_completion(engine, prompts, SamplingParams(max_tokens=4))
     st = engine.stats()
     assert st["prefill_tok_s"] > 0 and st["decode_step_s"] > 0
+
+
+def test_warm_up_measures_and_leaves_nothing_behind():
+    engine = make_engine()
+    engine.warm_up(prompt_tokens=40, decode_steps=3)
+    st = engine.stats()
+    assert st["prefill_tok_s"] > 0 and st["decode_step_s"] > 0
+    assert st["free_blocks"] == st["total_blocks"] and not engine.has_work()
+    assert engine.block_manager.drain_events() == []
+    engine.check_integrity()

@@ -51,7 +51,7 @@ def test_burst_over_the_ttft_slo_gets_429_with_retry_after(server):
     for retry_after, body, message in refused:
         assert retry_after is not None and int(retry_after) >= 1
         assert body["code"] == "overloaded"
-        assert "exceeds the 1 s SLO" in message
+        assert "too close to the 1 s SLO" in message
     metrics = httpx.get(server.url + "/metrics").text
     assert 'pdserve_rejected_total{reason="slo_ttft"}' in metrics
     workers = server.wait_idle_and_clean()

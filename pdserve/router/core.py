@@ -30,10 +30,13 @@ log = logging.getLogger("pdserve.router")
 
 
 # Admission compares moving averages and estimates with the SLOs, and a request admitted now
-# decodes beside the streams that join after it: admit only with room to spare. 0.8 kept the
-# admitted requests' p99 TTFT and TPOT within the SLOs at 3x overload (benchmarks/admission.py);
-# 1.0 let the p99s reach 200-250 ms against a 200 ms TPOT target.
-HEADROOM = 0.8
+# decodes beside the streams admitted after it, before the next heartbeat shows them: admit
+# only with room to spare. Measured at 3x overload (benchmarks/admission.py, chat, 1 P + 1 D):
+# with no headroom admitted p99s reached 2.5 s against a 2 s TTFT target and 200-250 ms against
+# 200 ms TPOT; at 0.8 for both, TTFT p99 was 1.9 s and TPOT p99 201 ms (requests admitted while
+# the decode batch was ramping up), hence more room for TPOT.
+TTFT_HEADROOM = 0.8
+TPOT_HEADROOM = 0.75
 
 
 class Overloaded(Exception):
@@ -310,17 +313,17 @@ class RouterCore:
             ahead = self.pending_prefill_tokens(remote, decode.worker_id)
             if rate > 0 and ahead > 0:
                 ttft = (ahead + uncached) / rate
-                if ttft > cfg.slo_ttft_s * HEADROOM:
+                if ttft > cfg.slo_ttft_s * TTFT_HEADROOM:
                     raise Overloaded(
                         f"estimated time to first token {ttft:.2f} s is too close to the "
                         f"{cfg.slo_ttft_s:g} s SLO ({ahead} prompt tokens queued at "
                         f"{rate:.0f} tokens/s)",
                         reason="slo_ttft",
-                        retry_after_s=_retry_after(ttft - cfg.slo_ttft_s * HEADROOM),
+                        retry_after_s=_retry_after(ttft - cfg.slo_ttft_s * TTFT_HEADROOM),
                     )
         if cfg.slo_tpot_s is not None and decode.inflight and decode.load is not None:
             tpot = decode.load.decode_step_s
-            if tpot > cfg.slo_tpot_s * HEADROOM:
+            if tpot > cfg.slo_tpot_s * TPOT_HEADROOM:
                 raise Overloaded(
                     f"the decode worker's time per output token is {tpot * 1000:.0f} ms, too "
                     f"close to the {cfg.slo_tpot_s * 1000:g} ms SLO to take another stream",

@@ -57,10 +57,10 @@ def test_tpot_refuses_only_a_busy_decodeworker(core):
         c._admit_within_slo(d, remote=False, uncached=10)
     assert exc.value.reason == "slo_tpot" and "250 ms" in str(exc.value)
     assert exc.value.retry_after_s == 2
-    d.load = load(decode_step_s=0.085)  # within the SLO, but without room for another stream
+    d.load = load(decode_step_s=0.08)  # within the SLO, but without room for another stream
     with pytest.raises(Overloaded):
         c._admit_within_slo(d, remote=False, uncached=10)
-    d.load = load(decode_step_s=0.075)
+    d.load = load(decode_step_s=0.07)
     c._admit_within_slo(d, remote=False, uncached=10)
 
 

@@ -36,7 +36,9 @@ from pdserve.sim.simulator import simulate
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 THREADS = {"colocated": 2, "disagg": 1}  # cores per worker under `pdserve serve` on 2 cores
 ENGINE = {"max_num_seqs": 64, "max_batched_tokens": 8192}  # the engine's defaults
-LOCAL_PREFILL_THRESHOLD = 256  # the router's default
+# The router's defaults: short prompts on the decode worker while the prefill pool is busy
+# (an idle pool takes them), the decode worker's own prefills in steps of 64 tokens.
+ROUTER = {"local_prefill_threshold": 256, "short_prefills_to_idle_pool": True, "decode_chunk": 64}
 
 
 def free_port() -> int:
@@ -58,7 +60,7 @@ def predict(mode: str, profile: Path, args, rate: float) -> dict:
     link = Link("loopback", "measured", prof.loopback_bytes_per_s, prof.loopback_bytes_per_s)
     cluster = Cluster(prof.model, prof.accelerator, link, prof.efficiency, prof.weight_dtype,
                       prof.weight_dtype)  # fmt: skip
-    dep = Deployment(mode, local_prefill_threshold=LOCAL_PREFILL_THRESHOLD, **ENGINE)
+    dep = Deployment(mode, **(ROUTER if mode == "disagg" else {}), **ENGINE)
     reqs = generate_requests(named_workload(args.workload), args.num_requests, args.seed,
                              rate=rate)  # fmt: skip
     return simulate(cluster, dep, reqs, SLO(args.slo_ttft, args.slo_tpot)).aggregates

@@ -43,6 +43,10 @@ class Deployment:
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     local_prefill_threshold: int = 0  # disagg: shorter prompts prefill on the decode instance
+    # ... unless the prefill pool has nothing queued (the router's default rule; the planner
+    # keeps the simpler threshold-only policy)
+    short_prefills_to_idle_pool: bool = False
+    decode_chunk: int | None = None  # disagg: token budget of a decode instance's steps
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -55,8 +59,10 @@ class Deployment:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0 tokens")
-        if self.chunk is not None and self.chunk < 1:
-            raise ValueError(f"chunk size must be >= 1 token, got {self.chunk}")
+        for name in ("chunk", "decode_chunk"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} size must be >= 1 token, got {value}")
 
     @property
     def num_gpus(self) -> int:

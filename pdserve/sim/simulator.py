@@ -57,7 +57,8 @@ class _Loop:
                           for i in range(dep.num_prefill)]  # fmt: skip
             # Conditional disaggregation: decode instances also prefill short prompts.
             local = dep.local_prefill_threshold > 0
-            role, d_budget = ("both", dep.chunk or budget) if local else ("decode", 1)
+            d_budget = dep.decode_chunk or dep.chunk or budget
+            role, d_budget = ("both", d_budget) if local else ("decode", 1)
             self.decoders = [
                 make(f"d{i}", role, dep.decode_tp, d_budget) for i in range(dep.num_decode)
             ]
@@ -116,7 +117,9 @@ class _Loop:
     def arrive(self, r: SimRequest, now: float) -> None:
         if self.dep.mode == "colocated":
             inst = min(self.front, key=lambda i: i.load)
-        elif r.prompt < self.dep.local_prefill_threshold:
+        elif r.prompt < self.dep.local_prefill_threshold and not (
+            self.dep.short_prefills_to_idle_pool and sum(p.queued_tokens for p in self.front) == 0
+        ):
             inst = min(self.decoders, key=lambda i: i.load + i.inbound)
         else:
             inst = min(self.front, key=lambda i: i.queued_tokens)

@@ -130,3 +130,26 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decoder():
     assert res.records[0].ttft_s == pytest.approx(prefill, rel=1e-12)  # no transfer
     assert res.kv_bytes_sent == pytest.approx(kv_bytes(MODEL, 100, "fp16"), rel=1e-9)
     assert res.records[1].ttft_s == pytest.approx(0.2048, rel=1e-9)
+
+
+def test_short_prompts_go_to_an_idle_prefill_pool_like_the_router():
+    cl = cluster(Link("slow", "", 1e6, 1e6))
+    dep = Deployment("disagg", local_prefill_threshold=64, short_prefills_to_idle_pool=True)
+    # r0 (long) keeps the pool busy when r1 (short) arrives; r2 (short) comes after both.
+    reqs = [req(0, 0.0, 100, 2), req(1, 0.0001, 32, 2), req(2, 10.0, 32, 2)]
+    res = simulate(cl, dep, reqs, SLO_LOOSE)
+    prefill = cl.latency(1).iteration(Batch(32, 1, 32 * 16, 0, 1))
+    sent = kv_bytes(MODEL, 100, "fp16") + kv_bytes(MODEL, 32, "fp16")  # r0 and r2, not r1
+    assert res.kv_bytes_sent == pytest.approx(sent, rel=1e-9)
+    assert res.records[2].ttft_s > prefill  # r2 paid the transfer: it went through the pool
+
+
+def test_decode_chunk_sets_the_decoders_step_budget():
+    with pytest.raises(ValueError, match="decode_chunk size must be >= 1"):
+        Deployment("disagg", decode_chunk=0)
+    cl = cluster(Link("slow", "", 1e6, 1e6))
+    whole = simulate(cl, Deployment("disagg", local_prefill_threshold=64),
+                     [req(0, 0.0, 60, 2)], SLO_LOOSE)  # fmt: skip
+    chunked = simulate(cl, Deployment("disagg", local_prefill_threshold=64, decode_chunk=16),
+                       [req(0, 0.0, 60, 2)], SLO_LOOSE)  # fmt: skip
+    assert chunked.records[0].ttft_s > whole.records[0].ttft_s  # 4 steps instead of 1

@@ -5,8 +5,10 @@
 * `server.py`: the `pdserve store` process (thread per connection, HMAC off loopback).
 * `client.py`: `StoreClient`, the engine's side: async zero-copy put, lookup, load into blocks;
   `connection.py` (reconnect, backoff, deadlines) and `tickets.py` (put tickets) serve it.
+* `nixl.py`: the nixl data path (`--transport nixl`, `nixl://` endpoints): block bytes by NIXL
+  READs, control on the socket; `arena.py`: the registered memory its buffers come from.
 * `protocol.py`: typed frames and limits; `metrics.py`: Prometheus /metrics; `cli.py`: the
-  `store` subcommand; `bench.py`: put/load throughput per tier.
+  `store` subcommand; `bench.py`: put/load time per tier and transport.
 
 Importing this package imports neither torch nor numpy. See docs/kv_store.md.
 """

@@ -1,14 +1,17 @@
 """Measure the store: `python -m pdserve.kv_store.bench` (put, load from DRAM, load from SSD).
 
-Starts a store process per tier on this machine, puts `--blocks` blocks of a SmolLM2-135M
-bfloat16 layout (block size 16: 360 KiB per block) from one cache, loads them into another,
-checks they are bit-identical, and prints MB/s and milliseconds per block.
+Starts a store process per (transport, tier) on this machine, puts `--blocks` blocks of a
+SmolLM2-135M bfloat16 layout (block size 16: 360 KiB per block) from one cache, loads them into
+another, checks they are bit-identical, and prints MB/s and milliseconds. `--repeats` runs put
+and load that many times (fresh blocks each time) and reports the median and the best.
+`--transports tcp nixl` compares the two data paths (nixl needs nixl-cu12).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,9 +27,9 @@ from pdserve.kv_transfer.base import KVLayout
 SMOLLM2 = KVLayout("smollm2-135m", "bfloat16", 30, 16, 3, 64)
 
 
-def _start(store_dir: str, dram_gb: float) -> tuple[subprocess.Popen, str]:
+def _start(store_dir: str, dram_gb: float, transport: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pdserve.kv_store.cli", "store", "--store-dir", store_dir,
-           "--dram-gb", str(dram_gb), "--ssd-gb", "8"]  # fmt: skip
+           "--dram-gb", str(dram_gb), "--ssd-gb", "8", "--transport", transport]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     endpoint = re.search(r"listening on (\S+)", proc.stdout.readline()).group(1)  # type: ignore
     return proc, endpoint
@@ -39,45 +42,57 @@ def _caches(n: int, fill: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     return [make() for _ in range(30)], [make() for _ in range(30)]
 
 
-def measure(n: int, tier: str) -> dict[str, float]:
-    """Seconds to put `n` blocks and to load them back from `tier` ("dram" or "ssd")."""
-    tokens = list(range(n * SMOLLM2.block_size))
-    hashes = block_hashes(tokens, SMOLLM2.block_size)
-    per_block = [tokens[i * 16 : (i + 1) * 16] for i in range(n)]
+def measure(n: int, tier: str, transport: str = "tcp", repeats: int = 1) -> dict[str, list]:
+    """Seconds to put `n` blocks and to load them back from `tier` ("dram" or "ssd"), once per
+    repeat (each repeat with blocks the store has not seen)."""
     src, dst = _caches(n, True), _caches(n, False)
+    out: dict[str, list] = {"put_s": [], "load_s": []}
     with tempfile.TemporaryDirectory() as d:
-        proc, endpoint = _start(d, 8 if tier == "dram" else 0)
+        proc, endpoint = _start(d, 8 if tier == "dram" else 0, transport)
         try:
             writer = StoreClient(endpoint, SMOLLM2, *src, timeout_s=60)
             reader = StoreClient(endpoint, SMOLLM2, *dst, timeout_s=60)
-            t0 = time.perf_counter()
-            ticket = writer.put(hashes, per_block, list(range(n)))
-            assert ticket.wait(120) and ticket.ok, ticket.error
-            put_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            got = reader.load(hashes, list(range(n)), timeout_s=120)
-            load_s = time.perf_counter() - t0
-            pairs = zip([*src[0], *src[1]], [*dst[0], *dst[1]], strict=True)
-            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
-            assert got == n and same, f"loaded {got} of {n}, bit-identical: {same}"
+            for r in range(repeats):
+                tokens = list(range(r * 100_000, r * 100_000 + n * SMOLLM2.block_size))
+                hashes = block_hashes(tokens, SMOLLM2.block_size)
+                per_block = [tokens[i * 16 : (i + 1) * 16] for i in range(n)]
+                t0 = time.perf_counter()
+                ticket = writer.put(hashes, per_block, list(range(n)))
+                assert ticket.wait(120) and ticket.ok, ticket.error
+                out["put_s"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                got = reader.load(hashes, list(range(n)), timeout_s=120)
+                out["load_s"].append(time.perf_counter() - t0)
+                pairs = zip([*src[0], *src[1]], [*dst[0], *dst[1]], strict=True)
+                same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
+                assert got == n and same, f"loaded {got} of {n}, bit-identical: {same}"
+                for t in (*dst[0], *dst[1]):
+                    t.zero_()
             writer.close()
             reader.close()
         finally:
             proc.terminate()
             proc.wait(10)
-    return {"put_s": put_s, "load_s": load_s}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=256, help="blocks per run (default 256)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per case (default 1)")
+    parser.add_argument("--transports", nargs="+", default=["tcp"], choices=["tcp", "nixl"])
     args = parser.parse_args(argv)
     mb = args.blocks * payload_bytes(SMOLLM2) / 1e6
     print(f"{args.blocks} blocks x {payload_bytes(SMOLLM2)} B = {mb:.1f} MB (SmolLM2-135M bf16)")
-    for tier in ("dram", "ssd"):
-        r = measure(args.blocks, tier)
-        print(f"{tier:4}: put {mb / r['put_s']:7.0f} MB/s  load {mb / r['load_s']:7.0f} MB/s "
-              f"({1e3 * r['load_s'] / args.blocks:.3f} ms/block), bit-identical")  # fmt: skip
+    print("transport tier  put ms (best)     load ms (best)    put MB/s  load MB/s")
+    for transport in args.transports:
+        for tier in ("dram", "ssd"):
+            r = measure(args.blocks, tier, transport, args.repeats)
+            put, load = statistics.median(r["put_s"]), statistics.median(r["load_s"])
+            print(f"{transport:9} {tier:4}  {1e3 * put:7.1f} ({1e3 * min(r['put_s']):6.1f})  "
+                  f"{1e3 * load:7.1f} ({1e3 * min(r['load_s']):6.1f})  {mb / put:8.0f}  "
+                  f"{mb / load:9.0f}", flush=True)  # fmt: skip
+    print("every load bit-identical to what was put; medians of", args.repeats, "runs")
     return 0
 
 

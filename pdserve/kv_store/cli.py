@@ -10,7 +10,9 @@ chained block hashes) in a DRAM tier and an SSD tier under --store-dir. When DRA
 high watermark the least recently used blocks move to SSD; when SSD is full the least recently
 used files are deleted. Every file carries a checksum; on restart the index is rebuilt from
 the files and any torn or corrupt file is dropped. Workers reach it with
-pdserve.kv_store.client.StoreClient at the endpoint printed on startup.
+pdserve.kv_store.client.StoreClient at the endpoint printed on startup. With --transport nixl
+block bytes move by NIXL READs (requests and replies stay on the socket) and the endpoint is
+nixl://HOST:PORT; tcp clients are still served.
 """
 
 
@@ -31,6 +33,13 @@ def register(subparsers) -> None:
         type=int,
         default=0,
         help="port to bind (default 0: a free port, printed on startup)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=["tcp", "nixl"],
+        default="tcp",
+        help="how block bytes move: tcp (on the socket, default) or nixl (NIXL READs of "
+        "registered memory; needs nixl-cu12); tcp clients are served either way",
     )
     p.add_argument(
         "--dram-gb",
@@ -102,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
         verify_on_start=args.verify_on_start,
     )
     secret = read_secret_file(args.secret_file) if args.secret_file else None
-    return serve_until_signalled(config, args.host, args.port, secret, args.metrics_port)
+    return serve_until_signalled(
+        config, args.host, args.port, secret, args.metrics_port, args.transport
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,10 @@ blocks layer by layer straight into the destination blocks (`recv_into` views of
 staging copy) and returns how many leading blocks landed intact. Every failure (store down,
 timeout, corrupt or mismatching data) returns 0/None/False-like results and sets `last_error`;
 only caller bugs (bad block ids, inconsistent hashes) raise ValueError.
+
+With a `nixl://` endpoint (a store started with the nixl transport) the same requests go on the
+socket but the block bytes move by NIXL READs (nixl.py): the store READs put blocks straight
+from cache memory, and a load READs the store's buffers straight into the destination blocks.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
@@ -29,9 +34,12 @@ from pdserve.kv_store.connection import Connection, Deadline, recv_into_by
 from pdserve.kv_store.protocol import (
     MAX_BLOCKS,
     BlockMeta,
+    Done,
     GetStats,
     Load,
+    LoadDone,
     LoadReply,
+    NixlLoadReply,
     Put,
     PutReply,
     Query,
@@ -69,6 +77,7 @@ class StoreClient:
         connect_timeout_s: float = 2.0,
         retry_after_s: float = 1.0,
         max_queued_puts: int = 1024,
+        copy_bytes: int = 64 << 20,
     ) -> None:
         self.layout = layout
         self.num_blocks = check_caches(layout, k_caches, v_caches)
@@ -76,7 +85,16 @@ class StoreClient:
         self.timeout_s = timeout_s
         secret = resolve_secret(secret)
         args = (endpoint, layout, secret, connect_timeout_s, retry_after_s)
-        self._conn, self._put_conn = Connection(*args), Connection(*args)
+        self._nixl = None  # nixl://: the NIXL agent; `copy_bytes` registered for snapshots
+        if endpoint.startswith("nixl://"):
+            from pdserve.kv_store.nixl import NixlStoreClient
+
+            self._nixl = NixlStoreClient(layout, k_caches, v_caches, copy_bytes)
+            n = self._nixl
+            self._conn = Connection(*args, extra=n.hello, on_connect=n.attach, on_drop=n.detach)
+            self._put_conn = Connection(*args, extra=n.hello)
+        else:
+            self._conn, self._put_conn = Connection(*args), Connection(*args)
         self._lock = threading.Lock()  # one lookup/load/stats at a time on self._conn
         self._jobs: queue.Queue[PutJob | None] = queue.Queue(max_queued_puts)
         self._book = TicketBook()
@@ -117,10 +135,12 @@ class StoreClient:
                 raise ValueError(f"a payload of {len(payload)} bytes, not {size}")
         return self._queue(PutJob(list(blocks), list(payloads), self._book.open()))
 
-    def snapshot(self, block_id: int) -> bytearray:
+    def snapshot(self, block_id: int) -> bytearray | memoryview:
         """A copy of block `block_id` (K and V of every layer, as the store keeps them: K0 V0
-        K1 V1 ...) for `put_copies`."""
+        K1 V1 ...) for `put_copies` (nixl: in registered memory while there is room)."""
         check_block_ids([block_id], self.num_blocks, "snapshot")
+        if self._nixl is not None and (copy := self._nixl.snapshot(self._buffers(block_id))):
+            return copy
         return bytearray().join(self._buffers(block_id))
 
     @property
@@ -184,15 +204,23 @@ class StoreClient:
                 self._book.finish(job.ticket, 0, f"KV store put failed: {exc}")
 
     def _put_chunk(self, sock, metas: list[BlockMeta], sources: list) -> int:
-        """Send the blocks the store lacks (one query first), K0 V0 K1 V1 ... per block."""
+        """Send the blocks the store lacks (one query first), K0 V0 K1 V1 ... per block; with
+        nixl, have the store READ those in cache or registered memory."""
         present = self._request(sock, Query([m.block_hash for m in metas]), QueryReply).present
         todo = [i for i, p in enumerate(present) if not p]
+        stored = 0
+        if self._nixl is not None and todo:
+            pull = [i for i in todo if self._nixl.can_pull(sources[i])]
+            todo = [i for i in todo if not self._nixl.can_pull(sources[i])]
+            if pull:
+                stored = self._nixl.put(sock, [metas[i] for i in pull], [sources[i] for i in pull],
+                                        self.timeout_s, self._reply)  # fmt: skip
         if not todo:
-            return 0
+            return stored
         send_msg(sock, Put([metas[i] for i in todo]))
         for i in todo:
             send_buffers(sock, self._buffers(sources[i]))
-        return self._reply(sock, PutReply).stored
+        return stored + self._reply(sock, PutReply).stored
 
     # --- lookup and load ------------------------------------------------------------------------
 
@@ -250,13 +278,22 @@ class StoreClient:
     def _load_chunk(self, sock, expect: list[tuple], dst: list[int], deadline: Deadline) -> int:
         deadline.apply(sock)
         send_msg(sock, Load([h for h, _, _ in expect]))
-        metas = recv_reply(sock, LoadReply).blocks
+        reply = recv_reply(sock, LoadReply if self._nixl is None else NixlLoadReply)
+        metas = reply.blocks
         if len(metas) > len(expect):
             raise ValueError(f"the store sent {len(metas)} blocks for {len(expect)} asked")
         good = next((i for i, m in enumerate(metas) if not _matches(m, *expect[i])), len(metas))
         if good < len(metas):
             self.last_error = f"KV store block {metas[good].block_hash} failed verification"
             log.warning("%s; loading only the %d blocks before it", self.last_error, good)
+        if isinstance(reply, NixlLoadReply):  # READ the verified blocks, then let the store go
+            if len(reply.addrs) != len(metas):
+                raise ValueError(f"the store sent {len(reply.addrs)} addresses for {len(metas)}")
+            self._nixl.read(reply.addrs[:good], dst[:good], deadline.at - time.monotonic())
+            deadline.apply(sock)
+            send_msg(sock, LoadDone())
+            self._reply(sock, Done)
+            return good
         runs = paired_runs(range(good), dst[:good])
         bb = self.layout.block_bytes
         for layer in range(self.layout.num_layers):
@@ -318,6 +355,8 @@ class StoreClient:
         self._put_conn.drop()
         with self._lock:
             self._conn.drop()
+            if self._nixl is not None:
+                self._nixl.close()
 
 
 def _matches(meta: BlockMeta, block_hash: int, parent: int | None, tokens) -> bool:

@@ -1,7 +1,8 @@
 """A client's connection to the store: connected on first use, handshaken, dropped on any error.
 
 After a failed connect the store is not retried for `retry_after_s`, so an engine whose store is
-down pays one fast failure per call, not a connect timeout per engine step.
+down pays one fast failure per call, not a connect timeout per engine step. The endpoint's scheme
+(tcp:// or nixl://) only tells the caller which data path to use: the socket is the same.
 """
 
 from __future__ import annotations
@@ -52,10 +53,17 @@ class Connection:
         secret: bytes | None,
         connect_timeout_s: float,
         retry_after_s: float,
+        *,
+        extra: bytes = b"",
+        on_connect: Callable[[socket.socket], None] | None = None,
+        on_drop: Callable[[], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self._addr = parse_endpoint(endpoint, "tcp")
+        self._addr = parse_endpoint(endpoint, "nixl" if endpoint.startswith("nixl://") else "tcp")
         self._layout, self._secret = layout, secret
+        self._extra = extra  # the hello's backend data (a nixl client's agent)
+        self._on_connect, self._on_drop = on_connect, on_drop  # after the handshake, at drop
+        self._connected_hook = False
         self._connect_timeout_s, self._retry_after_s = connect_timeout_s, retry_after_s
         self._sock: socket.socket | None = None
         self._down_until = 0.0
@@ -73,8 +81,11 @@ class Connection:
             self._back_off(f"cannot connect to the KV store at {self.endpoint}: {exc}")
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(sock, self._layout, self._secret)
-        except OSError as exc:  # includes HandshakeRefused and timeouts
+            client_handshake(sock, self._layout, self._secret, self._extra)
+            if self._on_connect is not None:
+                self._on_connect(sock)
+                self._connected_hook = True
+        except OSError as exc:  # includes HandshakeRefused, StoreError and timeouts
             sock.close()
             self._back_off(f"handshake with the KV store at {self.endpoint} failed: {exc}")
         self._sock = sock
@@ -108,6 +119,9 @@ class Connection:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._connected_hook:
+            self._connected_hook = False
+            self._on_drop()  # type: ignore[misc]
 
 
 def _closed_by_peer(exc: ConnectionError) -> bool:

@@ -11,6 +11,17 @@ client sends requests and reads one reply each, in order:
     GetStats()             -> StatsReply(stats)
     any bad request        -> Error(reason), then the server closes the connection
 
+A store started with the nixl transport also serves clients whose hello carries their NIXL
+agent (`kv_transfer.nixl.NixlPeerInfo`); their block bytes move by NIXL READs, never on the
+socket, and each side READs only into its own memory (docs/kv_store.md):
+
+    Attach()                  -> AttachReply(agent metadata)       before the first NixlLoad
+    NixlPut(blocks, block_ids, copy_addrs)
+                              -> PutRead(read)     the store has READ the blocks from the client
+    Commit()                  -> PutReply(stored, removed)  only now does the store keep them
+    Load(hashes)              -> NixlLoadReply(blocks, addrs)  (on an attached connection)
+    LoadDone()                -> Done(removed)     the store held the blocks until now
+
 Every frame is a 4-byte big-endian length and one msgpack message of at most `MAX_FRAME_BYTES`;
 a message names at most `MAX_BLOCKS` blocks. Payload sizes follow from the layout, never from the
 peer, so a lying header cannot make either side read or allocate more than it expects.
@@ -121,8 +132,47 @@ class Error(msgspec.Struct, tag="error", frozen=True):
     reason: str
 
 
-Request = Query | Put | Load | GetStats
-Reply = QueryReply | PutReply | LoadReply | StatsReply | Error
+class Attach(msgspec.Struct, tag="attach", frozen=True):
+    pass
+
+
+class AttachReply(msgspec.Struct, tag="attach_reply", frozen=True):
+    agent_metadata: bytes  # the store's NIXL agent: how to reach and read its registered memory
+
+
+class NixlPut(msgspec.Struct, tag="nixl_put", frozen=True):
+    blocks: list[BlockMeta]
+    block_ids: list[int]  # per block: the client's cache block holding it, or -1: a copy ...
+    copy_addrs: list[int]  # ... at this address of the client's registered memory (else 0)
+
+
+class PutRead(msgspec.Struct, tag="put_read", frozen=True):
+    read: int  # blocks READ from the client; kept only if the client commits
+    error: str | None = None  # why the store could not READ them
+
+
+class Commit(msgspec.Struct, tag="commit", frozen=True):
+    pass
+
+
+class NixlLoadReply(msgspec.Struct, tag="nixl_load_reply", frozen=True):
+    blocks: list[BlockMeta]
+    addrs: list[int]  # per block: its payload (K0 V0 K1 V1 ...) in the store's registered memory
+
+
+class LoadDone(msgspec.Struct, tag="load_done", frozen=True):
+    pass
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    removed: list[int] = []
+
+
+Request = Query | Put | Load | GetStats | Attach | NixlPut | Commit | LoadDone
+Reply = (
+    QueryReply | PutReply | LoadReply | StatsReply | Error | AttachReply | PutRead
+    | NixlLoadReply | Done
+)  # fmt: skip
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)

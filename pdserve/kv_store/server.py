@@ -2,8 +2,11 @@
 
 Each connection is handshaken like a KV fabric link (wire.py: version, the client's layout,
 HMAC with the shared secret when the store has one) and then serves requests in order
-(protocol.py). Idle connections may stay open indefinitely; once a request has started, every
-socket operation is bounded by `io_timeout_s`, so a client that stalls mid-request cannot hold
+(protocol.py). A store started with `transport="nixl"` also moves block bytes by NIXL READs
+for clients that bring a NIXL agent (nixl.py); tcp clients are served as before.
+
+Idle connections may stay open indefinitely; once a request has started, every socket
+operation is bounded by `io_timeout_s`, so a client that stalls mid-request cannot hold
 pinned blocks or a thread for longer than that. A connection's lookup lease ends at its next
 request or when it closes.
 """
@@ -21,11 +24,19 @@ from pdserve.kv_store.config import GB, Key, StoreConfig, layout_key, payload_by
 from pdserve.kv_store.protocol import (
     MAX_REMOVED,
     AnyLayout,
+    Attach,
+    AttachReply,
+    Commit,
+    Done,
     Error,
     GetStats,
     Load,
+    LoadDone,
     LoadReply,
+    NixlLoadReply,
+    NixlPut,
     Put,
+    PutRead,
     PutReply,
     Query,
     QueryReply,
@@ -34,7 +45,7 @@ from pdserve.kv_store.protocol import (
     send_buffers,
     send_msg,
 )
-from pdserve.kv_store.store import Payload, Store
+from pdserve.kv_store.store import Entry, Payload, Store
 from pdserve.kv_transfer.acceptor import Acceptor
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.wire import (
@@ -50,17 +61,57 @@ from pdserve.kv_transfer.wire import (
 
 log = logging.getLogger("pdserve.kv_store")
 MAX_BLOCK_BYTES = 256 << 20  # one block of any real model is far smaller; refuse absurd layouts
+TRANSPORTS = ("tcp", "nixl")
+
+
+class _Held:
+    """Blocks a nixl load handed out: pinned, their buffers alive, until the client is done."""
+
+    def __init__(self, store: Store, entries: list[Entry], payloads: list, requested: int):
+        self.store, self.entries, self.payloads = store, entries, payloads
+        self.requested, self.t0 = requested, time.perf_counter()
+
+    def release(self, done: bool) -> None:
+        if self.entries is None:
+            return
+        self.store.release(self.entries)
+        if done:  # the client read them all
+            nbytes = sum(len(p) for p in self.payloads)
+            self.store.record_load(self.requested, len(self.payloads), nbytes,
+                                   time.perf_counter() - self.t0)  # fmt: skip
+        self.entries, self.payloads = None, []  # type: ignore[assignment]
 
 
 class _Session:
     """One handshaken connection: its layout, its lease, and a handler per request type."""
 
-    def __init__(self, store: Store, conn: socket.socket, layout: KVLayout) -> None:
+    def __init__(
+        self, store: Store, conn: socket.socket, layout: KVLayout, io_timeout_s: float,
+        nixl=None, peer=None,
+    ) -> None:  # fmt: skip
         self.store, self.conn, self.layout = store, conn, layout
         self.layout_key = layout_key(layout)
         self.lease: int | None = None
         self._prev_lease: int | None = None
         self._removal_cursor = store.removal_cursor()
+        self.nixl, self.peer = nixl, peer  # the store's NixlStoreServer; the client's agent
+        self.attached = False  # the client asked for the store's agent: loads go by NIXL
+        self.held: _Held | None = None  # a nixl load's blocks, until the next request
+        self.pending: list | None = None  # blocks READ for a put, kept only on Commit
+        self.io_timeout_s = io_timeout_s
+
+    def new_buffer(self, nbytes: int):
+        """A buffer for a block the DRAM tier may keep: registered memory on a nixl store."""
+        slot = self.nixl.arena.alloc(nbytes) if self.nixl is not None else None
+        return slot if slot is not None else bytearray(nbytes)
+
+    def close(self) -> None:
+        """The connection is gone: unpin what it held, drop what it did not commit."""
+        self._prev_lease, self.lease = self.lease, None
+        self.end_prev_lease()
+        if self.held is not None:
+            self.held.release(done=False)
+        self.held = self.pending = None
 
     def keys(self, hashes: list[int]) -> list[Key]:
         return [Key(self.layout_key, h) for h in hashes]
@@ -70,18 +121,59 @@ class _Session:
         # has pinned what it needs, and before its reply goes out (so a client that got the
         # reply observes the lease gone).
         self._prev_lease, self.lease = self.lease, None
+        held, self.held = self.held, None  # a nixl load's blocks stay pinned until LoadDone ...
+        pending, self.pending = self.pending, None  # ... and READ blocks unstored until Commit
         try:
             if isinstance(req, Query):
                 self.query(req)
             elif isinstance(req, Put):
                 self.put(req)
+            elif isinstance(req, Load) and self.attached:
+                self.nixl_load(req)
             elif isinstance(req, Load):
                 self.load(req)
             elif isinstance(req, GetStats):
                 self.end_prev_lease()
                 send_msg(self.conn, StatsReply(self.store.stats()))
+            else:
+                self.handle_nixl(req, held, pending)
         finally:
+            if held is not None:
+                held.release(done=False)  # not LoadDone: the client gave the load up
             self.end_prev_lease()
+
+    def handle_nixl(self, req, held: _Held | None, pending: list | None) -> None:
+        if self.nixl is None or (self.peer is None and not isinstance(req, Attach)):
+            raise ProtocolError(
+                "this KV store does not serve NIXL clients (start it with --transport nixl)"
+                if self.nixl is None
+                else "a NIXL request from a client without a NIXL agent"
+            )
+        self.end_prev_lease()
+        if isinstance(req, Attach):
+            self.attached = True
+            send_msg(self.conn, AttachReply(self.nixl.metadata))
+        elif isinstance(req, NixlPut):
+            from pdserve.kv_store.nixl import NixlTransferError
+
+            try:
+                self.pending = self.nixl.read_put(self.layout, self.peer, req, self.io_timeout_s)
+            except NixlTransferError as exc:  # NIXL failed (not the client's protocol): say why
+                log.warning("KV store: a NIXL put from %s failed: %s", self.peer.agent, exc)
+                send_msg(self.conn, PutRead(0, str(exc)))
+                return
+            send_msg(self.conn, PutRead(len(self.pending)))
+        elif isinstance(req, Commit):
+            if pending is None:
+                raise ProtocolError("Commit without a NixlPut before it")
+            stored = sum(self.store.put(Key(self.layout_key, meta.block_hash), self.layout,
+                                        meta, buf) for meta, buf in pending)  # fmt: skip
+            send_msg(self.conn, PutReply(stored, self.removed()))
+        elif isinstance(req, LoadDone):
+            if held is None:
+                raise ProtocolError("LoadDone without a load before it")
+            held.release(done=True)
+            send_msg(self.conn, Done(self.removed()))
 
     def removed(self) -> list[int]:
         """Hashes of this layout that left the store since the previous reply."""
@@ -107,7 +199,7 @@ class _Session:
         self.end_prev_lease()
         stored, n = 0, payload_bytes(self.layout)
         for meta in req.blocks:
-            buf = bytearray(n)
+            buf = self.new_buffer(n)
             recv_into_exact(self.conn, memoryview(buf))
             stored += self.store.put(Key(self.layout_key, meta.block_hash), self.layout, meta, buf)
         send_msg(self.conn, PutReply(stored, self.removed()))
@@ -131,6 +223,26 @@ class _Session:
         self.store.record_load(len(req.block_hashes), len(payloads), nbytes,
                                time.perf_counter() - t0)  # fmt: skip
 
+    def nixl_load(self, req: Load) -> None:
+        """Tell the client where the held prefix lies in registered memory; keep it pinned and
+        its buffers alive until LoadDone (or the next request, or the connection's end)."""
+        entries = self.store.acquire(self.keys(req.block_hashes))
+        self.end_prev_lease()
+        payloads, addrs = [], []
+        try:
+            for entry in entries:  # a corrupt file ends the prefix there, so does a full region
+                data = self.store.read(entry)
+                servable = None if data is None else self.nixl.servable(data)
+                if servable is None:
+                    break
+                payloads.append(servable[0])
+                addrs.append(servable[1])
+        finally:
+            self.store.release(entries[len(payloads) :])
+        held = entries[: len(payloads)]
+        self.held = _Held(self.store, held, payloads, len(req.block_hashes))
+        send_msg(self.conn, NixlLoadReply([e.meta for e in held], addrs))
+
     def _send_layer_major(self, payloads: list[Payload]) -> int:
         """Per layer: every block's K, then every block's V (stored as K0 V0 K1 V1 ...)."""
         bb, sent = self.layout.block_bytes, 0
@@ -153,7 +265,10 @@ class StoreServer:
         *,
         secret: bytes | None = None,
         io_timeout_s: float = 30.0,
+        transport: str = "tcp",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown KV store transport {transport!r}; use tcp or nixl")
         self.secret = resolve_secret(secret)
         if self.secret is None and not is_loopback(host):
             raise ValueError(
@@ -162,6 +277,13 @@ class StoreServer:
             )
         self.store = store
         self.io_timeout_s = io_timeout_s
+        self.transport = transport
+        self.nixl = None
+        if transport == "nixl":
+            from pdserve.kv_store.nixl import NixlStoreServer
+
+            self.nixl = NixlStoreServer(store.config.dram_bytes)
+            store.alloc = self.nixl.arena.alloc  # the DRAM tier lives in registered memory
         self._acceptor = Acceptor(
             host,
             port,
@@ -173,7 +295,7 @@ class StoreServer:
 
     @property
     def endpoint(self) -> str:
-        return self._acceptor.endpoint("tcp")
+        return self._acceptor.endpoint(self.transport)
 
     def start(self) -> None:
         self._acceptor.start()
@@ -183,15 +305,17 @@ class StoreServer:
         log.warning("KV store: refusing connection from %s (limit reached)", addr)
 
     def _serve(self, conn: socket.socket, addr) -> None:
-        session = None
+        session = peer = None
         try:
             conn.settimeout(self.io_timeout_s)
             hello = server_handshake(conn, AnyLayout(), self.secret)  # type: ignore[arg-type]
             if payload_bytes(hello.layout) > MAX_BLOCK_BYTES:
                 raise ProtocolError(f"a block of this layout exceeds {MAX_BLOCK_BYTES} bytes")
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = _Session(self.store, conn, hello.layout)
-            while self._wait_request(conn):
+            if self.nixl is not None:
+                peer = self.nixl.on_hello(hello, hello.layout)
+            session = _Session(self.store, conn, hello.layout, self.io_timeout_s, self.nixl, peer)
+            while self._wait_request(conn, session):
                 session.handle(recv_request(conn))
         except HandshakeRefused as exc:
             log.warning("KV store: refused client %s: %s", addr, exc)
@@ -202,10 +326,18 @@ class StoreServer:
             log.debug("KV store: client %s gone: %s", addr, exc)
         finally:
             if session is not None:
-                self.store.unpin(session.lease)
+                session.close()
+            if self.nixl is not None:
+                self.nixl.on_closed(peer)
 
-    def _wait_request(self, conn: socket.socket) -> bool:
-        """Block without a deadline until the next request starts; False when the peer left."""
+    def _wait_request(self, conn: socket.socket, session: _Session) -> bool:
+        """Block without a deadline until the next request starts; False when the peer left.
+        While the client READs blocks of a nixl load, wait at most `io_timeout_s`, driving
+        the store's UCX progress (the READ's wire-up needs it)."""
+        if session.held is not None:
+            from pdserve.kv_store.nixl import wait_readable
+
+            wait_readable(conn, self.nixl.agent, self.io_timeout_s)  # type: ignore[union-attr]
         conn.settimeout(None)
         more = conn.recv(1, socket.MSG_PEEK) != b""
         conn.settimeout(self.io_timeout_s)
@@ -221,6 +353,8 @@ class StoreServer:
     def close(self) -> None:
         """Stop accepting, cut every connection, join the threads."""
         self._acceptor.close()
+        if self.nixl is not None:
+            self.nixl.close()
 
 
 def read_secret_file(path: str) -> bytes:
@@ -234,11 +368,16 @@ def read_secret_file(path: str) -> bytes:
 
 
 def serve_until_signalled(
-    config: StoreConfig, host: str, port: int, secret: bytes | None, metrics_port: int | None
+    config: StoreConfig,
+    host: str,
+    port: int,
+    secret: bytes | None,
+    metrics_port: int | None,
+    transport: str = "tcp",
 ) -> int:
     """The store process: recover, serve, print the endpoint, run until SIGTERM/SIGINT."""
     store = Store(config)
-    server = StoreServer(store, host, port, secret=secret)
+    server = StoreServer(store, host, port, secret=secret, transport=transport)
     server.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

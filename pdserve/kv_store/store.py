@@ -56,6 +56,9 @@ class Store:
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._clock = clock
+        # Where promoted SSD blocks go in DRAM: a nixl store's registered memory (None: plain
+        # memory). Returns None when it is full.
+        self.alloc: Callable[[int], Payload | None] | None = None
         self._lock = threading.Lock()
         self._files = SsdFiles(config.store_dir)
         self._entries: dict[Key, Entry] = {}
@@ -164,6 +167,9 @@ class Store:
                 self._count["corrupt_dropped"] += 1
                 self._remove_ssd(entry)
             return None
+        if self.alloc is not None and (slot := self.alloc(len(data))) is not None:
+            slot[:] = data  # type: ignore[index]
+            data = slot
         with self._lock:
             self._count["hits_ssd"] += 1
             if entry.data is None and self._entries.get(entry.key) is entry:

@@ -69,8 +69,9 @@ class _Peer(NamedTuple):
     v_addrs: list[int]
 
 
-class _Agent:
-    """A NIXL agent with the given caches registered; calls are serialized by a lock."""
+class NixlAgent:
+    """A NIXL agent with the given caches registered; calls are serialized by a lock. Shared by
+    this connector and the KV store's nixl path (pdserve/kv_store/nixl.py)."""
 
     def __init__(self, role: str, caches, progress_thread: bool) -> None:
         nixl_agent, nixl_agent_config = _nixl_api()
@@ -78,15 +79,99 @@ class _Agent:
         self.lock = threading.Lock()
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         self.agent = nixl_agent(self.name, config)
-        self._registered = self.agent.register_memory(list(caches))
+        self._registered = [self.agent.register_memory(list(caches))] if caches else []
         self.peers: dict[str, int] = {}  # remote agent name -> live connections using it
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Also register `nbytes` of CPU memory at `address` (deregistered by `close`)."""
+        with self.lock:
+            self._registered.append(self.agent.register_memory([(address, nbytes, 0, "")], "DRAM"))
+
+    def metadata(self) -> bytes:
+        """This agent's metadata: how peers reach it and read its registered memory."""
+        with self.lock:
+            return self.agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a remote agent's metadata; return its name. Counted: `drop_peer` once per call."""
+        with self.lock:
+            name = self.agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            self.peers[name] = self.peers.get(name, 0) + 1
+        return name
+
+    def drop_peer(self, name: str) -> None:
+        """One user of `name` is gone; the last one disconnects it."""
+        with self.lock:
+            if name not in self.peers:
+                return  # close() already dropped every peer
+            self.peers[name] -= 1
+            if self.peers[name] == 0:  # the same peer may have reconnected meanwhile
+                del self.peers[name]
+                self.agent.remove_remote_agent(name)
+
+    def progress(self) -> None:
+        """Drive this agent's UCX workers once (wire-up, and data over UCX's TCP transport)."""
+        with self.lock:
+            self.agent.get_new_notifs()
+
+    def read(
+        self,
+        local: np.ndarray,
+        remote: np.ndarray,
+        peer_agent: str,
+        timeout_s: float = _READ_TIMEOUT_S,
+    ) -> None:
+        """READ the (N, 3) rows (address, length, 0) of `remote` into those of `local`; wait for
+        it. TimeoutError past `timeout_s`, ConnectionError if it failed."""
+        with self.lock:
+            local_d = self.agent.get_xfer_descs(local, "DRAM")
+            remote_d = self.agent.get_xfer_descs(remote, "DRAM")
+            handle = self.agent.initialize_xfer("READ", local_d, remote_d, peer_agent)
+            state = self.agent.transfer(handle)
+        start = time.monotonic()
+        while state == "PROC":
+            waited = time.monotonic() - start
+            if waited > timeout_s:
+                raise TimeoutError(f"NIXL READ from {peer_agent} took over {timeout_s} s")
+            time.sleep(0 if waited < _SPIN_S else 1e-4)  # then back off: two cores are shared
+            with self.lock:
+                state = self.agent.check_xfer_state(handle)
+        with self.lock:
+            handle.release()
+        if state != "DONE":
+            raise ConnectionError(f"NIXL READ from {peer_agent} failed ({state})")
 
     def close(self) -> None:
         with self.lock:
             for name in self.peers:
                 self.agent.remove_remote_agent(name)
             self.peers.clear()
-            self.agent.deregister_memory(self._registered)
+            for registered in self._registered:
+                self.agent.deregister_memory(registered)
+            self._registered = []
+
+
+def encode_peer_info(agent: NixlAgent, num_blocks: int, k_caches, v_caches) -> bytes:
+    """The hello `extra` that lets a peer read `agent`'s registered caches."""
+    info = NixlPeerInfo(
+        agent.metadata(),
+        num_blocks,
+        [t.data_ptr() for t in k_caches],
+        [t.data_ptr() for t in v_caches],
+    )
+    return msgspec.msgpack.encode(info)
+
+
+def decode_peer_info(extra: bytes, num_layers: int) -> NixlPeerInfo:
+    """The NixlPeerInfo of a hello; ProtocolError if malformed or not one address per layer."""
+    try:
+        info = msgspec.msgpack.decode(extra, type=NixlPeerInfo)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"bad NIXL peer info: {exc}") from exc
+    if len(info.k_addrs) != num_layers or len(info.v_addrs) != num_layers:
+        raise ProtocolError("NIXL peer info does not list one K and V address per layer")
+    return info
 
 
 class NixlSender(TcpSender):
@@ -100,17 +185,11 @@ class NixlSender(TcpSender):
         if options.get("compression"):
             raise ValueError("the nixl transport moves raw blocks; compression is tcp-only")
         super().__init__(layout, k_caches, v_caches, **options)
-        self._agent = _Agent("send", [*k_caches, *v_caches], progress_thread)
+        self._agent = NixlAgent("send", [*k_caches, *v_caches], progress_thread)
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_progress, name="nixl-pump", daemon=True)
         self._pump.start()
-        info = NixlPeerInfo(
-            self._agent.agent.get_agent_metadata(),
-            self.num_blocks,
-            [t.data_ptr() for t in k_caches],
-            [t.data_ptr() for t in v_caches],
-        )
-        self._hello = msgspec.msgpack.encode(info)
+        self._hello = encode_peer_info(self._agent, self.num_blocks, k_caches, v_caches)
 
     def _hello_extra(self) -> bytes:
         return self._hello
@@ -125,8 +204,7 @@ class NixlSender(TcpSender):
         while not self._stop.is_set():
             if not self._tracker.wait_busy(timeout_s=0.5):
                 continue
-            with self._agent.lock:
-                self._agent.agent.get_new_notifs()  # progresses the UCX workers
+            self._agent.progress()
             time.sleep(5e-5)
 
     def close(self) -> None:
@@ -146,34 +224,16 @@ class NixlReceiver(TcpReceiver):
         self, layout, k_caches, v_caches, host="127.0.0.1", *, progress_thread=False, **options
     ) -> None:
         super().__init__(layout, k_caches, v_caches, host, **options)
-        self._agent = _Agent("recv", [*k_caches, *v_caches], progress_thread)
+        self._agent = NixlAgent("recv", [*k_caches, *v_caches], progress_thread)
 
     def _on_peer(self, hello: ClientHello) -> _Peer:
-        try:
-            info = msgspec.msgpack.decode(hello.extra, type=NixlPeerInfo)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"bad NIXL peer info: {exc}") from exc
-        n = self.layout.num_layers
-        if len(info.k_addrs) != n or len(info.v_addrs) != n:
-            raise ProtocolError("NIXL peer info does not list one K and V address per layer")
-        a = self._agent
-        with a.lock:
-            name = a.agent.add_remote_agent(info.agent_metadata)
-            name = name.decode() if isinstance(name, bytes) else name
-            a.peers[name] = a.peers.get(name, 0) + 1
+        info = decode_peer_info(hello.extra, self.layout.num_layers)
+        name = self._agent.add_peer(info.agent_metadata)
         return _Peer(name, info.num_blocks, info.k_addrs, info.v_addrs)
 
     def _on_peer_closed(self, peer: _Peer | None) -> None:
-        if peer is None:
-            return
-        a = self._agent
-        with a.lock:
-            if peer.agent not in a.peers:
-                return  # close() already dropped every peer
-            a.peers[peer.agent] -= 1
-            if a.peers[peer.agent] == 0:  # the same sender may have reconnected meanwhile
-                del a.peers[peer.agent]
-                a.agent.remove_remote_agent(peer.agent)
+        if peer is not None:
+            self._agent.drop_peer(peer.agent)
 
     def _skip_payload(self, conn, hdr: LayerHeader) -> None:
         pass  # nothing follows the header on the socket
@@ -194,27 +254,7 @@ class NixlReceiver(TcpReceiver):
         # (N, 3) rows of (address, length, device id): every run of K, then of V
         remote = np.concatenate([np.stack([b + src, size, zero], 1) for b in remote_base])
         local = np.concatenate([np.stack([b + dst, size, zero], 1) for b in local_base])
-        self._read(local, remote, peer.agent)
-
-    def _read(self, local: np.ndarray, remote: np.ndarray, peer_agent: str) -> None:
-        a = self._agent
-        with a.lock:
-            local_d = a.agent.get_xfer_descs(local, "DRAM")
-            remote_d = a.agent.get_xfer_descs(remote, "DRAM")
-            handle = a.agent.initialize_xfer("READ", local_d, remote_d, peer_agent)
-            state = a.agent.transfer(handle)
-        start = time.monotonic()
-        while state == "PROC":
-            waited = time.monotonic() - start
-            if waited > _READ_TIMEOUT_S:
-                raise TimeoutError(f"NIXL READ from {peer_agent} took over {_READ_TIMEOUT_S} s")
-            time.sleep(0 if waited < _SPIN_S else 1e-4)  # then back off: two cores are shared
-            with a.lock:
-                state = a.agent.check_xfer_state(handle)
-        with a.lock:
-            handle.release()
-        if state != "DONE":
-            raise ConnectionError(f"NIXL READ from {peer_agent} failed ({state})")
+        self._agent.read(local, remote, peer.agent)
 
     def close(self) -> None:
         super().close()

@@ -177,7 +177,9 @@ def _serve(args) -> int:
 
     store_endpoint = args.kv_store_endpoint
     if args.kv_store and not store_endpoint:
-        store_endpoint = procs.start_store(args.store_dir, args.store_dram_gb, args.store_ssd_gb)
+        store_endpoint = procs.start_store(
+            args.store_dir, args.store_dram_gb, args.store_ssd_gb, args.kv_transport
+        )
     if store_endpoint:
         base_argv += ["--kv-store", store_endpoint]
 
@@ -274,13 +276,15 @@ def register(sub) -> None:
     p.add_argument(
         "--kv-store",
         action="store_true",
-        help="also start a KV store (DRAM + SSD tiers) that workers load from and offload to",
+        help="also start a KV store (DRAM + SSD tiers) that workers load from and offload to; "
+        "block bytes move over --kv-transport (tcp, or nixl: NIXL READs)",
     )
     p.add_argument(
         "--kv-store-endpoint",
         default=None,
         metavar="ENDPOINT",
-        help="use an existing `pdserve store` at tcp://HOST:PORT instead of starting one",
+        help="use an existing `pdserve store` at tcp://HOST:PORT (or nixl://HOST:PORT, a store "
+        "started with --transport nixl) instead of starting one",
     )
     p.add_argument(
         "--store-dir", default=None, help="SSD tier directory (default: a temporary directory)"
@@ -320,7 +324,8 @@ def register(sub) -> None:
         "--kv-store",
         default=None,
         metavar="ENDPOINT",
-        help="a `pdserve store` endpoint (tcp://HOST:PORT): load cached prefixes from it and "
+        help="a `pdserve store` endpoint (tcp://HOST:PORT, or nixl://HOST:PORT: block bytes by "
+        "NIXL READs): load cached prefixes from it and "
         "offload finished requests' blocks to it",
     )
     add_engine_args(p)

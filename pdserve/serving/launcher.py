@@ -131,8 +131,11 @@ class WorkerProcs:
         self.procs.append((name, proc))
         return proc
 
-    def start_store(self, store_dir: str | None, dram_gb: float, ssd_gb: float) -> str:
-        """Start `pdserve store` and return its endpoint once it listens."""
+    def start_store(
+        self, store_dir: str | None, dram_gb: float, ssd_gb: float, transport: str = "tcp"
+    ) -> str:
+        """Start `pdserve store` (block bytes over `transport`: tcp or nixl) and return its
+        endpoint (tcp:// or nixl://) once it listens."""
         import tempfile
 
         store_dir = store_dir or tempfile.mkdtemp(prefix="pdserve-store-")
@@ -149,6 +152,8 @@ class WorkerProcs:
             str(dram_gb),
             "--ssd-gb",
             str(ssd_gb),
+            "--transport",
+            transport,
         ]
         proc = self._spawn("store", cmd)
         for line in proc.stdout:

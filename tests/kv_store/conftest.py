@@ -12,14 +12,20 @@ from .helpers import Served, make_config
 
 
 @pytest.fixture
-def serve(tmp_path):
+def transport() -> str:
+    """The store's transport; tests that run over both parametrize it (helpers.both_transports)."""
+    return "tcp"
+
+
+@pytest.fixture
+def serve(tmp_path, transport):
     """serve(layout, dram_blocks, ssd_blocks, **server_kw) -> Served; closed after the test,
     then checked for leaks."""
     started: list[Served] = []
 
     def factory(layout, dram_blocks=64, ssd_blocks=64, config=None, **server_kw) -> Served:
         store = Store(config or make_config(tmp_path / "ssd", layout, dram_blocks, ssd_blocks))
-        server = StoreServer(store, **server_kw)
+        server = StoreServer(store, **{"transport": transport, **server_kw})
         server.start()
         started.append(Served(store, server))
         return started[-1]

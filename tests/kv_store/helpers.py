@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+import pytest
 import torch
 from kv_transfer.helpers import make_caches, make_layout
 
@@ -16,6 +17,8 @@ from pdserve.kv_store.store import Store
 from pdserve.kv_transfer.base import KVLayout
 
 __all__ = ["make_caches", "make_layout"]
+TRANSPORTS = ["tcp", "nixl"]
+both_transports = pytest.mark.parametrize("transport", TRANSPORTS)  # the `serve` fixture's
 
 
 class Chain(NamedTuple):

@@ -24,6 +24,7 @@ def test_help_names_every_option(capsys):
     for option in (
         "--host",
         "--port",
+        "--transport",
         "--dram-gb",
         "--ssd-gb",
         "--store-dir",

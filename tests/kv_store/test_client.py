@@ -1,4 +1,5 @@
-"""StoreClient against an in-process server: bit-identical round trips, prefixes, verification."""
+"""StoreClient against an in-process server: bit-identical round trips, prefixes, verification,
+over both transports (nixl: block bytes by NIXL READs, see pdserve/kv_store/nixl.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from kv_transfer.helpers import SENTINEL
 from pdserve.kv_store.client import CHUNK
 from pdserve.kv_store.ssd import SsdFiles
 
-from .helpers import make_caches, make_chain, make_config, make_layout
+from .helpers import TRANSPORTS, make_caches, make_chain, make_config, make_layout
+
+pytestmark = pytest.mark.parametrize("transport", TRANSPORTS)
 
 
 def _same(src, dst, src_ids, dst_ids) -> bool:
@@ -33,9 +36,10 @@ def _put(client, chain, ids, parent=None) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tier", ["dram", "ssd"])
-def test_round_trip_is_bit_identical(serve, client, dtype, tier):
+def test_round_trip_is_bit_identical(serve, client, dtype, tier, transport):
     layout = make_layout(dtype)
     served = serve(layout, dram_blocks=16 if tier == "dram" else 0, ssd_blocks=16)
+    assert served.server.endpoint.startswith(f"{transport}://")
     src, dst = make_caches(layout, 12, seed=7), make_caches(layout, 12, seed=None)
     writer = client(served.server.endpoint, layout, *src)
     reader = client(served.server.endpoint, layout, *dst)
@@ -48,6 +52,8 @@ def test_round_trip_is_bit_identical(serve, client, dtype, tier):
     s = reader.stats()  # on the load's connection: served after the load was accounted
     assert (s.hits_dram, s.hits_ssd, s.misses) == ((6, 0, 0) if tier == "dram" else (0, 6, 0))
     assert s.bytes_in == s.bytes_out == 6 * 2 * layout.num_layers * layout.block_bytes
+    if transport == "nixl":  # the DRAM tier's blocks live in the store's registered memory
+        assert served.server.nixl.arena.live_slots == s.dram_blocks
 
 
 def test_lookup_counts_the_longest_held_prefix(serve, client):

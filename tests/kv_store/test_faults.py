@@ -20,7 +20,7 @@ from pdserve.kv_store.protocol import (
 )
 from pdserve.kv_transfer.wire import client_handshake, server_handshake
 
-from .helpers import make_caches, make_chain, make_layout
+from .helpers import both_transports, make_caches, make_chain, make_layout
 
 SECRET = b"0123456789abcdef-kv-store-test"
 
@@ -37,9 +37,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_store_down_every_call_fails_fast_and_clearly(client):
+@both_transports
+def test_store_down_every_call_fails_fast_and_clearly(client, transport):
     layout = make_layout()
-    c = client(f"tcp://127.0.0.1:{_free_port()}", layout, *make_caches(layout, 4))
+    c = client(f"{transport}://127.0.0.1:{_free_port()}", layout, *make_caches(layout, 4))
     chain = make_chain(2)
     t0 = time.monotonic()
     assert c.lookup(chain.hashes) == 0
@@ -99,6 +100,7 @@ def test_a_non_loopback_store_needs_a_secret(serve):
         serve(make_layout(), host="0.0.0.0")
 
 
+@both_transports
 def test_clients_must_prove_the_secret(serve, client):
     layout = make_layout()
     served = serve(layout, secret=SECRET)
@@ -156,6 +158,7 @@ def test_an_absurd_layout_is_refused(serve):
     sock.close()
 
 
+@both_transports
 def test_metrics_endpoint_exposes_the_counters(serve, client):
     from pdserve.kv_store.metrics import serve_metrics
 
@@ -174,6 +177,7 @@ def test_metrics_endpoint_exposes_the_counters(serve, client):
     assert "pdserve_kv_store_load_seconds_total" in text
 
 
+@both_transports
 def test_server_close_unblocks_idle_connections(serve, client):
     layout = make_layout()
     served = serve(layout)
@@ -185,6 +189,7 @@ def test_server_close_unblocks_idle_connections(serve, client):
     assert c.lookup([7]) == 0 and "KV store lookup failed" in c.last_error
 
 
+@both_transports
 def test_a_restarted_store_is_reached_on_the_first_call(serve, client, tmp_path):
     layout = make_layout()
     port = _free_port()

@@ -15,20 +15,21 @@ import torch
 
 from pdserve.kv_store.client import StoreClient
 
-from .helpers import make_caches, make_chain, make_layout
+from .helpers import both_transports, make_caches, make_chain, make_layout
 
 LAYOUT = make_layout("bfloat16", num_layers=4)
 
 
 class StoreProcess:
-    def __init__(self, store_dir) -> None:
+    def __init__(self, store_dir, transport: str = "tcp") -> None:
         cmd = [sys.executable, "-m", "pdserve.kv_store.cli", "store", "--port", "0",
-               "--dram-gb", "0", "--ssd-gb", "0.001", "--store-dir", str(store_dir)]  # fmt: skip
+               "--dram-gb", "0", "--ssd-gb", "0.001", "--store-dir", str(store_dir),
+               "--transport", transport]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_SECRET")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = self._first_line(timeout_s=30)
         self.banner = line
-        self.endpoint = re.search(r"listening on (tcp://\S+)", line).group(1)
+        self.endpoint = re.search(r"listening on ((?:tcp|nixl)://\S+)", line).group(1)
 
     def _first_line(self, timeout_s: float) -> str:
         out: list[str] = []
@@ -57,10 +58,11 @@ class StoreProcess:
 
 
 @pytest.mark.slow
-def test_store_process_restart_stall_and_kill(tmp_path):
+@both_transports
+def test_store_process_restart_stall_and_kill(tmp_path, transport):
     src, dst = make_caches(LAYOUT, 8, seed=11), make_caches(LAYOUT, 8, seed=None)
     chain = make_chain(6)
-    store = StoreProcess(tmp_path)
+    store = StoreProcess(tmp_path, transport)
     try:
         writer = StoreClient(store.endpoint, LAYOUT, *src)
         ticket = writer.put(chain.hashes, chain.tokens, [7, 6, 5, 4, 3, 2])
@@ -69,7 +71,7 @@ def test_store_process_restart_stall_and_kill(tmp_path):
         store.signal(signal.SIGTERM)
         assert store.proc.wait(10) == 0
 
-        store = StoreProcess(tmp_path)  # restart on the same SSD tier
+        store = StoreProcess(tmp_path, transport)  # restart on the same SSD tier
         assert "6 blocks recovered" in store.banner
         reader = StoreClient(store.endpoint, LAYOUT, *dst, timeout_s=1.0, connect_timeout_s=1.0)
         assert reader.load(chain.hashes, [0, 1, 2, 3, 4, 5], token_ids_per_block=chain.tokens) == 6

@@ -17,7 +17,7 @@ from pdserve.router.state import WorkerInfo
 from pdserve.serving import messages as m
 from pdserve.serving.store_link import StoreLink, split_index_events
 
-from .helpers import make_config
+from .helpers import both_transports, make_config
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 A = [5, 17, 33, 2, 9, 71, 8, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]  # 6 blocks
@@ -93,6 +93,7 @@ def settle(link: StoreLink) -> None:
     link.poll()  # collect the tickets
 
 
+@both_transports
 def test_blocks_evicted_from_the_prefix_cache_are_loaded_back_from_the_store(linked, reference):
     engine, link, served = linked()
     bm = engine.block_manager
@@ -112,6 +113,7 @@ def test_blocks_evicted_from_the_prefix_cache_are_loaded_back_from_the_store(lin
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@both_transports
 def test_blocks_the_store_holds_are_not_copied_again(linked, reference):
     engine, link, _ = linked()
     copied = []
@@ -136,6 +138,7 @@ def test_blocks_the_store_holds_are_not_copied_again(linked, reference):
     assert link.copy_bytes == 0 and not link.evicting
 
 
+@both_transports
 def test_the_routers_index_drops_what_the_store_evicts(linked, reference):
     engine, link, served = linked(dram_blocks=5)  # the store holds only 5 blocks
     assert generate(engine, link, A) == reference[tuple(A)]
@@ -162,6 +165,7 @@ def test_the_routers_index_drops_what_the_store_evicts(linked, reference):
         router.sock.close()
 
 
+@both_transports
 def test_a_dead_store_only_means_computing(linked, reference, serve):
     engine, link, served = linked()
     assert generate(engine, link, A) == reference[tuple(A)]
@@ -174,8 +178,9 @@ def test_a_dead_store_only_means_computing(linked, reference, serve):
     assert engine.block_manager.num_free_blocks == BLOCKS
 
 
-def test_no_store_at_all_and_a_full_copy_budget_cost_nothing(linked, reference):
-    engine, link, _ = linked(endpoint="tcp://127.0.0.1:9")  # nothing listens there
+@both_transports
+def test_no_store_at_all_and_a_full_copy_budget_cost_nothing(linked, reference, transport):
+    engine, link, _ = linked(endpoint=f"{transport}://127.0.0.1:9")  # nothing listens there
     for p in (A, B, A):
         assert generate(engine, link, p) == reference[tuple(p)]
     settle(link)

@@ -32,7 +32,12 @@ def profile(args: argparse.Namespace) -> int:
 
     if args.decode_steps < 1 or args.repeats < 1:
         raise ValueError("--decode-steps and --repeats must be >= 1")
-    hardware = measure_cpu(args.threads)
+    import torch
+
+    from pdserve.engine.model_runner import resolve_dtype
+
+    engine_dtype = resolve_dtype(args.dtype or "auto", torch.device("cpu"))
+    hardware = measure_cpu(args.threads, dtype=str(engine_dtype).removeprefix("torch."))
     prefill, decode, repeats = DEFAULT_PREFILL, DEFAULT_DECODE, args.repeats
     if args.quick:
         prefill, decode, repeats = ((1, 16), (1, 64)), ((1, 32), (4, 32)), 1

@@ -84,7 +84,9 @@ def serve(mode: str, port: int, log: Path) -> subprocess.Popen:
         if proc.poll() is not None:
             raise RuntimeError(f"pdserve serve --mode {mode} exited; see {log}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+            # /health answers 200 only once a decode-capable worker is up (/v1/models earlier:
+            # the first request then got a 503 "no worker is ready yet")
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass

@@ -119,7 +119,8 @@ def _blockwise_causal(q, k, v, dest: torch.Tensor | None = None) -> torch.Tensor
             s = scores[: (r1 - r0) * keys].view(r1 - r0, keys)
             torch.mm(qh[h, r0:r1], kh[h, :keys].t(), out=s)
             s[:, offset + i0 : keys].add_(_diagonal_bias(i1 - i0, group, q.dtype, q.device))
-            torch.mm(torch.softmax(s, -1), vh[h, :keys], out=out[h, r0:r1])
+            torch._softmax(s, -1, False, out=s)  # in place: no second score-sized buffer
+            torch.mm(s, vh[h, :keys], out=out[h, r0:r1])
     dest = torch.empty_like(q) if dest is None else dest
     dest.view(n, n_kv, group, d).copy_(out.view(n_kv, n, group, d).transpose(0, 1))
     return dest

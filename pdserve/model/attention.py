@@ -7,6 +7,7 @@ each prefill span gets its own call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,6 +66,74 @@ def _decode(q, k_cache, v_cache, tables, mask) -> torch.Tensor:
     return torch.matmul(scores.softmax(-1).to(q.dtype), vd).view(b, n_heads, d)
 
 
+# Prefill spans of at least this many queries, in bfloat16 on CPU, use `_blockwise_causal`; the
+# rest use torch's SDPA. Measured (1 thread, SmolLM2 shapes, AVX512-BF16 without AMX), blockwise
+# time / SDPA time: 0.95 at 128 queries, 0.5 at 512, 0.53 at 2,048 (45 vs 85 ms); below 128 its
+# fixed Python cost (~0.2 ms per call) loses. In float32 both take the same time (SDPA kept).
+BLOCKWISE_MIN_QUERIES = 128
+# Query positions per block. 128 x group 3 = 384 score rows per matmul: big enough for the
+# matmuls to run near peak, small enough that a block's scores (<= 1.5 MiB at 2,048 keys) stay in
+# cache between the two matmuls and the softmax. Measured at 2,048 tokens: 45 ms per layer at
+# 128, 46-48 ms at 64, 96, 192 and 256.
+QUERY_BLOCK = 128
+
+
+@functools.lru_cache(maxsize=32)
+def _diagonal_bias(
+    block: int, group: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Additive causal mask of a diagonal block: (block * group, block), row r is query position
+    r // group (the GQA heads of one position are adjacent rows); 0 = attend, -inf = future."""
+    pos = torch.arange(block, device=device).repeat_interleave(group)
+    future = torch.arange(block, device=device)[None, :] > pos[:, None]
+    return torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
+
+
+def _blockwise_causal(q, k, v, dest: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the last n = len(q) positions of a context of L = len(k) keys:
+    q (n, n_heads, d), k/v (L, n_kv, d) -> (n, n_heads, d), written into `dest` if given; query
+    i sits at position L - n + i.
+
+    CPU SDPA runs bf16 causal attention at ~60 GFLOP/s on one core; plain bf16 matmuls reach
+    ~200. Per kv head, the queries of its GQA group are the M dimension (group x 128 rows per
+    block), and each query block multiplies only the keys up to its last position, so the upper
+    triangle is skipped except inside the diagonal block, which gets an additive -inf mask. As in
+    transformers' eager attention, scores are rounded to the input dtype and the softmax runs in
+    float32 internally."""
+    n, n_heads, d = q.shape
+    L, n_kv = k.shape[:2]
+    group, offset = n_heads // n_kv, L - n
+    # (n_kv, n * group, d): one kv head's query rows, position-major. The scale is applied here,
+    # once per query, not per score (exact in bf16 when it is a power of two, as for d = 64).
+    qh = torch.empty(n_kv, n, group, d, dtype=q.dtype, device=q.device)
+    torch.mul(q.view(n, n_kv, group, d).transpose(0, 1), d**-0.5, out=qh)
+    qh = qh.view(n_kv, n * group, d)
+    kh = k.transpose(0, 1).contiguous()  # (n_kv, L, d): row slices are plain matrices
+    vh = v.transpose(0, 1).contiguous()
+    out = torch.empty_like(qh)
+    block = min(QUERY_BLOCK, n)
+    bias = _diagonal_bias(block, group, q.dtype, q.device)  # its top-left corner fits a short block
+    scores = torch.empty(block * group * L, dtype=q.dtype, device=q.device)  # reused per block
+    for qj, kj, vj, oj in zip(qh, kh, vh, out, strict=True):  # per kv head
+        for i0 in range(0, n, block):
+            i1 = min(i0 + block, n)
+            keys, r0, r1 = offset + i1, i0 * group, i1 * group
+            s = scores[: (r1 - r0) * keys].view(r1 - r0, keys)
+            torch.mm(qj[r0:r1], kj[:keys].t(), out=s)
+            s[:, offset + i0 :].add_(bias[: r1 - r0, : i1 - i0])
+            torch._softmax(s, -1, False, out=s)  # in place: no second score-sized buffer
+            torch.mm(s, vj[:keys], out=oj[r0:r1])
+    dest = torch.empty_like(q) if dest is None else dest
+    dest.view(n, n_kv, group, d).copy_(out.view(n_kv, n, group, d).transpose(0, 1))
+    return dest
+
+
+def _use_blockwise(q: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[0] >= BLOCKWISE_MIN_QUERIES
+    )
+
+
 def paged_attention(
     q: torch.Tensor,  # (T, n_heads, d)
     k: torch.Tensor,  # (T, n_kv, d)
@@ -80,19 +149,29 @@ def paged_attention(
     for g in meta.decode_groups:
         out[g.start : g.end] = _decode(q[g.start : g.end], k_cache, v_cache, g.block_tables, g.mask)
     for span in meta.prefills:
-        # 4-D tensors: with 3-D ones torch's CPU dispatcher falls back to the math kernel,
-        # which materializes every score (6x slower at 2,048 tokens).
-        qs = q[span.start : span.end].transpose(0, 1)[None]  # (1, n_heads, n, d)
+        qs = q[span.start : span.end]
         if span.fresh:
-            ks = k[span.start : span.end].transpose(0, 1)[None]  # (1, n_kv, n, d)
-            vs = v[span.start : span.end].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            ks, vs = k[span.start : span.end], v[span.start : span.end]  # (n, n_kv, d)
         else:
-            ctx, n = span.context_len, span.end - span.start
-            ks = _gather(k_cache, span.block_table)[:ctx].transpose(0, 1)[None]  # (1, n_kv, ctx, d)
-            vs = _gather(v_cache, span.block_table)[:ctx].transpose(0, 1)[None]
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # (n, ctx)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-        out[span.start : span.end] = o[0].transpose(0, 1)
+            ks = _gather(k_cache, span.block_table)[: span.context_len]  # (ctx, n_kv, d)
+            vs = _gather(v_cache, span.block_table)[: span.context_len]
+        if _use_blockwise(qs):
+            _blockwise_causal(qs, ks, vs, dest=out[span.start : span.end])
+        else:
+            out[span.start : span.end] = _sdpa_causal(qs, ks, vs)
     return out
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """As `_blockwise_causal`, with torch's SDPA."""
+    n, ctx = q.shape[0], k.shape[0]
+    # 4-D tensors: with 3-D ones torch's CPU dispatcher falls back to the math kernel, which
+    # materializes every score (6x slower at 2,048 tokens).
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, len, d)
+    if n == ctx:  # a fresh prompt: plain causal
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+    else:  # queries are the last n positions: is_causal would align them with the first keys
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # (n, ctx)
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1)

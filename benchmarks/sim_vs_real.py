@@ -47,6 +47,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def seed_of(args, rate: float) -> int:
+    """A different workload seed per rate: the server keeps its prefix cache between rates, and
+    the same prompts again would hit it (the simulator starts cold every time)."""
+    return args.seed + int(round(rate * 1000))
+
+
 def ensure_profile(out: Path, threads: int) -> Path:
     path = out / f"profile-{threads}t.json"
     if not path.exists():
@@ -61,7 +67,7 @@ def predict(mode: str, profile: Path, args, rate: float) -> dict:
     cluster = Cluster(prof.model, prof.accelerator, link, prof.efficiency, prof.weight_dtype,
                       prof.weight_dtype)  # fmt: skip
     dep = Deployment(mode, **(ROUTER if mode == "disagg" else {}), **ENGINE)
-    reqs = generate_requests(named_workload(args.workload), args.num_requests, args.seed,
+    reqs = generate_requests(named_workload(args.workload), args.num_requests, seed_of(args, rate),
                              rate=rate)  # fmt: skip
     return simulate(cluster, dep, reqs, SLO(args.slo_ttft, args.slo_tpot)).aggregates
 
@@ -69,7 +75,7 @@ def predict(mode: str, profile: Path, args, rate: float) -> dict:
 def measure(mode: str, args, rate: float, out: Path, url: str) -> dict:
     run_dir = out / f"{mode}-{rate:g}"
     cmd = [*PDSERVE, "bench", "--url", url, "--workload", args.workload, "--rate", str(rate),
-           "--num-requests", str(args.num_requests), "--seed", str(args.seed), "--slo-ttft",
+           "--num-requests", str(args.num_requests), "--seed", str(seed_of(args, rate)), "--slo-ttft",
            str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--out", str(run_dir),
            "--no-progress"]  # fmt: skip
     subprocess.run(cmd, check=True)

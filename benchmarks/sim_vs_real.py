@@ -74,8 +74,9 @@ def predict(mode: str, profile: Path, args, rate: float) -> dict:
 
 def measure(mode: str, args, rate: float, out: Path, url: str) -> dict:
     run_dir = out / f"{mode}-{rate:g}"
+    seed = str(seed_of(args, rate))
     cmd = [*PDSERVE, "bench", "--url", url, "--workload", args.workload, "--rate", str(rate),
-           "--num-requests", str(args.num_requests), "--seed", str(seed_of(args, rate)), "--slo-ttft",
+           "--num-requests", str(args.num_requests), "--seed", seed, "--slo-ttft",
            str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--out", str(run_dir),
            "--no-progress"]  # fmt: skip
     subprocess.run(cmd, check=True)

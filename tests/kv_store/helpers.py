@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from kv_transfer.helpers import make_caches, make_layout
+from kv_transfer.helpers import HAS_NIXL, NIXL_SKIP, make_caches, make_layout
 
 from pdserve.engine.block_hash import block_hashes
 from pdserve.kv_store.config import Key, StoreConfig, layout_key, payload_bytes
@@ -17,7 +17,8 @@ from pdserve.kv_store.store import Store
 from pdserve.kv_transfer.base import KVLayout
 
 __all__ = ["make_caches", "make_layout"]
-TRANSPORTS = ["tcp", "nixl"]
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not HAS_NIXL, reason=NIXL_SKIP))
+TRANSPORTS = ["tcp", NIXL]
 both_transports = pytest.mark.parametrize("transport", TRANSPORTS)  # the `serve` fixture's
 
 

@@ -18,10 +18,10 @@ from pdserve.kv_store.protocol import Error as ErrorReply
 from pdserve.kv_transfer.nixl import NixlAgent
 from pdserve.kv_transfer.wire import client_handshake
 
-from .helpers import make_caches, make_chain, make_layout
+from .helpers import NIXL, make_caches, make_chain, make_layout
 from .test_process import LAYOUT, StoreProcess
 
-pytestmark = pytest.mark.parametrize("transport", ["nixl"])
+pytestmark = pytest.mark.parametrize("transport", [NIXL])
 
 
 @pytest.fixture(autouse=True)

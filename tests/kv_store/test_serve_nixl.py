@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from kv_transfer.helpers import HAS_NIXL, NIXL_SKIP
 from serving.conftest import Server
 from serving.test_kv_store_serving import SYSTEM, child_pids, complete, store_hits
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_NIXL, reason=NIXL_SKIP)]
 
 
 def test_a_nixl_store_serves_warm_turns_with_identical_output():

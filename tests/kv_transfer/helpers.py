@@ -11,7 +11,7 @@ from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
 
 SENTINEL = -7.0  # exactly representable in every cache dtype; marks blocks nothing may touch
 HAS_NIXL = any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13"))
-NIXL_SKIP = "NIXL is not installed (pip install nixl-cu12==1.5.1)"
+NIXL_SKIP = "NIXL is not installed (pip install nixl-cu12==1.5.1; `make test` installs it)"
 
 
 def make_layout(dtype: str = "float32", **overrides) -> KVLayout:

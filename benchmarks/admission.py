@@ -28,6 +28,7 @@ from _servers import server  # noqa: E402
 from pdserve.bench.client import Endpoint  # noqa: E402
 from pdserve.bench.metrics import SLO  # noqa: E402
 from pdserve.bench.prompts import load_prompt_builder  # noqa: E402
+from pdserve.bench.report import ms  # noqa: E402
 from pdserve.bench.runner import LoadConfig, parse_rates, run_load, run_sweep  # noqa: E402
 from pdserve.bench.workload import generate_requests, named_workload  # noqa: E402
 
@@ -59,9 +60,6 @@ def summary(label: str, rate: float, run, slo: SLO) -> dict:
 
 
 def table(rows: list[dict], slo: SLO) -> str:
-    def ms(x):
-        return "-" if x is None else f"{x * 1000:.0f}"
-
     head = (
         f"{'run':<26} {'rate':>5} {'sent':>5} {'ok':>5} {'429':>5} {'R-A':>5} {'err':>4} "
         f"{'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'p99':>6} {'in SLO':>7} {'good/s':>7}"

@@ -287,9 +287,14 @@ class RouterCore:
         metrics.CACHE_TEMPERATURE.labels("warm" if warm else "cold").inc()
         metrics.PREFILL_DECISIONS.labels("remote" if remote else "local").inc()
         state = RequestState(
-            f"r{next(self._ids)}", prompt, params, remote, decode_id=decode.worker_id, warm=warm
+            f"r{next(self._ids)}",
+            prompt,
+            params,
+            remote,
+            decode_id=decode.worker_id,
+            warm=warm,
+            uncached_tokens=len(prompt) - overlap,
         )
-        state.uncached_tokens = len(prompt) - overlap
         admit = m.Admit(state.request_id, prompt, params, remote, self.config.lease_s)
         if not self.send(decode.worker_id, admit):
             raise LookupError("the decode worker could not be reached")

@@ -154,6 +154,7 @@ def _engine_argv(args) -> list[str]:
 
 
 def _serve(args) -> int:
+    from pdserve.config import EngineConfig
     from pdserve.router.app import build_app
     from pdserve.serving.launcher import (
         ServePlan,
@@ -163,7 +164,7 @@ def _serve(args) -> int:
         wait_ready,
     )
 
-    max_seqs = args.max_num_seqs or 64
+    max_seqs = args.max_num_seqs or EngineConfig.max_num_seqs  # the engine's default
     if args.decode_chunk_size and not args.decode_chunk_size >= max_seqs:
         raise ValueError(
             f"--decode-chunk-size must be 0 (off) or at least --max-num-seqs ({max_seqs}): every "

@@ -23,8 +23,10 @@ def worker(wid: str, role: str, load: m.Load | None) -> WorkerInfo:
 
 def pending(core: RouterCore, rid: str, tokens: int, remote: bool, decode_id: str):
     """A request admitted on `decode_id` that has no first token yet."""
-    state = RequestState(rid, [1] * tokens, m.Params(max_tokens=8), remote, decode_id=decode_id)
-    state.uncached_tokens = tokens
+    params = m.Params(max_tokens=8)
+    state = RequestState(
+        rid, [1] * tokens, params, remote, decode_id=decode_id, uncached_tokens=tokens
+    )
     core.requests[rid] = state
     core.workers[decode_id].inflight.add(rid)
     return state

@@ -175,8 +175,22 @@ class LLMEngine:
         prefill_tokens = sum(n for n, p in zip(batch.num_new_tokens, prefilling, strict=True) if p)
         decode_seqs = prefilling.count(False)
         hook = None if layer_hook is None else (lambda layer: layer_hook(batch, layer))
-        indices, logits = self.runner.run(batch, hook)
-        self.scheduler.after_step(batch)
+        loading = [s for s in batch.seqs if s.prefix_load is not None]
+        before = None
+        if loading:  # the model waits for each layer of the loaded prefixes before using it
+
+            def before(layer: int) -> None:
+                for s in loading:
+                    s.prefix_load.wait_layer(layer)
+
+        try:
+            indices, logits = self.runner.run(batch, hook, before)
+        finally:  # never return (or raise) while a load may still write into blocks
+            void = self._settle_loads(loading)
+        self.scheduler.after_step(batch, void)
+        if void and indices:  # no token for a void step
+            keep = [j for j, i in enumerate(indices) if id(batch.seqs[i]) not in void]
+            indices, logits = [indices[j] for j in keep], logits[keep]
         outs = []
         if indices:
             seqs = [batch.seqs[i] for i in indices]
@@ -184,6 +198,20 @@ class LLMEngine:
             outs = [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
         self.perf.observe(prefill_tokens, decode_seqs, start, time.perf_counter())
         return outs
+
+    @staticmethod
+    def _settle_loads(seqs: list[Sequence]) -> frozenset[int]:
+        """Wait for the prefix loads that ran under this step. A sequence whose load fell short
+        goes back to the first token that did not land; its step is void (ids returned), and
+        the next step computes the rest, rewriting whatever the load left half-written."""
+        void = set()
+        for seq in seqs:
+            load, seq.prefix_load = seq.prefix_load, None
+            landed = load.finish()
+            if landed < load.num_tokens:
+                seq.num_computed_tokens = seq.num_cached_tokens = load.first_token + landed
+                void.add(id(seq))
+        return frozenset(void)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -131,10 +131,13 @@ class ModelRunner:
         return groups
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, layer_hook=None) -> tuple[list[int], torch.Tensor | None]:
-        """Runs one step. Returns (indices into batch.seqs that get a token, their logits)."""
+    def run(
+        self, batch: ScheduledBatch, layer_hook=None, before_layer=None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Runs one step. Returns (indices into batch.seqs that get a token, their logits).
+        `before_layer(i)` / `layer_hook(i)` run before / after layer i (KV loads / streaming)."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
-        meta.layer_hook = layer_hook
+        meta.layer_hook, meta.before_layer = layer_hook, before_layer
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
             return [], None

@@ -46,7 +46,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
         # Called right after a sequence gets blocks: may fill more of its prefix (KV store).
-        self.on_allocate: Callable[[Sequence], object] | None = None
+        # The flag says whether the fill may still be landing while the next step runs (it
+        # then sets seq.prefix_load, which the engine settles after that step).
+        self.on_allocate: Callable[[Sequence, bool], object] | None = None
         self.num_preemptions = 0
 
     @property
@@ -74,7 +76,7 @@ class Scheduler:
         if not self.bm.allocate(seq):
             return False
         if self.on_allocate is not None:
-            self.on_allocate(seq)
+            self.on_allocate(seq, False)  # no step computes this prompt: load it before
         seq.status = SeqStatus.TRANSFERRING
         self.transferring[seq.request_id] = seq
         return True
@@ -167,7 +169,7 @@ class Scheduler:
             if not self.bm.allocate(seq):
                 break
             if self.on_allocate is not None:
-                self.on_allocate(seq)
+                self.on_allocate(seq, True)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -177,11 +179,16 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(seqs, counts)
 
-    def after_step(self, batch: ScheduledBatch) -> list[Sequence]:
+    def after_step(
+        self, batch: ScheduledBatch, void: frozenset[int] = frozenset()
+    ) -> list[Sequence]:
         """Advance counters; return the sequences whose whole context is now computed (they
-        get a sampled token)."""
+        get a sampled token). Sequences in `void` (by id) are not advanced: what this step
+        computed for them is recomputed by a later one."""
         done = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if id(seq) in void:
+                continue
             seq.num_computed_tokens += n
             self.bm.register_computed(seq)
             if seq.num_computed_tokens == seq.num_tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -14,6 +15,21 @@ class SeqStatus(enum.IntEnum):
     TRANSFERRING = 1  # decode role: blocks held under a lease, KV arriving from a prefill worker
     RUNNING = 2  # in the batch (prefilling in chunks, or decoding)
     FINISHED = 3
+
+
+class PrefixLoad(Protocol):
+    """KV of prompt tokens [first_token, first_token + num_tokens) arriving from outside (the KV
+    store) while the step that computes the rest of the prompt runs. The model calls
+    `wait_layer(i)` before layer i reads the cache; the engine calls `finish()` after the step,
+    which waits for the load to end and returns how many of those tokens landed intact (a
+    prefix of the range, a multiple of the block size)."""
+
+    first_token: int
+    num_tokens: int
+
+    def wait_layer(self, layer: int) -> None: ...
+
+    def finish(self) -> int: ...
 
 
 @dataclass
@@ -33,6 +49,7 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     generator: object | None = None  # torch.Generator when the request has a seed
+    prefix_load: PrefixLoad | None = None  # in flight during the step after admission only
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

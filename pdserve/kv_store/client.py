@@ -8,9 +8,12 @@ store that is down fails the ticket at once, so the engine never waits on the st
 
 `lookup` and `load` run on the caller's thread on their own connection. `load` streams the
 blocks layer by layer straight into the destination blocks (`recv_into` views of the cache, no
-staging copy) and returns how many leading blocks landed intact. Every failure (store down,
-timeout, corrupt or mismatching data) returns 0/None/False-like results and sets `last_error`;
-only caller bugs (bad block ids, inconsistent hashes) raise ValueError.
+staging copy) and returns how many leading blocks landed intact. `start_load` runs the same load
+on a thread of its own and reports each layer as it lands (`LayerLoad`), so that an engine can
+compute layer i of the rest of a prompt while layer i + 1 of its prefix is still arriving.
+Every failure (store down, timeout, corrupt or mismatching data) returns 0/None/False-like
+results and sets `last_error`; only caller bugs (bad block ids, inconsistent hashes) raise
+ValueError.
 
 With a `nixl://` endpoint (a store started with the nixl transport) the same requests go on the
 socket but the block bytes move by NIXL READs (nixl.py): the store READs put blocks straight
@@ -24,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
@@ -243,15 +246,15 @@ class StoreClient:
         timeout_s: float | None = None,
         token_ids_per_block: Sequence[Sequence[int]] | None = None,
         parent: int | None = None,
+        on_layer: Callable[[int], None] | None = None,
     ) -> int:
         """Load the leading stored blocks of `block_hashes` into `dst_block_ids`; return how
         many landed, verified (their token ids rehash to the requested chain from `parent`, and
         equal `token_ids_per_block` when given). Blocks [0, n) then hold the stored KV; blocks
-        past n may have been partly written. 0 on any failure, within `timeout_s`."""
-        dst = list(dst_block_ids)
-        check_block_ids(dst, self.num_blocks, "load destination")
-        if len(dst) != len(block_hashes):
-            raise ValueError(f"{len(dst)} destination blocks for {len(block_hashes)} hashes")
+        past n may have been partly written. 0 on any failure, within `timeout_s`.
+        `on_layer(i)`: layer i of every block the store sent has landed (tcp; over nixl the
+        layers land together, and only the return says so)."""
+        dst = self._check_load(block_hashes, dst_block_ids)
         deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
         landed = 0
         with self._lock:
@@ -259,14 +262,47 @@ class StoreClient:
                 while landed < len(dst):
                     start, end = landed, min(landed + CHUNK, len(dst))
                     expect = self._expected(block_hashes, token_ids_per_block, parent, start, end)
+                    last = on_layer if end == len(dst) else None  # layer i done: in the last chunk
                     chunk = partial(self._load_chunk, expect=expect, dst=dst[start:end],
-                                    deadline=deadline)  # fmt: skip
+                                    deadline=deadline, on_layer=last)  # fmt: skip
                     landed += self._conn.call(chunk)
                     if landed < end:  # the store holds no more of the prefix
                         break
             except _FAILURES as exc:
                 self._failed(f"KV store load failed after {landed} blocks: {exc}")
         return landed
+
+    def start_load(
+        self,
+        block_hashes: Sequence[int],
+        dst_block_ids: Sequence[int],
+        token_ids_per_block: Sequence[Sequence[int]] | None = None,
+        parent: int | None = None,
+    ) -> LayerLoad:
+        """`load` on a thread of its own. Do not touch the destination blocks (nor free them)
+        before `result()` returns; raises ValueError at once for bad arguments."""
+        self._check_load(block_hashes, dst_block_ids)
+        job = LayerLoad()
+
+        def run() -> None:
+            landed = 0
+            try:
+                landed = self.load(block_hashes, dst_block_ids, None, token_ids_per_block,
+                                   parent, on_layer=job.layer_done)  # fmt: skip
+            except Exception:  # load() turns store failures into 0; anything else is a bug
+                log.exception("KV store load thread failed")
+            finally:
+                job.finish(landed)
+
+        threading.Thread(target=run, name="kv-store-load", daemon=True).start()
+        return job
+
+    def _check_load(self, block_hashes: Sequence[int], dst_block_ids: Sequence[int]) -> list[int]:
+        dst = list(dst_block_ids)
+        check_block_ids(dst, self.num_blocks, "load destination")
+        if len(dst) != len(block_hashes):
+            raise ValueError(f"{len(dst)} destination blocks for {len(block_hashes)} hashes")
+        return dst
 
     @staticmethod
     def _expected(hashes, tokens, parent, start: int, end: int) -> list[tuple]:
@@ -275,7 +311,8 @@ class StoreClient:
         toks = [None if tokens is None else list(tokens[i]) for i in range(start, end)]
         return list(zip(hashes[start:end], parents, toks, strict=True))
 
-    def _load_chunk(self, sock, expect: list[tuple], dst: list[int], deadline: Deadline) -> int:
+    def _load_chunk(self, sock, expect: list[tuple], dst: list[int], deadline: Deadline,
+                    on_layer: Callable[[int], None] | None = None) -> int:  # fmt: skip
         deadline.apply(sock)
         send_msg(sock, Load([h for h, _, _ in expect]))
         reply = recv_reply(sock, LoadReply if self._nixl is None else NixlLoadReply)
@@ -303,6 +340,8 @@ class StoreClient:
                     recv_into_by(sock, span, deadline)
                 if len(metas) > good:  # the unverified tail: read and drop
                     recv_into_by(sock, memoryview(bytearray((len(metas) - good) * bb)), deadline)
+            if on_layer is not None:
+                on_layer(layer)
         return good
 
     # --- misc -------------------------------------------------------------------------------
@@ -357,6 +396,38 @@ class StoreClient:
             self._conn.drop()
             if self._nixl is not None:
                 self._nixl.close()
+
+
+class LayerLoad:
+    """A load running on its own thread (`StoreClient.start_load`): wait for one layer of it,
+    or for all of it and the number of blocks that landed intact."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._layers = 0  # layers 0 .. _layers - 1 have landed
+        self._landed: int | None = None  # set when the load has ended
+
+    def layer_done(self, layer: int) -> None:
+        with self._cond:
+            self._layers = layer + 1
+            self._cond.notify_all()
+
+    def finish(self, landed: int) -> None:
+        with self._cond:
+            self._landed = landed
+            self._cond.notify_all()
+
+    def wait_layer(self, layer: int) -> None:
+        """Return once layer `layer` has landed or the load has ended (either way: see
+        `result()` for whether the blocks are good)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._layers > layer or self._landed is not None)
+
+    def result(self) -> int:
+        """Blocks that landed intact, once the load has ended (it ends within its timeout)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._landed is not None)
+            return self._landed
 
 
 def _matches(meta: BlockMeta, block_hash: int, parent: int | None, tokens) -> bool:

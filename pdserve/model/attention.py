@@ -44,6 +44,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     layer_hook: Callable[[int], None] | None = None  # called after each layer (KV streaming)
+    before_layer: Callable[[int], None] | None = None  # called before each (KV arriving)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,8 @@ class LlamaModel(nn.Module):
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, d): broadcast over heads
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
+            if meta.before_layer is not None:
+                meta.before_layer(i)
             x = x + self._attention(
                 layer, self._rms(x, layer.attn_norm), cos, sin, kv_caches[i], meta
             )

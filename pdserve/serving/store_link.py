@@ -1,8 +1,14 @@
 """A worker's link to the KV store (Mooncake-style pool): load cached prefixes, offload blocks.
 
 At admission the worker asks the store for the longest prefix beyond its own prefix-cache hits
-and loads those blocks straight into the sequence's new blocks instead of computing them. Blocks
-reach the store two ways, both asynchronous:
+and loads those blocks straight into the sequence's new blocks instead of computing them. The
+load streams layer by layer on a thread of its own while the engine's next step computes the
+rest of the prompt: before layer i the model waits for layer i of the prefix (`StoreLoad`), as
+a decode worker's KV arrives layer by layer from a prefill worker. If the load falls short, that
+step is void for the sequence and the next computes what did not land. A prefill worker loads
+before its step instead (it streams each layer on to a decode worker as soon as it is computed,
+so that layer's prefix must already be known good). Blocks reach the store two ways, both
+asynchronous:
 
 * a finished request's full blocks, sent straight from cache memory: the worker holds the blocks
   until the store has read them (`poll` names the requests it may release);
@@ -26,7 +32,7 @@ from pdserve.engine.block_hash import block_hashes
 from pdserve.engine.block_manager import Block, BlockManager
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sequence import Sequence
-from pdserve.kv_store.client import StoreClient
+from pdserve.kv_store.client import LayerLoad, StoreClient
 from pdserve.kv_store.config import payload_bytes
 from pdserve.kv_store.protocol import BlockMeta
 
@@ -50,15 +56,20 @@ class StoreLink:
         self.evicted_offloads = 0  # evicted blocks whose copies the store took
         self.load_s = 0.0
 
-    def attach(self, engine: LLMEngine) -> None:
-        """Load prefixes when the engine gives a sequence blocks; offload evicted blocks."""
+    def attach(self, engine: LLMEngine, overlap: bool = True) -> None:
+        """Load prefixes when the engine gives a sequence blocks (`overlap`: under the next
+        step where the engine allows it; never on a prefill worker); offload evicted blocks."""
         bm = engine.block_manager
-        engine.scheduler.on_allocate = lambda seq: self.load_prefix(seq, bm)
+        overlap = overlap and engine.config.role != "prefill"
+        engine.scheduler.on_allocate = lambda seq, under_step: self.load_prefix(
+            seq, bm, overlap and under_step
+        )
         bm.on_evict = self.on_evict
 
-    def load_prefix(self, seq: Sequence, bm: BlockManager) -> int:
+    def load_prefix(self, seq: Sequence, bm: BlockManager, overlap: bool = False) -> int:
         """Fill seq's blocks after its local prefix hits with blocks from the store. Never the
-        block holding the last token (it must be computed to sample). Returns tokens loaded."""
+        block holding the last token (it must be computed to sample). Returns tokens loaded,
+        or with `overlap` tokens being loaded: seq.prefix_load then says how many landed."""
         bs = self.block_size
         start, limit = seq.num_cached_tokens // bs, (seq.num_tokens - 1) // bs
         if start >= limit:
@@ -69,21 +80,29 @@ class StoreLink:
         n = self.client.lookup(hashes[start:])
         if n == 0:
             return 0
-        tokens = [seq.token_ids[i * bs : (i + 1) * bs] for i in range(start, start + n)]
-        landed = self.client.load(
+        args = (
             hashes[start : start + n],
             seq.block_table[start : start + n],
-            token_ids_per_block=tokens,
-            parent=hashes[start - 1] if start else None,
+            [seq.token_ids[i * bs : (i + 1) * bs] for i in range(start, start + n)],
+            hashes[start - 1] if start else None,
         )
-        self.load_s += time.monotonic() - t
-        if landed == 0:
-            return 0
-        seq.num_cached_tokens = seq.num_computed_tokens = (start + landed) * bs
-        bm.register_computed(seq)  # now also a local prefix-cache entry
-        self.hit_tokens += landed * bs
-        self._held(hashes[start : start + landed])
+        if overlap:
+            job = self.client.start_load(*args)
+            seq.prefix_load = StoreLoad(self, job, args[0], start * bs, n * bs, t)
+            seq.num_cached_tokens = seq.num_computed_tokens = (start + n) * bs
+            return n * bs
+        landed = self._landed(args[0], self.client.load(args[0], args[1], None, *args[2:]), t)
+        if landed:
+            seq.num_cached_tokens = seq.num_computed_tokens = (start + landed) * bs
+            bm.register_computed(seq)  # now also a local prefix-cache entry
         return landed * bs
+
+    def _landed(self, hashes: list[int], landed: int, started: float) -> int:
+        """Count a load that has ended (`landed` of `hashes` intact); returns `landed`."""
+        self.load_s += time.monotonic() - started
+        self.hit_tokens += landed * self.block_size
+        self._held(hashes[:landed])
+        return landed
 
     def offload(self, seq: Sequence) -> bool:
         """Queue seq's full computed blocks for the store; True if its blocks must be held
@@ -169,6 +188,21 @@ class StoreLink:
         self.poll()
         self.client.flush(2.0)
         self.client.close()
+
+
+class StoreLoad:
+    """A prefix load running under an engine step (the engine's `PrefixLoad`)."""
+
+    def __init__(self, link: StoreLink, job: LayerLoad, hashes, first_token, num_tokens, t):
+        self.link, self.job, self.hashes, self.started = link, job, hashes, t
+        self.first_token, self.num_tokens = first_token, num_tokens
+
+    def wait_layer(self, layer: int) -> None:
+        self.job.wait_layer(layer)
+
+    def finish(self) -> int:
+        landed = self.link._landed(self.hashes, self.job.result(), self.started)
+        return landed * self.link.block_size
 
 
 def split_index_events(events: list[tuple[int, bool]]) -> tuple[list[int], list[int]]:

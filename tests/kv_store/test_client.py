@@ -8,7 +8,7 @@ import pytest
 import torch
 from kv_transfer.helpers import SENTINEL
 
-from pdserve.kv_store.client import CHUNK
+from pdserve.kv_store.client import CHUNK, LayerLoad
 from pdserve.kv_store.ssd import SsdFiles
 
 from .helpers import TRANSPORTS, make_caches, make_chain, make_config, make_layout
@@ -81,6 +81,43 @@ def test_load_returns_the_prefix_held_and_leaves_the_rest(serve, client):
     assert _same(src, dst, [0, 1, 2], [3, 4, 5]) and _untouched(dst, [0, 1, 2, 6, 7])
     assert reader.stats().misses == 2
     assert reader.last_error is None
+
+
+def test_a_load_on_its_own_thread_reports_each_layer_as_it_lands(serve, client, transport):
+    layout = make_layout()
+    served = serve(layout)
+    src, dst = make_caches(layout, 8, seed=2), make_caches(layout, 8, seed=None)
+    _put(client(served.server.endpoint, layout, *src), make_chain(3), [0, 1, 2])
+    reader = client(served.server.endpoint, layout, *dst)
+    seen = []
+    real_on_layer = LayerLoad.layer_done
+
+    def spy(job, layer):  # what had landed when the client said layer `layer` was done
+        seen.append((layer, _same_layers(src, dst, [0, 1, 2], [5, 6, 7], layer + 1)))
+        real_on_layer(job, layer)
+
+    LayerLoad.layer_done = spy
+    try:
+        job = reader.start_load(make_chain(4).hashes, [5, 6, 7, 4])
+        job.wait_layer(layout.num_layers - 1)
+        assert job.result() == 3  # the store holds 3 of the 4
+    finally:
+        LayerLoad.layer_done = real_on_layer
+    if transport == "tcp":  # in order, each only once its K and V are in place
+        assert seen == [(i, True) for i in range(layout.num_layers)]
+    else:  # NIXL READs all layers at once: only the result says so
+        assert seen == []
+    assert _same(src, dst, [0, 1, 2], [5, 6, 7]) and _untouched(dst, [0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match="destination blocks"):
+        reader.start_load(make_chain(2).hashes, [1])  # a caller bug: at once, no thread
+
+
+def _same_layers(src, dst, src_ids, dst_ids, layers: int) -> bool:
+    return all(
+        torch.equal(d[layer][dst_ids], s[layer][src_ids])
+        for s, d in zip(src, dst, strict=True)
+        for layer in range(layers)
+    )
 
 
 def test_load_verifies_token_ids_and_the_chain(serve, client):

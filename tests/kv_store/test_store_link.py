@@ -190,3 +190,22 @@ def test_no_store_at_all_and_a_full_copy_budget_cost_nothing(linked, reference, 
         assert generate(engine, link, p) == reference[tuple(p)]
     settle(link)
     assert served.store.stats().blocks_put == 0 and link.hit_tokens == 0
+
+
+@pytest.mark.parametrize("role", ["both", "decode", "prefill"])
+def test_only_a_prefill_worker_loads_before_its_step(files, role):
+    """A prefill worker streams each layer on as soon as it is computed, so a prefix loading
+    under its step could be sent before it is known good: it loads before the step instead."""
+    engine = make_engine(files, kv_cache_gb=KV_GB, role=role)
+    layout = layout_of(engine.fingerprint, engine.runner.k_caches)
+    link = StoreLink(StoreClient("tcp://127.0.0.1:9", layout, engine.runner.k_caches,
+                                 engine.runner.v_caches))  # fmt: skip
+    calls = []
+    link.load_prefix = lambda seq, bm, overlap=False: calls.append(overlap)
+    try:
+        link.attach(engine)
+        engine.scheduler.on_allocate(make_sequence(A), True)  # a scheduled admission
+        engine.scheduler.on_allocate(make_sequence(A), False)  # blocks for a KV transfer
+        assert calls == [role != "prefill", False]
+    finally:
+        link.close()

@@ -57,6 +57,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.chunk_size,
             self.max_model_len,
+            chunk_only_under_decodes=config.role == "decode",
         )
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()

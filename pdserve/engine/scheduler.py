@@ -35,12 +35,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         chunk_size: int | None,
         max_model_len: int,
+        chunk_only_under_decodes: bool = False,
     ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.chunk_size = chunk_size
         # Without chunking a whole prompt must fit in one step, however long.
-        self.token_budget = chunk_size or max(max_num_batched_tokens, max_model_len)
+        self.whole_budget = max(max_num_batched_tokens, max_model_len)
+        self.token_budget = chunk_size or self.whole_budget
+        # Chunk only while some running sequence decodes (a decode worker's local prefills:
+        # the chunk protects its streams' inter-token latency; with none, it only adds steps).
+        self.chunk_only_under_decodes = chunk_only_under_decodes
         self.waiting: deque[Sequence] = deque()
         self.transferring: dict[str, Sequence] = {}
         self.running: list[Sequence] = []
@@ -127,10 +132,19 @@ class Scheduler:
             self.bm.free(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _limits(self) -> tuple[int, int | None]:
+        """(token budget, per-sequence chunk) for this step."""
+        if self.chunk_only_under_decodes and not any(
+            s.num_computed_tokens >= s.num_prompt_tokens for s in self.running
+        ):
+            return self.whole_budget, None
+        return self.token_budget, self.chunk_size
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int, chunk: int | None) -> int:
         n = seq.num_uncomputed_tokens
-        if self.chunk_size is not None:
-            n = min(n, self.chunk_size)
+        if chunk is not None:
+            n = min(n, chunk)
         return min(n, budget)
 
     def _preempt(self, victim: Sequence) -> None:
@@ -142,12 +156,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
-    def _schedule_running(self, budget: int) -> tuple[list[Sequence], list[int], int]:
+    def _schedule_running(
+        self, budget: int, chunk: int | None
+    ) -> tuple[list[Sequence], list[int], int]:
         seqs, counts = [], []
         for seq in list(self.running):
             if seq not in self.running:  # preempted while making room for an earlier one
                 continue
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, chunk)
             if n == 0:
                 continue
             while not self.bm.append_slots(seq, seq.num_computed_tokens + n):
@@ -163,7 +179,8 @@ class Scheduler:
         return seqs, counts, budget
 
     def schedule(self) -> ScheduledBatch:
-        seqs, counts, budget = self._schedule_running(self.token_budget)
+        budget, chunk = self._limits()
+        seqs, counts, budget = self._schedule_running(budget, chunk)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.bm.allocate(seq):
@@ -173,7 +190,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, chunk)
             seqs.append(seq)
             counts.append(n)
             budget -= n

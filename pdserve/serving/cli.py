@@ -267,8 +267,9 @@ def register(sub) -> None:
         metavar="N",
         help="disagg mode: a decode worker computes the prompts it keeps (short ones while the "
         "prefill pool is busy, warm suffixes, migrated streams) at most N tokens per step, its "
-        "running streams' tokens included, so those streams keep flowing (default 64; 0 = whole "
-        "prompts in one step). Co-located workers use --chunk-size",
+        "running streams' tokens included, so those streams keep flowing; with no stream "
+        "running it computes them whole (default 64; 0 = always whole prompts in one step). "
+        "Co-located workers use --chunk-size",
     )
     p.add_argument(
         "--kv-transport", default="tcp", choices=["tcp", "nixl"], help="KV transfer backend"

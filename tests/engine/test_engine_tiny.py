@@ -43,6 +43,26 @@ def test_chunked_prefill_equals_whole(files, reference, chunk):
     assert_idle_and_clean(eng)
 
 
+def test_a_decode_worker_chunks_its_prefills_only_while_streams_run(files, reference):
+    """Role decode: a prompt computed while nothing decodes takes one step, whatever the chunk;
+    once a stream runs, later prompts go in chunks beside its tokens. Same tokens either way."""
+    eng = make_engine(files, chunk_size=8, role="decode")
+    a = eng.add_request(list(PROMPTS[1]), GREEDY)  # 39 tokens
+    eng.step()
+    assert a.num_computed_tokens == 39 and a.num_output_tokens == 1  # whole, first token out
+    b = eng.add_request(list(PROMPTS[2]), GREEDY)  # 11 tokens, beside a's decoding
+    eng.step()
+    assert b.num_computed_tokens == 7  # a's token + 7 of b's: the chunk of 8
+    while eng.has_work():
+        eng.step()
+    assert [a.output_token_ids, b.output_token_ids] == reference[1:]
+    assert_idle_and_clean(eng)
+    both = make_engine(files, chunk_size=8)  # a co-located worker always chunks
+    c = both.add_request(list(PROMPTS[1]), GREEDY)
+    both.step()
+    assert c.num_computed_tokens == 8
+
+
 def test_prefix_hit_equals_miss(files, reference):
     eng = make_engine(files)
     run_to_completion(eng, [PROMPTS[1]], GREEDY)

@@ -56,8 +56,10 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="engine dtype (default auto)")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--decode-steps", type=int, default=8, help="decode steps per timing")
-    p.add_argument("--repeats", type=int, default=2, help="timings per point; the fastest counts")
+    p.add_argument("--decode-steps", type=int, default=32, help="decode steps per timing "
+                   "(default 32)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="timings per point; the median counts "
+                   "(default 3)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a small grid, one repeat (smoke tests)")
     p.add_argument("--out", default="profile.json", help="where to write the profile JSON")
     p.set_defaults(func=_handler("profile"))

@@ -90,3 +90,23 @@ def test_profile_real_engine_smoke(tmp_path):
     assert main(args) == 0
     prof = load_profile(out)
     assert prof.model.num_layers == 30 and 0 < prof.efficiency.mfu <= 1
+
+
+def test_each_point_is_the_median_of_its_repeats():
+    # Of three timings one is true, one twice as fast, one twice as slow (decode: the pair of
+    # calls alike): the median is the true cost; the fastest would be half of it.
+    llm = FakeLLM()
+    scales = iter([1.0] + [1.0, 0.5, 2.0] + [1.0, 1.0, 0.5, 0.5, 2.0, 2.0])  # warm-up first
+
+    def generate(prompts, max_tokens, base=llm.generate):
+        start = llm.now
+        out = base(prompts, max_tokens)
+        llm.now = start + (llm.now - start) * next(scales)
+        return out
+
+    llm.generate = generate
+    points = measure_engine(llm, lambda n: n, ((1, 32),), ((4, 16),), 8, lambda: llm.now, 3)
+    lat = llm.latency
+    assert points[0].seconds == pytest.approx(lat.iteration(Batch(32, 1, 32 * 16, 0, 1)))
+    decode = sum(lat.iteration(Batch(4, 4, 4 * (16 + j), 4 * (16 + j), 4)) for j in range(1, 9))
+    assert points[1].seconds == pytest.approx(decode / 8, rel=1e-9)

@@ -65,6 +65,9 @@ class _Loop:
         self.fabric = Fabric(cluster.link, cluster.model.num_layers)
         self.kv_per_token = kv_bytes_per_token(cluster.model, cluster.kv_dtype)
         self.fabric_version = 0
+        # Requests sent to the prefill pool whose first token has not come back: the router's
+        # "prefill pool busy" (it counts them until the KV has landed, not just until computed).
+        self.remote_pending = 0
 
     # -- scheduling ------------------------------------------------------------------------
     def push(self, t: float, kind: int, inst: Instance | None) -> None:
@@ -118,10 +121,11 @@ class _Loop:
         if self.dep.mode == "colocated":
             inst = min(self.front, key=lambda i: i.load)
         elif r.prompt < self.dep.local_prefill_threshold and not (
-            self.dep.short_prefills_to_idle_pool and sum(p.queued_tokens for p in self.front) == 0
+            self.dep.short_prefills_to_idle_pool and self.remote_pending == 0
         ):
             inst = min(self.decoders, key=lambda i: i.load + i.inbound)
         else:
+            self.remote_pending += 1
             inst = min(self.front, key=lambda i: i.queued_tokens)
             r.decoder = min(self.decoders, key=lambda i: i.load + i.inbound)
             r.decoder.inbound += 1
@@ -144,6 +148,7 @@ class _Loop:
 
     def fabric_done(self, now: float) -> None:
         for r in self.fabric.complete(now):
+            self.remote_pending -= 1
             self.first_token(r, now)
             r.prefiller.free_prefill(r)
             self.poke(r.prefiller, now)  # freed memory may admit a waiting prompt

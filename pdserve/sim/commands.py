@@ -56,7 +56,8 @@ def profile(args: argparse.Namespace) -> int:
               f"{pt.seconds * 1e3:8.1f} ms")  # fmt: skip
     print(f"fit       mfu {eff.mfu:.3f} (half at {eff.half_tokens:g} tokens), mbu {eff.mbu:.3f}, "
           f"attention {eff.attn_eff:.3f}, overhead {eff.iteration_overhead_s * 1e3:.2f} ms + "
-          f"{eff.per_seq_overhead_s * 1e3:.2f} ms/seq; error median {fit.median_rel_error:.1%}, "
+          f"{eff.per_seq_overhead_s * 1e3:.2f} ms/seq + {eff.per_cached_token_s * 1e6:.2f} "
+          f"us/cached token; error median {fit.median_rel_error:.1%}, "
           f"max {fit.max_rel_error:.1%}")  # fmt: skip
     if args.serving_url:
         _profile_serving(args)

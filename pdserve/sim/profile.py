@@ -119,14 +119,15 @@ def fit_efficiency(
 ) -> Fit:  # fmt: skip
     """Fit `points` with the latency model, minimising relative squared error.
 
-    mfu, mbu and half_tokens are searched on grids; for each, the overheads and the attention
-    cost (which enter linearly) are solved by non-negative least squares. Needs >= 2 points.
+    mfu, mbu and half_tokens are searched on grids; for each, the overheads (per pass, per
+    sequence, per cached token read) and the attention cost, which enter linearly, are solved
+    by non-negative least squares. Needs >= 2 points.
     """
     import numpy as np
 
     if len(points) < 2:
         raise ValueError("profiling needs at least 2 measurements to fit; add grid points")
-    unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0),
+    unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0),
                         weight_dtype, weight_dtype)  # fmt: skip
     batches = [point_batch(p, decode_steps) for p in points]
     work = np.array([unit.work(b) for b in batches])
@@ -134,16 +135,17 @@ def fit_efficiency(
     mem = work[:, 2] / accel.mem_bytes_per_s
     tokens = np.array([b.tokens for b in batches], dtype=np.float64)
     seqs = np.array([b.seqs for b in batches], dtype=np.float64)
+    cached = np.array([b.kv_read for b in batches], dtype=np.float64)
     t = np.array([p.seconds for p in points])
-    linear = np.stack([np.ones_like(t), seqs, attn], axis=1) / t[:, None]
+    linear = np.stack([np.ones_like(t), seqs, attn, cached], axis=1) / t[:, None]
     best = (math.inf, Efficiency())
     for mfu, half, mbu in itertools.product(EFF_GRID, HALF_TOKENS_GRID, EFF_GRID):
         roof = np.maximum(gemm / mfu * (1 + half / tokens), mem / mbu)
         coef, err = _nnls(linear, (t - roof) / t)
         if err < best[0]:
-            over, per_seq, attn_cost = coef
+            over, per_seq, attn_cost, per_cached = coef
             attn_eff = min(1.0, 1.0 / attn_cost) if attn_cost > 0 else 1.0
-            best = (err, Efficiency(mfu, mbu, over, per_seq, attn_eff, half))
+            best = (err, Efficiency(mfu, mbu, over, per_seq, attn_eff, half, per_cached))
     eff = best[1]
     fitted = LatencyModel(model, accel, 1, eff, weight_dtype, weight_dtype)
     rel = np.abs(np.array([fitted.iteration(b) for b in batches]) / t - 1)

@@ -158,6 +158,11 @@ def simulate(args: argparse.Namespace) -> int:
     print(f"{dep.label} ({dep.num_gpus} x {cluster.accel.name}), {cluster.model.name}, "
           f"KV over {cluster.link.name}; {args.num_requests} requests of {workload.name} at "
           f"{args.rate:g}/s")  # fmt: skip
+    if dep.mode in cluster.serving:
+        o = cluster.serving[dep.mode]
+        print(f"  with the profile's serving overhead: {o.request_s * 1e3:.1f} ms per request, "
+              f"{o.step_s * 1e3:.2f} ms per step + "
+              f"{o.seq_s * 1e3:.2f} ms per sequence")  # fmt: skip
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         s = agg[key]
         if s["count"]:

@@ -24,6 +24,7 @@ error on long prefills is not mistaken for overhead.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -70,8 +71,7 @@ def probe_groups(
     """Groups of requests to send together: a lone warm-up (`measure_probes` drops it), then
     every size `repeats` times, interleaved so slow drift on the machine touches each alike.
     Prompt lengths cycle through `prompts`; indexes are unique over all groups."""
-    index = iter(range(1 << 30))
-    lengths = iter(prompts * (1 + sum(sizes) * repeats))
+    index, lengths = itertools.count(), itertools.cycle(prompts)
     return [
         [RequestSpec(next(index), 0.0, "probe", next(lengths), output) for _ in range(k)]
         for k in (1, *(k for _ in range(repeats) for k in sizes))

@@ -7,11 +7,14 @@ workload at each rate, and runs `pdserve.sim` on the same requests (same workloa
 seed) calibrated by a `pdserve profile` taken with the matching thread count. It prints both
 side by side with the relative error; the issue's target is within 15 %.
 
-    .venv/bin/python benchmarks/sim_vs_real.py [--rates 0.05,0.1,0.2] [--workload mixed]
-        [--num-requests 20] [--modes colocated,disagg] [--out sim-vs-real]
+    .venv/bin/python benchmarks/sim_vs_real.py [--rates 0.15,0.3,0.45] [--workload mixed]
+        [--num-requests 30] [--modes colocated,disagg] [--out sim-vs-real]
 
-Profiles are created (`pdserve profile --threads 2|1`) when missing. On a 2-core CPU a mixed
-run (2k-4k-token documents) takes minutes per rate: documents prefill at tens of seconds.
+Profiles are created (`pdserve profile --threads 2|1`) when missing. Before the rated runs,
+the serving path's overhead is calibrated against the idle server (`pdserve.sim.overhead`: a
+few short requests one at a time, against the bare engine's prediction of each) and saved in
+the profile under the mode, so the predictions include it; the JSON also keeps the bare-engine
+prediction. On a 2-core CPU a mixed run (2k-4k-token documents) takes minutes per rate.
 """
 
 from __future__ import annotations
@@ -25,20 +28,18 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 
 from pdserve.bench.metrics import SLO
 from pdserve.bench.workload import generate_requests, named_workload
-from pdserve.sim.calibration import load_profile
+from pdserve.sim.calibration import load_profile, save_overhead
 from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.hardware import Link
+from pdserve.sim.overhead import describe_overhead, fit_overhead, measure_probes, probe_groups
 from pdserve.sim.simulator import simulate
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 THREADS = {"colocated": 2, "disagg": 1}  # cores per worker under `pdserve serve` on 2 cores
-ENGINE = {"max_num_seqs": 64, "max_batched_tokens": 8192}  # the engine's defaults
-# The router's defaults: short prompts on the decode worker while the prefill pool is busy
-# (an idle pool takes them), the decode worker's own prefills in steps of 64 tokens.
-ROUTER = {"local_prefill_threshold": 256, "short_prefills_to_idle_pool": True, "decode_chunk": 64}
 
 
 def free_port() -> int:
@@ -61,15 +62,29 @@ def ensure_profile(out: Path, threads: int) -> Path:
     return path
 
 
-def predict(mode: str, profile: Path, args, rate: float) -> dict:
+def cluster_of(profile: Path, serving: bool = True) -> Cluster:
+    """This machine from its profile; `serving=False` leaves out the serving overhead."""
     prof = load_profile(profile)
     link = Link("loopback", "measured", prof.loopback_bytes_per_s, prof.loopback_bytes_per_s)
-    cluster = Cluster(prof.model, prof.accelerator, link, prof.efficiency, prof.weight_dtype,
-                      prof.weight_dtype)  # fmt: skip
-    dep = Deployment(mode, **(ROUTER if mode == "disagg" else {}), **ENGINE)
+    return Cluster(prof.model, prof.accelerator, link, prof.efficiency, prof.weight_dtype,
+                   prof.weight_dtype, prof.serving if serving else {})  # fmt: skip
+
+
+def calibrate_serving(mode: str, profile: Path, url: str, out: Path) -> None:
+    """Fit the serving overhead of `mode` against the idle server at `url`; save it in the
+    profile (and the probe requests' records in OUT/serving-MODE.json)."""
+    groups = measure_probes(url, probe_groups())
+    (out / f"serving-{mode}.json").write_bytes(msgspec.json.encode(groups))
+    fit = fit_overhead(cluster_of(profile, serving=False), Deployment.served(mode), groups)
+    save_overhead(profile, mode, fit)
+    print(f"{mode}: serving overhead {describe_overhead(fit)}", flush=True)
+
+
+def predict(mode: str, profile: Path, args, rate: float, serving: bool = True) -> dict:
     reqs = generate_requests(named_workload(args.workload), args.num_requests, seed_of(args, rate),
                              rate=rate)  # fmt: skip
-    return simulate(cluster, dep, reqs, SLO(args.slo_ttft, args.slo_tpot)).aggregates
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    return simulate(cluster_of(profile, serving), Deployment.served(mode), reqs, slo).aggregates
 
 
 def measure(mode: str, args, rate: float, out: Path, url: str) -> dict:
@@ -119,9 +134,10 @@ def _s(x: float | None) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rates", default="0.05,0.1,0.2", help="request rates (req/s)")
+    # 30 requests a rate (3 documents, on average) at these rates: ~6 min of runs per mode.
+    ap.add_argument("--rates", default="0.15,0.3,0.45", help="request rates (req/s)")
     ap.add_argument("--workload", default="mixed", help="chat, docs or mixed (default mixed)")
-    ap.add_argument("--num-requests", type=int, default=20)
+    ap.add_argument("--num-requests", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="colocated,disagg")
     ap.add_argument("--slo-ttft", type=float, default=30.0)
@@ -136,12 +152,16 @@ def main() -> int:
         profile = ensure_profile(out, THREADS[mode])
         port = free_port()
         proc = serve(mode, port, out / f"serve-{mode}.log")
+        url = f"http://127.0.0.1:{port}/v1"
         try:
+            calibrate_serving(mode, profile, url, out)
             for rate in rates:
                 pred = predict(mode, profile, args, rate)
-                real = measure(mode, args, rate, out, f"http://127.0.0.1:{port}/v1")
+                bare = predict(mode, profile, args, rate, serving=False)
+                real = measure(mode, args, rate, out, url)
                 rows += compare_rows(mode, rate, pred, real)
-                results.append({"mode": mode, "rate": rate, "predicted": pred, "measured": real})
+                results.append({"mode": mode, "rate": rate, "predicted": pred,
+                                "predicted_bare_engine": bare, "measured": real})  # fmt: skip
                 print("\n".join(rows[-4:]), flush=True)
         finally:
             proc.terminate()

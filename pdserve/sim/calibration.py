@@ -1,8 +1,9 @@
 """This machine as a simulator target: measured peak FLOP/s and memory bandwidth, the profile JSON.
 
 A profile file holds the measured CPU "hardware" entry, the engine model's shape and dtype, the
-raw timings and the fitted `Efficiency`; `load_profile` turns it back into what the simulator
-needs (an `Accelerator`, a `ModelSpec`, an `Efficiency` and the weight dtype).
+raw timings and the fitted `Efficiency`, and optionally ("serving", added by `save_overhead`)
+the serving path's overhead per mode; `load_profile` turns it back into what the simulator
+needs (an `Accelerator`, a `ModelSpec`, an `Efficiency`, the weight dtype, the overheads).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple
 from pdserve.sim.hardware import Accelerator
 from pdserve.sim.latency import Efficiency
 from pdserve.sim.models import ModelSpec
+from pdserve.sim.overhead import OverheadFit, ServingOverhead
 from pdserve.sim.profile import PROFILE_VERSION, Fit, Point
 
 
@@ -124,6 +126,7 @@ class Profile(NamedTuple):
     efficiency: Efficiency
     weight_dtype: str
     loopback_bytes_per_s: float | None
+    serving: dict[str, ServingOverhead]  # by mode; empty when not calibrated
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -141,9 +144,29 @@ def load_profile(path: str | Path) -> Profile:
             Efficiency(**doc["efficiency"]),
             doc["weight_dtype"],
             doc["hardware"].get("loopback_bytes_per_s"),
+            {
+                mode: ServingOverhead(entry["request_s"], entry["step_s"], entry["seq_s"])
+                for mode, entry in doc.get("serving", {}).items()
+            },
         )
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
         raise ValueError(
             f"profile {str(path)!r} is not a valid pdserve profile ({exc}); "
             "re-create it with `pdserve profile`"
         ) from None
+
+
+def save_overhead(path: str | Path, mode: str, fit: OverheadFit) -> None:
+    """Record the serving overhead fitted for `mode` in the profile at `path` (replacing an
+    earlier one for that mode; other modes are kept)."""
+    path = Path(path)
+    load_profile(path)  # validates
+    doc = json.loads(path.read_text())
+    doc.setdefault("serving", {})[mode] = {
+        **asdict(fit.overhead),
+        "raw_request_s": fit.raw_request_s,
+        "raw_tpot_s_by_batch": fit.raw_tpot_s,
+        "probes": fit.probes,
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    path.write_text(json.dumps(doc, indent=2))

@@ -56,10 +56,18 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="engine dtype (default auto)")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--decode-steps", type=int, default=8, help="decode steps per timing")
-    p.add_argument("--repeats", type=int, default=2, help="timings per point; the fastest counts")
+    p.add_argument("--decode-steps", type=int, default=32, help="decode steps per timing "
+                   "(default 32)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="timings per point; the median counts "
+                   "(default 3)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a small grid, one repeat (smoke tests)")
     p.add_argument("--out", default="profile.json", help="where to write the profile JSON")
+    p.add_argument("--serving-url", metavar="URL", help="also fit the serving path's overhead "
+                   "(per request, per step) against an idle `pdserve serve` at URL (e.g. "
+                   "http://127.0.0.1:8000/v1); --threads should match its workers' cores "
+                   "(on 2 cores: 2 co-located, 1 disaggregated)")  # fmt: skip
+    p.add_argument("--serving-mode", choices=("colocated", "disagg"), default="colocated",
+                   help="the --mode that server runs (default colocated)")  # fmt: skip
     p.set_defaults(func=_handler("profile"))
 
 

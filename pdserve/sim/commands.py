@@ -56,10 +56,29 @@ def profile(args: argparse.Namespace) -> int:
               f"{pt.seconds * 1e3:8.1f} ms")  # fmt: skip
     print(f"fit       mfu {eff.mfu:.3f} (half at {eff.half_tokens:g} tokens), mbu {eff.mbu:.3f}, "
           f"attention {eff.attn_eff:.3f}, overhead {eff.iteration_overhead_s * 1e3:.2f} ms + "
-          f"{eff.per_seq_overhead_s * 1e3:.2f} ms/seq; error median {fit.median_rel_error:.1%}, "
+          f"{eff.per_seq_overhead_s * 1e3:.2f} ms/seq + {eff.per_cached_token_s * 1e6:.2f} "
+          f"us/cached token; error median {fit.median_rel_error:.1%}, "
           f"max {fit.max_rel_error:.1%}")  # fmt: skip
+    if args.serving_url:
+        _profile_serving(args)
     print(f"wrote     {args.out}")
     return 0
+
+
+def _profile_serving(args: argparse.Namespace) -> None:
+    """Fit the serving path's overhead against the idle server at --serving-url and add it to
+    the profile just written (see `pdserve.sim.overhead`)."""
+    from pdserve.sim.calibration import load_profile, save_overhead
+    from pdserve.sim.overhead import describe_overhead, fit_overhead, measure_probes, probe_groups
+
+    prof = load_profile(args.out)
+    rate = prof.loopback_bytes_per_s
+    cluster = Cluster(prof.model, prof.accelerator, Link("loopback", "measured", rate, rate),
+                      prof.efficiency, prof.weight_dtype, prof.weight_dtype)  # fmt: skip
+    groups = measure_probes(args.serving_url, probe_groups())
+    fit = fit_overhead(cluster, Deployment.served(args.serving_mode), groups)
+    save_overhead(args.out, args.serving_mode, fit)
+    print(f"serving   {args.serving_mode} at {args.serving_url}: {describe_overhead(fit)}")
 
 
 def cluster_of(args: argparse.Namespace) -> Cluster:
@@ -79,8 +98,10 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
     eff = prof.efficiency if prof else Efficiency()
     weight_dtype = prof.weight_dtype if prof and args.dtype == "bf16" else args.dtype
     dtype_bits(weight_dtype)  # validates
+    # The serving path's overhead was measured on this machine: it applies to it alone.
+    serving = prof.serving if gpu == "cpu" else {}
     return Cluster(model, accel, _link_of(args, prof), eff, weight_dtype,
-                   args.kv_dtype or weight_dtype)  # fmt: skip
+                   args.kv_dtype or weight_dtype, serving)  # fmt: skip
 
 
 def _link_of(args: argparse.Namespace, prof) -> Link:
@@ -137,6 +158,11 @@ def simulate(args: argparse.Namespace) -> int:
     print(f"{dep.label} ({dep.num_gpus} x {cluster.accel.name}), {cluster.model.name}, "
           f"KV over {cluster.link.name}; {args.num_requests} requests of {workload.name} at "
           f"{args.rate:g}/s")  # fmt: skip
+    if dep.mode in cluster.serving:
+        o = cluster.serving[dep.mode]
+        print(f"  with the profile's serving overhead: {o.request_s * 1e3:.1f} ms per request, "
+              f"{o.step_s * 1e3:.2f} ms per step + "
+              f"{o.seq_s * 1e3:.2f} ms per sequence")  # fmt: skip
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         s = agg[key]
         if s["count"]:

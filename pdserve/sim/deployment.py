@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from pdserve.sim.hardware import Accelerator, Link
 from pdserve.sim.latency import Efficiency, LatencyModel
 from pdserve.sim.models import ModelSpec
+from pdserve.sim.overhead import ServingOverhead
 
 MODES = ("colocated", "disagg")
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """What the deployment runs on: model, device, KV link, efficiencies and dtypes."""
+    """What the deployment runs on: model, device, KV link, efficiencies and dtypes, and the
+    serving path's overhead per mode (`pdserve profile`'s serving calibration; none by default,
+    as for a GPU preset)."""
 
     model: ModelSpec
     accel: Accelerator
@@ -22,9 +26,21 @@ class Cluster:
     eff: Efficiency = Efficiency()
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
+    serving: Mapping[str, ServingOverhead] = field(default_factory=dict)
 
-    def latency(self, tp: int) -> LatencyModel:
-        return LatencyModel(self.model, self.accel, tp, self.eff, self.weight_dtype, self.kv_dtype)
+    def overhead(self, mode: str) -> ServingOverhead:
+        """The serving overhead of `mode` (zero when none was calibrated)."""
+        return self.serving.get(mode, ServingOverhead())
+
+    def latency(self, tp: int, mode: str | None = None) -> LatencyModel:
+        """Iteration times at TP `tp`; with a `mode`, every iteration also pays that mode's
+        serving overhead per step and per sequence."""
+        eff = self.eff
+        if mode and mode in self.serving:
+            over = self.serving[mode]
+            eff = replace(eff, iteration_overhead_s=eff.iteration_overhead_s + over.step_s,
+                          per_seq_overhead_s=eff.per_seq_overhead_s + over.seq_s)  # fmt: skip
+        return LatencyModel(self.model, self.accel, tp, eff, self.weight_dtype, self.kv_dtype)
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,19 @@ class Deployment:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} size must be >= 1 token, got {value}")
+
+    @classmethod
+    def served(cls, mode: str) -> Deployment:
+        """What `pdserve serve --mode MODE` runs with its defaults: one worker co-located, or
+        one prefill and one decode worker with the router's conditional disaggregation (short
+        prompts on the decode worker while the prefill pool is busy; an idle pool takes them)
+        and the decode worker's own prefills in steps of 64 tokens (--decode-chunk-size). The
+        engine's defaults: 64 sequences; whole prompts up to the bundled model's 8k context."""
+        engine = {"max_num_seqs": 64, "max_batched_tokens": 8192}
+        if mode != "disagg":
+            return cls(mode, **engine)
+        router = {"local_prefill_threshold": 256, "short_prefills_to_idle_pool": True}
+        return cls(mode, **router, decode_chunk=64, **engine)
 
     @property
     def num_gpus(self) -> int:

@@ -2,7 +2,7 @@
 
 One forward pass over a batch of T new tokens costs
 
-    overhead + per_seq x seqs + all-reduce
+    overhead + per_seq x seqs + per_cached_token x cached tokens read + all-reduce
     + max(GEMM FLOPs / (peak x mfu x T / (T + half_tokens)), bytes / (bandwidth x mbu))
     + attention FLOPs / (peak x attn_eff)
 
@@ -39,12 +39,15 @@ class Efficiency:
     per_seq_overhead_s: float = 0.0
     attn_eff: float = 0.5  # FlashAttention-class kernels: ~50 % of peak
     half_tokens: float = 128.0  # GEMM rows at which efficiency is half of `mfu`
+    # Seconds per cached token a pass reads beyond the bandwidth roof: an engine whose decode
+    # attention gathers paged KV slowly (pdserve's on a CPU); 0 for fused GPU kernels.
+    per_cached_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("mfu", "mbu", "attn_eff"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"efficiency {name} must be in (0, 1], got {getattr(self, name)}")
-        if self.iteration_overhead_s < 0 or self.per_seq_overhead_s < 0:
+        if min(self.iteration_overhead_s, self.per_seq_overhead_s, self.per_cached_token_s) < 0:
             raise ValueError("overheads must be >= 0 seconds")
         if self.half_tokens < 0:
             raise ValueError(f"half_tokens must be >= 0, got {self.half_tokens}")
@@ -149,6 +152,7 @@ class LatencyModel:
         return (
             self.eff.iteration_overhead_s
             + self.eff.per_seq_overhead_s * batch.seqs
+            + self.eff.per_cached_token_s * batch.kv_read
             + self.allreduce_s(batch.tokens)
         )
 
@@ -182,11 +186,11 @@ class LatencyModel:
     def decode_coeffs(self, seqs: int, ctx_sum: float) -> DecodeCoeffs:
         """Coefficients of a pure decode stretch: `seqs` sequences, `ctx_sum` cached tokens."""
         w = self.work(Batch(seqs, seqs, 0, ctx_sum, seqs))
-        attn = self._attn_flops / self._attn_s
+        per_ctx = self._attn_flops / self._attn_s + self.eff.per_cached_token_s  # per token
         kv = self.kv_bytes_per_token_gpu / self._bytes_s
         return DecodeCoeffs(
-            self._fixed(Batch(seqs, seqs, 0, 0, seqs)) + attn * ctx_sum,
-            attn * seqs,
+            self._fixed(Batch(seqs, seqs, 0, 0, seqs)) + per_ctx * ctx_sum,
+            per_ctx * seqs,
             self._gemm_s(w.gemm_flops, seqs),
             0.0,
             w.bytes / self._bytes_s,

@@ -2,8 +2,13 @@
 
 Prefill of B prompts of P tokens is timed as `generate(..., max_tokens=1)`; one decode step at
 batch B as (time of max_tokens=N+1 - time of max_tokens=1) / N. Every call uses fresh token ids
-so the engine's prefix cache never turns a prefill into a cache hit. The fit chooses `mfu` and
-`mbu` on a log grid and the overheads by least squares, minimising relative error.
+so the engine's prefix cache never turns a prefill into a cache hit. Each point is the median of
+`repeats` timings (decode: of the differences of back-to-back pairs): what a step typically
+costs, which is what the served engine sees, unmoved by one disturbed timing. The grids reach
+the lengths and batches a mixed workload does (prompts to 3k tokens, batches to 16, a 2k-token
+context), because the fit extrapolates poorly: fitted on prompts up to 512 tokens it put a
+3k-token prefill at 2.5x its measured time. The fit chooses `mfu` and `mbu` on a log grid and
+the overheads by least squares, minimising relative error.
 
 The engine is passed in (anything with `generate(prompts, params)` and `model_config`), so the
 fit is tested with a fake engine; the CLI builds the real `pdserve.LLM`.
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -22,8 +28,9 @@ from pdserve.sim.latency import Batch, Efficiency, LatencyModel
 from pdserve.sim.models import ModelSpec, from_engine_config
 
 PROFILE_VERSION = 1
-DEFAULT_PREFILL = ((1, 32), (1, 128), (1, 512), (4, 128))  # (batch, prompt tokens)
-DEFAULT_DECODE = ((1, 64), (4, 64), (16, 64), (4, 512))  # (batch, context tokens)
+DEFAULT_PREFILL = ((1, 32), (1, 128), (1, 512), (4, 128), (1, 2048), (1, 3072))  # (batch, tokens)
+DEFAULT_DECODE = ((1, 64), (2, 64), (4, 64), (8, 64), (16, 64), (4, 256), (1, 2048))  # (batch, ctx)
+DEFAULT_DECODE_STEPS = 32  # enough decode time to stand out of the noise of a 2k-token prefill
 
 
 class Point(NamedTuple):
@@ -63,13 +70,13 @@ def measure_engine(
     sampling_params: Callable[[int], Any],
     prefill_grid: Sequence[tuple[int, int]] = DEFAULT_PREFILL,
     decode_grid: Sequence[tuple[int, int]] = DEFAULT_DECODE,
-    decode_steps: int = 8,
+    decode_steps: int = DEFAULT_DECODE_STEPS,
     clock: Callable[[], float] = time.perf_counter,
     repeats: int = 1,
 ) -> list[Point]:
     """Time `llm` over the grids; `sampling_params(n)` builds greedy params for n tokens.
 
-    Each timing is the fastest of `repeats` (other load on the machine only ever adds time).
+    Each point is the median of `repeats` timings (decode: of back-to-back differences).
     """
     prompts = _Prompts(llm.model_config.vocab_size)
 
@@ -79,14 +86,18 @@ def measure_engine(
         llm.generate(ids, sampling_params(max_tokens))
         return clock() - start
 
-    def run(batch: int, length: int, max_tokens: int) -> float:
-        return min(once(batch, length, max_tokens) for _ in range(repeats))
+    def prefill(batch: int, length: int) -> float:
+        return statistics.median(once(batch, length, 1) for _ in range(repeats))
 
-    run(1, 16, 2)  # warm-up: first-call allocations and lazy initialisation
-    points = [Point("prefill", b, n, run(b, n, 1)) for b, n in prefill_grid]
-    for b, n in decode_grid:
-        steps = (run(b, n, decode_steps + 1) - run(b, n, 1)) / decode_steps
-        points.append(Point("decode", b, n, max(steps, 1e-9)))
+    def decode(batch: int, length: int) -> float:
+        diffs = (
+            once(batch, length, decode_steps + 1) - once(batch, length, 1) for _ in range(repeats)
+        )
+        return max(statistics.median(diffs) / decode_steps, 1e-9)
+
+    once(1, 16, 2)  # warm-up: first-call allocations and lazy initialisation
+    points = [Point("prefill", b, n, prefill(b, n)) for b, n in prefill_grid]
+    points += [Point("decode", b, n, decode(b, n)) for b, n in decode_grid]
     return points
 
 
@@ -104,18 +115,19 @@ HALF_TOKENS_GRID = (0.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 
 def fit_efficiency(
     points: Sequence[Point], model: ModelSpec, accel: Accelerator, weight_dtype: str,
-    decode_steps: int = 8,
+    decode_steps: int = DEFAULT_DECODE_STEPS,
 ) -> Fit:  # fmt: skip
     """Fit `points` with the latency model, minimising relative squared error.
 
-    mfu, mbu and half_tokens are searched on grids; for each, the overheads and the attention
-    cost (which enter linearly) are solved by non-negative least squares. Needs >= 2 points.
+    mfu, mbu and half_tokens are searched on grids; for each, the overheads (per pass, per
+    sequence, per cached token read) and the attention cost, which enter linearly, are solved
+    by non-negative least squares. Needs >= 2 points.
     """
     import numpy as np
 
     if len(points) < 2:
         raise ValueError("profiling needs at least 2 measurements to fit; add grid points")
-    unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0),
+    unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0),
                         weight_dtype, weight_dtype)  # fmt: skip
     batches = [point_batch(p, decode_steps) for p in points]
     work = np.array([unit.work(b) for b in batches])
@@ -123,16 +135,17 @@ def fit_efficiency(
     mem = work[:, 2] / accel.mem_bytes_per_s
     tokens = np.array([b.tokens for b in batches], dtype=np.float64)
     seqs = np.array([b.seqs for b in batches], dtype=np.float64)
+    cached = np.array([b.kv_read for b in batches], dtype=np.float64)
     t = np.array([p.seconds for p in points])
-    linear = np.stack([np.ones_like(t), seqs, attn], axis=1) / t[:, None]
+    linear = np.stack([np.ones_like(t), seqs, attn, cached], axis=1) / t[:, None]
     best = (math.inf, Efficiency())
     for mfu, half, mbu in itertools.product(EFF_GRID, HALF_TOKENS_GRID, EFF_GRID):
         roof = np.maximum(gemm / mfu * (1 + half / tokens), mem / mbu)
         coef, err = _nnls(linear, (t - roof) / t)
         if err < best[0]:
-            over, per_seq, attn_cost = coef
+            over, per_seq, attn_cost, per_cached = coef
             attn_eff = min(1.0, 1.0 / attn_cost) if attn_cost > 0 else 1.0
-            best = (err, Efficiency(mfu, mbu, over, per_seq, attn_eff, half))
+            best = (err, Efficiency(mfu, mbu, over, per_seq, attn_eff, half, per_cached))
     eff = best[1]
     fitted = LatencyModel(model, accel, 1, eff, weight_dtype, weight_dtype)
     rel = np.abs(np.array([fitted.iteration(b) for b in batches]) / t - 1)

@@ -5,8 +5,10 @@ prefill, and disaggregated P:D pools with their own TP degrees joined by the KV 
 Arrivals are routed like pdserve's router: co-located and decode instances by least outstanding
 requests, prefill instances by fewest queued prompt tokens. Events are instance iteration or
 decode-stretch ends and fabric completions, in a heap; arrivals are merged in from their sorted
-list. The output is bench's `RequestRecord`s and `summarize` aggregates, so simulated and
-measured runs share one JSON shape.
+list. A calibrated serving path (`Cluster.serving`) delays every arrival by its per-request
+overhead and lengthens every iteration by its per-step and per-sequence ones. The output is
+bench's `RequestRecord`s and `summarize` aggregates, so simulated and measured runs share one
+JSON shape.
 """
 
 from __future__ import annotations
@@ -42,9 +44,12 @@ class _Loop:
         self.cluster, self.dep = cluster, dep
         self.finished: list[SimRequest] = []
         self.judged = self.misses = 0
+        # The serving path: a request reaches an instance this long after it was sent.
+        self.request_delay = cluster.overhead(dep.mode).request_s
 
         def make(name: str, role: str, tp: int, budget: int) -> Instance:
-            inst = Instance(name, role, cluster.latency(tp), budget, dep.max_num_seqs, self.itl)
+            lat = cluster.latency(tp, dep.mode)
+            inst = Instance(name, role, lat, budget, dep.max_num_seqs, self.itl)
             inst.link_bw, inst.finished = cluster.link.instance_bytes_per_s(tp), self.finished
             return inst
 
@@ -65,6 +70,9 @@ class _Loop:
         self.fabric = Fabric(cluster.link, cluster.model.num_layers)
         self.kv_per_token = kv_bytes_per_token(cluster.model, cluster.kv_dtype)
         self.fabric_version = 0
+        # Requests sent to the prefill pool whose first token has not come back: the router's
+        # "prefill pool busy" (it counts them until the KV has landed, not just until computed).
+        self.remote_pending = 0
 
     # -- scheduling ------------------------------------------------------------------------
     def push(self, t: float, kind: int, inst: Instance | None) -> None:
@@ -118,10 +126,11 @@ class _Loop:
         if self.dep.mode == "colocated":
             inst = min(self.front, key=lambda i: i.load)
         elif r.prompt < self.dep.local_prefill_threshold and not (
-            self.dep.short_prefills_to_idle_pool and sum(p.queued_tokens for p in self.front) == 0
+            self.dep.short_prefills_to_idle_pool and self.remote_pending == 0
         ):
             inst = min(self.decoders, key=lambda i: i.load + i.inbound)
         else:
+            self.remote_pending += 1
             inst = min(self.front, key=lambda i: i.queued_tokens)
             r.decoder = min(self.decoders, key=lambda i: i.load + i.inbound)
             r.decoder.inbound += 1
@@ -144,6 +153,7 @@ class _Loop:
 
     def fabric_done(self, now: float) -> None:
         for r in self.fabric.complete(now):
+            self.remote_pending -= 1
             self.first_token(r, now)
             r.prefiller.free_prefill(r)
             self.poke(r.prefiller, now)  # freed memory may admit a waiting prompt
@@ -173,12 +183,12 @@ class _Loop:
     def run(self, requests: list[SimRequest], max_misses: int | None) -> None:
         """Process every arrival and event until nothing is left, or stop once more than
         `max_misses` requests have missed the SLO (the outcome is then already known)."""
-        heap, i, n = self.heap, 0, len(requests)
+        heap, i, n, delay = self.heap, 0, len(requests), self.request_delay
         while i < n or heap:
-            if i < n and (not heap or requests[i].arrival <= heap[0][0]):
+            if i < n and (not heap or requests[i].arrival + delay <= heap[0][0]):
                 r = requests[i]
                 i += 1
-                self.arrive(r, r.arrival)
+                self.arrive(r, r.arrival + delay)
                 continue
             now, _, version, inst = heapq.heappop(heap)
             if inst is None:

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.sim.calibration import load_profile, profile_document
 from pdserve.sim.hardware import Accelerator
-from pdserve.sim.latency import Batch, Efficiency, LatencyModel
+from pdserve.sim.latency import Batch, Efficiency, LatencyModel, stretch_time
 from pdserve.sim.models import from_engine_config
 from pdserve.sim.profile import EFF_GRID, fit_efficiency, measure_engine
 
@@ -18,7 +18,8 @@ CONFIG = SimpleNamespace(
     intermediate_size=1536, vocab_size=49152,
 )  # fmt: skip
 # True values on the fit's grids are recovered exactly.
-TRUE = Efficiency(EFF_GRID[27], EFF_GRID[25], 0.003, 0.0005, attn_eff=0.25, half_tokens=16.0)
+TRUE = Efficiency(EFF_GRID[27], EFF_GRID[25], 0.003, 0.0005, attn_eff=0.25, half_tokens=16.0,
+                  per_cached_token_s=2e-6)  # fmt: skip
 
 
 class FakeLLM:
@@ -60,6 +61,7 @@ def test_fit_recovers_known_efficiencies(tmp_path):
     assert eff.iteration_overhead_s == pytest.approx(0.003, rel=1e-6)
     assert eff.per_seq_overhead_s == pytest.approx(0.0005, rel=1e-6)
     assert eff.attn_eff == pytest.approx(0.25, rel=1e-6)
+    assert eff.per_cached_token_s == pytest.approx(2e-6, rel=1e-6)
     assert fit.max_rel_error < 1e-6
     doc = profile_document(CPU.__dict__ | {"tp_link": "pcie-gen4"}, from_engine_config(CONFIG),
                            "fp32", points, fit, 8)  # fmt: skip
@@ -90,3 +92,31 @@ def test_profile_real_engine_smoke(tmp_path):
     assert main(args) == 0
     prof = load_profile(out)
     assert prof.model.num_layers == 30 and 0 < prof.efficiency.mfu <= 1
+
+
+def test_each_point_is_the_median_of_its_repeats():
+    # Of three timings one is true, one twice as fast, one twice as slow (decode: the pair of
+    # calls alike): the median is the true cost; the fastest would be half of it.
+    llm = FakeLLM()
+    scales = iter([1.0] + [1.0, 0.5, 2.0] + [1.0, 1.0, 0.5, 0.5, 2.0, 2.0])  # warm-up first
+
+    def generate(prompts, max_tokens, base=llm.generate):
+        start = llm.now
+        out = base(prompts, max_tokens)
+        llm.now = start + (llm.now - start) * next(scales)
+        return out
+
+    llm.generate = generate
+    points = measure_engine(llm, lambda n: n, ((1, 32),), ((4, 16),), 8, lambda: llm.now, 3)
+    lat = llm.latency
+    assert points[0].seconds == pytest.approx(lat.iteration(Batch(32, 1, 32 * 16, 0, 1)))
+    decode = sum(lat.iteration(Batch(4, 4, 4 * (16 + j), 4 * (16 + j), 4)) for j in range(1, 9))
+    assert points[1].seconds == pytest.approx(decode / 8, rel=1e-9)
+
+
+def test_decode_stretch_agrees_with_the_iteration_it_sums():
+    # The stretch's closed form carries every per-context cost (attention, cached-token reads)
+    # the iteration does, step by step as the context grows.
+    lat = LatencyModel(from_engine_config(CONFIG), CPU, 1, TRUE, "fp32", "fp32")
+    steps = [lat.iteration(Batch(4, 4, 4 * 300 + 4 * i, 4 * 300 + 4 * i, 4)) for i in range(5)]
+    assert stretch_time(lat.decode_coeffs(4, 4 * 300), 5) == pytest.approx(sum(steps), rel=1e-12)

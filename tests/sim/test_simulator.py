@@ -153,3 +153,15 @@ def test_decode_chunk_sets_the_decoders_step_budget():
     chunked = simulate(cl, Deployment("disagg", local_prefill_threshold=64, decode_chunk=16),
                        [req(0, 0.0, 60, 2)], SLO_LOOSE)  # fmt: skip
     assert chunked.records[0].ttft_s > whole.records[0].ttft_s  # 4 steps instead of 1
+
+
+def test_pool_stays_busy_until_the_kv_has_landed_like_the_router():
+    # The router counts a remote request as pending until its first token (after the KV has
+    # landed), not only while it computes: a short prompt arriving while r0's KV is still on
+    # the (slow) link prefills on the decoder.
+    cl = cluster(Link("slow", "", 1e6, 1e6))
+    dep = Deployment("disagg", local_prefill_threshold=64, short_prefills_to_idle_pool=True)
+    computed = cl.latency(1).prefill(100)
+    assert computed < 0.05  # r1 arrives after r0 computed, before its KV landed (0.2048 s)
+    res = simulate(cl, dep, [req(0, 0.0, 100, 2), req(1, 0.1, 32, 2)], SLO_LOOSE)
+    assert res.kv_bytes_sent == pytest.approx(kv_bytes(MODEL, 100, "fp16"), rel=1e-9)

@@ -1,0 +1,195 @@
+"""Serving overhead: what the served path adds to the bare engine that `pdserve profile` times.
+
+The profile times `LLM.generate` alone. A served request also crosses the HTTP server, the
+router (tokenization, placement, detokenization), ZeroMQ hops to and from the worker
+(disaggregated: router -> D -> router -> P -> router -> D) and bench's client; every engine
+step shares its worker's loop with messages and heartbeat snapshots, and every streamed token
+costs detokenization, an SSE event and the client's parsing, on the same cores as the engine.
+Three numbers per mode describe that, all >= 0:
+
+* `request_s`, once per request: in the simulator a request reaches an instance this long
+  after it was sent (its TTFT still counts from the send);
+* `step_s`, once per engine iteration, and `seq_s`, once per sequence in it: they lengthen
+  the instance's steps, so they enter TPOT once per token and slow everything batched.
+
+The probes (`probe_groups`) are small groups of short requests sent together (1, 4, 1 and 8
+at once, three rounds) to an idle server by `measure_probes`, with bench's own client and
+prompts. `fit_overhead` simulates each group alone on the calibrated cluster and fits the
+excess of measured over predicted TPOT (medians per group size) as step_s and seq_s times
+their slopes (how much each adds to a request's TPOT, found by simulating 1 ms of each: about
+1 and the batch it decoded in); `request_s` is the median excess of TTFT of the lone requests
+once step_s and seq_s are in the prediction. Prompts are short so that the engine model's own
+error on long prefills is not mistaken for overhead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from pdserve.bench.metrics import SLO, RequestRecord
+from pdserve.bench.workload import RequestSpec
+
+PROBE_PROMPTS = (32, 128, 224)  # tokens; below the router's 256-token local threshold
+PROBE_OUTPUT = 32  # tokens: 31 inter-token gaps per request
+PROBE_SIZES = (1, 4, 1, 8)  # requests sent together; lone ones twice, for request_s
+PROBE_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class ServingOverhead:
+    """Seconds the serving path adds per request (to TTFT), per engine step and per sequence
+    in each step."""
+
+    request_s: float = 0.0
+    step_s: float = 0.0
+    seq_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.request_s, self.step_s, self.seq_s) < 0:
+            raise ValueError(f"serving overheads must be >= 0 seconds, got {self}")
+
+
+class OverheadFit(NamedTuple):
+    """The fitted overhead, and the raw TTFT excess of a lone request and TPOT excess per group
+    size it came from (negative: the server was faster than the bare-engine prediction, so the
+    profile is too slow)."""
+
+    overhead: ServingOverhead
+    raw_request_s: float
+    raw_tpot_s: dict[int, float]  # by group size
+    probes: int
+
+
+def probe_groups(
+    sizes: Sequence[int] = PROBE_SIZES, prompts: Sequence[int] = PROBE_PROMPTS,
+    output: int = PROBE_OUTPUT, repeats: int = PROBE_REPEATS,
+) -> list[list[RequestSpec]]:  # fmt: skip
+    """Groups of requests to send together: a lone warm-up (`measure_probes` drops it), then
+    every size `repeats` times, interleaved so slow drift on the machine touches each alike.
+    Prompt lengths cycle through `prompts`; indexes are unique over all groups."""
+    index, lengths = itertools.count(), itertools.cycle(prompts)
+    return [
+        [RequestSpec(next(index), 0.0, "probe", next(lengths), output) for _ in range(k)]
+        for k in (1, *(k for _ in range(repeats) for k in sizes))
+    ]
+
+
+def measure_probes(
+    url: str, groups: list[list[RequestSpec]], seed: int = 7_777
+) -> list[list[RequestRecord]]:
+    """Send each group at once, one group after another, to the server at `url` (the API base,
+    e.g. http://127.0.0.1:8000/v1) with bench's client and exact-length prompts; returns the
+    records of every group after the warm-up. `seed` picks the prompts' words (no prefix hits)."""
+    from pdserve.bench.client import Endpoint
+    from pdserve.bench.prompts import load_prompt_builder
+    from pdserve.bench.runner import LoadConfig, run_load
+
+    prompts = load_prompt_builder("bundled", seed)
+    measured = []
+    for group in groups:
+        load = LoadConfig(num_requests=len(group), seed=seed)  # open loop, all at once
+        run = run_load(Endpoint(url), lambda *_, g=group: g, prompts, load, _NO_SLO,
+                       "serving overhead", progress=False)  # fmt: skip
+        bad = [r for r in run.records if r.status != "ok"]
+        if bad:
+            raise RuntimeError(f"serving-overhead probe failed: {bad[0].status}: {bad[0].error}")
+        measured.append(run.records)
+    return measured[1:]
+
+
+def fit_overhead(cluster, dep, groups: list[list[RequestRecord]]) -> OverheadFit:
+    """Fit `ServingOverhead` for `dep.mode` from `groups` of requests served together on an
+    idle server (each with >= 2 output tokens; at least one lone request), against the
+    simulation of each group alone on `cluster`."""
+    records = [r for g in groups for r in g]
+    if not any(len(g) == 1 for g in groups) or any(
+        r.ttft_s is None or r.output_tokens < 2 for r in records
+    ):
+        raise ValueError(
+            "the overhead fit needs finished requests with >= 2 output tokens, some sent alone"
+        )
+    medians = _tpot_excess(cluster, dep, groups)
+    step, seq = _nonneg_fit(list(medians.values()))
+    lone = [g for g in groups if len(g) == 1]
+    pred = _predicted(_with(cluster, dep.mode, ServingOverhead(0.0, step, seq)), dep, lone)
+    raw_request = statistics.median(g[0].ttft_s - pred[g[0].index].ttft_s for g in lone)
+    fitted = ServingOverhead(max(raw_request, 0.0), step, seq)
+    raw_tpot = {k: m[0] for k, m in sorted(medians.items())}
+    return OverheadFit(fitted, raw_request, raw_tpot, len(records))
+
+
+def _tpot_excess(cluster, dep, groups) -> dict[int, tuple[float, ...]]:
+    """Per group size, medians of (measured - predicted TPOT, its slope in step_s, its slope
+    in seq_s). TPOT is linear in both for a given schedule; the slopes per request (the share
+    of its decode a step is, and the batch it decoded in) come from simulating 1 ms of each,
+    so that staggered groups (the first to arrive prefills alone; disaggregated, short prompts
+    prefill on D in chunks) are weighed by the batches they actually ran in."""
+    runs = [
+        _predicted(_with(cluster, dep.mode, ServingOverhead(0.0, *unit)), dep, groups)
+        for unit in ((0.0, 0.0), (_UNIT_S, 0.0), (0.0, _UNIT_S))
+    ]
+    rows: dict[int, list[tuple[float, float, float]]] = {}
+    for g in groups:
+        for r in g:
+            bare, step, seq = (run[r.index].tpot_s for run in runs)
+            slopes = ((step - bare) / _UNIT_S, (seq - bare) / _UNIT_S)
+            rows.setdefault(len(g), []).append((r.tpot_s - bare, *slopes))
+    return {k: tuple(map(statistics.median, zip(*v, strict=True))) for k, v in rows.items()}
+
+
+_UNIT_S = 1e-3
+
+
+def _nonneg_fit(rows: list[tuple[float, ...]]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising the squared error of y ~ a x1 + b x2 over rows (y, x1, x2)."""
+    import numpy as np
+
+    y, x = np.array([r[0] for r in rows]), np.array([r[1:] for r in rows])
+    best, best_err = (0.0, 0.0), float(y @ y)
+    for cols in ([0, 1], [0], [1]):
+        sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if (sol < 0).any():
+            continue
+        coef = np.zeros(2)
+        coef[cols] = sol
+        err = float(((y - x @ coef) ** 2).sum())
+        if err < best_err:
+            best, best_err = (float(coef[0]), float(coef[1])), err
+    return best
+
+
+def describe_overhead(fit: OverheadFit) -> str:
+    """One line for people: the fitted overhead and, when clipped, why."""
+    o = fit.overhead
+    raw = ", ".join(f"{k}: {v * 1e3:+.1f}" for k, v in fit.raw_tpot_s.items())
+    text = (
+        f"{o.request_s * 1e3:.1f} ms per request, {o.step_s * 1e3:.2f} ms per step + "
+        f"{o.seq_s * 1e3:.2f} ms per sequence ({fit.probes} requests; TPOT excess by group size "
+        f"{raw} ms)"
+    )
+    if fit.raw_request_s < 0 or min(fit.raw_tpot_s.values()) < 0:
+        text += "; served faster than the profile predicts in places (taken as 0): the "
+        text += "profile may be slow, re-run it on a quiet machine"
+    return text
+
+
+def _with(cluster, mode: str, overhead: ServingOverhead):
+    return replace(cluster, serving={**cluster.serving, mode: overhead})
+
+
+def _predicted(cluster, dep, groups) -> dict[int, RequestRecord]:
+    """Simulated records, by index, of each group arriving together at an idle deployment."""
+    from pdserve.sim.simulator import simulate
+
+    out = {}
+    for g in groups:
+        specs = [RequestSpec(r.index, 0.0, r.klass, r.prompt_tokens, r.output_tokens) for r in g]
+        out.update((r.index, r) for r in simulate(cluster, dep, specs, _NO_SLO).records)
+    return out
+
+
+_NO_SLO = SLO(600.0, 60.0)  # probes are judged by their timings, not an SLO

@@ -58,6 +58,9 @@ class Instance:
     ) -> None:  # fmt: skip
         self.name, self.role, self.lat = name, role, latency
         self.budget, self.max_num_seqs = budget, max_num_seqs
+        # A disaggregated decode worker chunks its own prefills only while streams run: with
+        # none, it computes them within this budget instead (None: always `budget`).
+        self.idle_budget: int | None = None
         self.capacity = latency.kv_capacity_tokens
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
@@ -112,7 +115,10 @@ class Instance:
         self._admit_ready()
         if self.role == "decode":
             return None
-        remain = self.budget - self.num_running
+        budget = self.budget
+        if self.idle_budget is not None and self.num_running == 0:
+            budget = self.idle_budget
+        remain = budget - self.num_running
         parts: list[tuple[SimRequest, int]] = []
         for r in self.prefilling:
             if remain <= 0:

@@ -67,6 +67,9 @@ class _Loop:
             self.decoders = [
                 make(f"d{i}", role, dep.decode_tp, d_budget) for i in range(dep.num_decode)
             ]
+            if dep.decode_chunk:  # as the engine: chunked only beside running streams
+                for d in self.decoders:
+                    d.idle_budget = budget
         self.fabric = Fabric(cluster.link, cluster.model.num_layers)
         self.kv_per_token = kv_bytes_per_token(cluster.model, cluster.kv_dtype)
         self.fabric_version = 0

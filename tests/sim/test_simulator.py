@@ -144,15 +144,21 @@ def test_short_prompts_go_to_an_idle_prefill_pool_like_the_router():
     assert res.records[2].ttft_s > prefill  # r2 paid the transfer: it went through the pool
 
 
-def test_decode_chunk_sets_the_decoders_step_budget():
+def test_decode_chunk_sets_the_decoders_step_budget_beside_running_streams():
     with pytest.raises(ValueError, match="decode_chunk size must be >= 1"):
         Deployment("disagg", decode_chunk=0)
     cl = cluster(Link("slow", "", 1e6, 1e6))
-    whole = simulate(cl, Deployment("disagg", local_prefill_threshold=64),
-                     [req(0, 0.0, 60, 2)], SLO_LOOSE)  # fmt: skip
-    chunked = simulate(cl, Deployment("disagg", local_prefill_threshold=64, decode_chunk=16),
-                       [req(0, 0.0, 60, 2)], SLO_LOOSE)  # fmt: skip
-    assert chunked.records[0].ttft_s > whole.records[0].ttft_s  # 4 steps instead of 1
+    whole = Deployment("disagg", local_prefill_threshold=64)
+    chunked = Deployment("disagg", local_prefill_threshold=64, decode_chunk=16)
+    alone = [req(0, 0.0, 60, 2)]  # nothing decodes on the decoder: one step, as the engine
+    assert simulate(cl, chunked, alone, SLO_LOOSE).records[0].ttft_s == pytest.approx(
+        simulate(cl, whole, alone, SLO_LOOSE).records[0].ttft_s, rel=1e-12
+    )
+    first = simulate(cl, whole, [req(0, 0.0, 20, 400)], SLO_LOOSE).records[0].ttft_s
+    beside = [req(0, 0.0, 20, 400), req(1, first + 1e-6, 60, 2)]  # r0 is decoding by then
+    w = simulate(cl, whole, beside, SLO_LOOSE).records[1].ttft_s
+    c = simulate(cl, chunked, beside, SLO_LOOSE).records[1].ttft_s
+    assert c > w  # 4 steps of 15 beside r0's token instead of 1
 
 
 def test_pool_stays_busy_until_the_kv_has_landed_like_the_router():

@@ -4,7 +4,11 @@ Prefill of B prompts of P tokens is timed as `generate(..., max_tokens=1)`; one 
 batch B as (time of max_tokens=N+1 - time of max_tokens=1) / N. Every call uses fresh token ids
 so the engine's prefix cache never turns a prefill into a cache hit. Each point is the median of
 `repeats` timings (decode: of the differences of back-to-back pairs): what a step typically
-costs, which is what the served engine sees, unmoved by one disturbed timing. The grids reach
+costs, which is what the served engine sees, unmoved by one disturbed timing. The repeats are
+taken in rounds over the whole grid, not back to back, so that each point is sampled across
+the profile's whole run: on a VM whose speed drifts between modes (the two-thread engine here
+decodes at ~37 or ~50 ms per step, switching within seconds) a slow stretch then shifts every
+point's samples alike instead of deciding a few points outright. The grids reach
 the lengths and batches a mixed workload does (prompts to 3k tokens, batches to 16, a 2k-token
 context), because the fit extrapolates poorly: fitted on prompts up to 512 tokens it put a
 3k-token prefill at 2.5x its measured time. The fit chooses `mfu` and `mbu` on a log grid and
@@ -76,7 +80,8 @@ def measure_engine(
 ) -> list[Point]:
     """Time `llm` over the grids; `sampling_params(n)` builds greedy params for n tokens.
 
-    Each point is the median of `repeats` timings (decode: of back-to-back differences).
+    Each point is the median of `repeats` timings (decode: of back-to-back differences), taken
+    in `repeats` rounds over the whole grid.
     """
     prompts = _Prompts(llm.model_config.vocab_size)
 
@@ -86,19 +91,18 @@ def measure_engine(
         llm.generate(ids, sampling_params(max_tokens))
         return clock() - start
 
-    def prefill(batch: int, length: int) -> float:
-        return statistics.median(once(batch, length, 1) for _ in range(repeats))
+    def sample(phase: str, batch: int, length: int) -> float:
+        if phase == "prefill":
+            return once(batch, length, 1)
+        return (once(batch, length, decode_steps + 1) - once(batch, length, 1)) / decode_steps
 
-    def decode(batch: int, length: int) -> float:
-        diffs = (
-            once(batch, length, decode_steps + 1) - once(batch, length, 1) for _ in range(repeats)
-        )
-        return max(statistics.median(diffs) / decode_steps, 1e-9)
-
+    grid = [("prefill", b, n) for b, n in prefill_grid] + [("decode", b, n) for b, n in decode_grid]
     once(1, 16, 2)  # warm-up: first-call allocations and lazy initialisation
-    points = [Point("prefill", b, n, prefill(b, n)) for b, n in prefill_grid]
-    points += [Point("decode", b, n, decode(b, n)) for b, n in decode_grid]
-    return points
+    samples: dict[tuple[str, int, int], list[float]] = {g: [] for g in grid}
+    for _ in range(repeats):
+        for g in grid:
+            samples[g].append(sample(*g))
+    return [Point(*g, max(statistics.median(samples[g]), 1e-9)) for g in grid]
 
 
 class Fit(NamedTuple):

@@ -98,7 +98,8 @@ def test_each_point_is_the_median_of_its_repeats():
     # Of three timings one is true, one twice as fast, one twice as slow (decode: the pair of
     # calls alike): the median is the true cost; the fastest would be half of it.
     llm = FakeLLM()
-    scales = iter([1.0] + [1.0, 0.5, 2.0] + [1.0, 1.0, 0.5, 0.5, 2.0, 2.0])  # warm-up first
+    # warm-up, then three rounds over the grid (prefill, decode pair): one true, one fast, one slow
+    scales = iter([1.0] + [1.0, 1.0, 1.0] + [0.5, 0.5, 0.5] + [2.0, 2.0, 2.0])
 
     def generate(prompts, max_tokens, base=llm.generate):
         start = llm.now
@@ -108,6 +109,8 @@ def test_each_point_is_the_median_of_its_repeats():
 
     llm.generate = generate
     points = measure_engine(llm, lambda n: n, ((1, 32),), ((4, 16),), 8, lambda: llm.now, 3)
+    # repeats in rounds over the whole grid, so a slow stretch of the machine hits every point
+    assert llm.calls[1:] == [(1, 32, 1), (4, 16, 9), (4, 16, 1)] * 3
     lat = llm.latency
     assert points[0].seconds == pytest.approx(lat.iteration(Batch(32, 1, 32 * 16, 0, 1)))
     decode = sum(lat.iteration(Batch(4, 4, 4 * (16 + j), 4 * (16 + j), 4)) for j in range(1, 9))

@@ -33,8 +33,7 @@ import msgspec
 from pdserve.bench.metrics import SLO
 from pdserve.bench.workload import generate_requests, named_workload
 from pdserve.sim.calibration import load_profile, save_overhead
-from pdserve.sim.deployment import Cluster, Deployment
-from pdserve.sim.hardware import Link
+from pdserve.sim.deployment import Deployment
 from pdserve.sim.overhead import describe_overhead, fit_overhead, measure_probes, probe_groups
 from pdserve.sim.simulator import simulate
 
@@ -62,20 +61,13 @@ def ensure_profile(out: Path, threads: int) -> Path:
     return path
 
 
-def cluster_of(profile: Path, serving: bool = True) -> Cluster:
-    """This machine from its profile; `serving=False` leaves out the serving overhead."""
-    prof = load_profile(profile)
-    link = Link("loopback", "measured", prof.loopback_bytes_per_s, prof.loopback_bytes_per_s)
-    return Cluster(prof.model, prof.accelerator, link, prof.efficiency, prof.weight_dtype,
-                   prof.weight_dtype, prof.serving if serving else {})  # fmt: skip
-
-
 def calibrate_serving(mode: str, profile: Path, url: str, out: Path) -> None:
     """Fit the serving overhead of `mode` against the idle server at `url`; save it in the
     profile (and the probe requests' records in OUT/serving-MODE.json)."""
     groups = measure_probes(url, probe_groups())
     (out / f"serving-{mode}.json").write_bytes(msgspec.json.encode(groups))
-    fit = fit_overhead(cluster_of(profile, serving=False), Deployment.served(mode), groups)
+    bare = load_profile(profile).cluster(serving=False)
+    fit = fit_overhead(bare, Deployment.served(mode), groups)
     save_overhead(profile, mode, fit)
     print(f"{mode}: serving overhead {describe_overhead(fit)}", flush=True)
 
@@ -84,7 +76,8 @@ def predict(mode: str, profile: Path, args, rate: float, serving: bool = True) -
     reqs = generate_requests(named_workload(args.workload), args.num_requests, seed_of(args, rate),
                              rate=rate)  # fmt: skip
     slo = SLO(args.slo_ttft, args.slo_tpot)
-    return simulate(cluster_of(profile, serving), Deployment.served(mode), reqs, slo).aggregates
+    cluster = load_profile(profile).cluster(serving)
+    return simulate(cluster, Deployment.served(mode), reqs, slo).aggregates
 
 
 def measure(mode: str, args, rate: float, out: Path, url: str) -> dict:

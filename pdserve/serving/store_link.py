@@ -56,11 +56,11 @@ class StoreLink:
         self.evicted_offloads = 0  # evicted blocks whose copies the store took
         self.load_s = 0.0
 
-    def attach(self, engine: LLMEngine, overlap: bool = True) -> None:
-        """Load prefixes when the engine gives a sequence blocks (`overlap`: under the next
-        step where the engine allows it; never on a prefill worker); offload evicted blocks."""
+    def attach(self, engine: LLMEngine) -> None:
+        """Load prefixes when the engine gives a sequence blocks (under the next step where the
+        engine allows it, except on a prefill worker); offload evicted blocks."""
         bm = engine.block_manager
-        overlap = overlap and engine.config.role != "prefill"
+        overlap = engine.config.role != "prefill"
         engine.scheduler.on_allocate = lambda seq, under_step: self.load_prefix(
             seq, bm, overlap and under_step
         )
@@ -80,18 +80,16 @@ class StoreLink:
         n = self.client.lookup(hashes[start:])
         if n == 0:
             return 0
-        args = (
-            hashes[start : start + n],
-            seq.block_table[start : start + n],
-            [seq.token_ids[i * bs : (i + 1) * bs] for i in range(start, start + n)],
-            hashes[start - 1] if start else None,
-        )
+        wanted, dst = hashes[start : start + n], seq.block_table[start : start + n]
+        tokens = [seq.token_ids[i * bs : (i + 1) * bs] for i in range(start, start + n)]
+        parent = hashes[start - 1] if start else None
         if overlap:
-            job = self.client.start_load(*args)
-            seq.prefix_load = StoreLoad(self, job, args[0], start * bs, n * bs, t)
+            job = self.client.start_load(wanted, dst, tokens, parent)
+            seq.prefix_load = StoreLoad(self, job, wanted, start * bs, n * bs, t)
             seq.num_cached_tokens = seq.num_computed_tokens = (start + n) * bs
             return n * bs
-        landed = self._landed(args[0], self.client.load(args[0], args[1], None, *args[2:]), t)
+        loaded = self.client.load(wanted, dst, token_ids_per_block=tokens, parent=parent)
+        landed = self._landed(wanted, loaded, t)
         if landed:
             seq.num_cached_tokens = seq.num_computed_tokens = (start + landed) * bs
             bm.register_computed(seq)  # now also a local prefix-cache entry

@@ -18,7 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pdserve.sim.hardware import Accelerator
+from pdserve.sim.deployment import Cluster
+from pdserve.sim.hardware import Accelerator, Link
 from pdserve.sim.latency import Efficiency
 from pdserve.sim.models import ModelSpec
 from pdserve.sim.overhead import OverheadFit, ServingOverhead
@@ -127,6 +128,20 @@ class Profile(NamedTuple):
     weight_dtype: str
     loopback_bytes_per_s: float | None
     serving: dict[str, ServingOverhead]  # by mode; empty when not calibrated
+
+    def loopback(self) -> Link:
+        """TCP over loopback on the profiled machine, as measured."""
+        if not self.loopback_bytes_per_s:
+            raise ValueError("this profile has no loopback measurement: re-run `pdserve profile`")
+        rate = self.loopback_bytes_per_s
+        return Link("loopback", "TCP over loopback on this machine (measured)", rate, rate)
+
+    def cluster(self, serving: bool = True) -> Cluster:
+        """The profiled machine with its engine, over loopback; `serving=False` leaves out the
+        serving path's overhead (the bare engine)."""
+        return Cluster(self.model, self.accelerator, self.loopback(), self.efficiency,
+                       self.weight_dtype, self.weight_dtype,
+                       self.serving if serving else {})  # fmt: skip
 
 
 def load_profile(path: str | Path) -> Profile:

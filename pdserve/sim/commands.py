@@ -71,10 +71,7 @@ def _profile_serving(args: argparse.Namespace) -> None:
     from pdserve.sim.calibration import load_profile, save_overhead
     from pdserve.sim.overhead import describe_overhead, fit_overhead, measure_probes, probe_groups
 
-    prof = load_profile(args.out)
-    rate = prof.loopback_bytes_per_s
-    cluster = Cluster(prof.model, prof.accelerator, Link("loopback", "measured", rate, rate),
-                      prof.efficiency, prof.weight_dtype, prof.weight_dtype)  # fmt: skip
+    cluster = load_profile(args.out).cluster(serving=False)
     groups = measure_probes(args.serving_url, probe_groups())
     fit = fit_overhead(cluster, Deployment.served(args.serving_mode), groups)
     save_overhead(args.out, args.serving_mode, fit)
@@ -110,8 +107,7 @@ def _link_of(args: argparse.Namespace, prof) -> Link:
     if args.link.lower() == "loopback":
         if prof is None or not prof.loopback_bytes_per_s:
             raise ValueError("--link loopback needs --profile (it measures this machine's TCP)")
-        rate = prof.loopback_bytes_per_s
-        return Link("loopback", "TCP over loopback on this machine (measured)", rate, rate)
+        return prof.loopback()
     return get_link(args.link)
 
 

@@ -112,8 +112,13 @@ def fit_overhead(cluster, dep, groups: list[list[RequestRecord]]) -> OverheadFit
         raise ValueError(
             "the overhead fit needs finished requests with >= 2 output tokens, some sent alone"
         )
+    import numpy as np
+
+    from pdserve.sim.profile import nonneg_lstsq
+
     medians = _tpot_excess(cluster, dep, groups)
-    step, seq = _nonneg_fit(list(medians.values()))
+    rows = np.array(list(medians.values()))  # (TPOT excess, its slope in step_s, in seq_s)
+    (step, seq), _ = nonneg_lstsq(rows[:, 1:], rows[:, 0])
     lone = [g for g in groups if len(g) == 1]
     pred = _predicted(_with(cluster, dep.mode, ServingOverhead(0.0, step, seq)), dep, lone)
     raw_request = statistics.median(g[0].ttft_s - pred[g[0].index].ttft_s for g in lone)
@@ -142,24 +147,6 @@ def _tpot_excess(cluster, dep, groups) -> dict[int, tuple[float, ...]]:
 
 
 _UNIT_S = 1e-3
-
-
-def _nonneg_fit(rows: list[tuple[float, ...]]) -> tuple[float, float]:
-    """(a, b) >= 0 minimising the squared error of y ~ a x1 + b x2 over rows (y, x1, x2)."""
-    import numpy as np
-
-    y, x = np.array([r[0] for r in rows]), np.array([r[1:] for r in rows])
-    best, best_err = (0.0, 0.0), float(y @ y)
-    for cols in ([0, 1], [0], [1]):
-        sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-        if (sol < 0).any():
-            continue
-        coef = np.zeros(2)
-        coef[cols] = sol
-        err = float(((y - x @ coef) ** 2).sum())
-        if err < best_err:
-            best, best_err = (float(coef[0]), float(coef[1])), err
-    return best
 
 
 def describe_overhead(fit: OverheadFit) -> str:

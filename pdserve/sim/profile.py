@@ -145,7 +145,7 @@ def fit_efficiency(
     best = (math.inf, Efficiency())
     for mfu, half, mbu in itertools.product(EFF_GRID, HALF_TOKENS_GRID, EFF_GRID):
         roof = np.maximum(gemm / mfu * (1 + half / tokens), mem / mbu)
-        coef, err = _nnls(linear, (t - roof) / t)
+        coef, err = nonneg_lstsq(linear, (t - roof) / t)
         if err < best[0]:
             over, per_seq, attn_cost, per_cached = coef
             attn_eff = min(1.0, 1.0 / attn_cost) if attn_cost > 0 else 1.0
@@ -156,7 +156,7 @@ def fit_efficiency(
     return Fit(eff, float(np.median(rel)), float(rel.max()))
 
 
-def _nnls(a, y) -> tuple[list[float], float]:
+def nonneg_lstsq(a, y) -> tuple[list[float], float]:
     """Least squares with every coefficient >= 0, for a few columns: the unconstrained
     solution when it is feasible (then it is optimal), else the best over column subsets."""
     import numpy as np

@@ -52,10 +52,11 @@ def measure(n: int, tier: str, transport: str = "tcp", repeats: int = 1) -> dict
         try:
             writer = StoreClient(endpoint, SMOLLM2, *src, timeout_s=60)
             reader = StoreClient(endpoint, SMOLLM2, *dst, timeout_s=60)
-            for r in range(repeats):
-                tokens = list(range(r * 100_000, r * 100_000 + n * SMOLLM2.block_size))
-                hashes = block_hashes(tokens, SMOLLM2.block_size)
-                per_block = [tokens[i * 16 : (i + 1) * 16] for i in range(n)]
+            bs = SMOLLM2.block_size
+            for r in range(repeats):  # fresh tokens per repeat: the store must not hold them
+                tokens = list(range(r * n * bs, (r + 1) * n * bs))
+                hashes = block_hashes(tokens, bs)
+                per_block = [tokens[i * bs : (i + 1) * bs] for i in range(n)]
                 t0 = time.perf_counter()
                 ticket = writer.put(hashes, per_block, list(range(n)))
                 assert ticket.wait(120) and ticket.ok, ticket.error

@@ -213,8 +213,9 @@ class StoreClient:
         todo = [i for i, p in enumerate(present) if not p]
         stored = 0
         if self._nixl is not None and todo:
-            pull = [i for i in todo if self._nixl.can_pull(sources[i])]
-            todo = [i for i in todo if not self._nixl.can_pull(sources[i])]
+            pullable = [self._nixl.can_pull(sources[i]) for i in todo]
+            pull = [i for i, ok in zip(todo, pullable, strict=True) if ok]
+            todo = [i for i, ok in zip(todo, pullable, strict=True) if not ok]
             if pull:
                 stored = self._nixl.put(sock, [metas[i] for i in pull], [sources[i] for i in pull],
                                         self.timeout_s, self._reply)  # fmt: skip

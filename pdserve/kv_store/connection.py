@@ -62,8 +62,8 @@ class Connection:
         self._addr = parse_endpoint(endpoint, "nixl" if endpoint.startswith("nixl://") else "tcp")
         self._layout, self._secret = layout, secret
         self._extra = extra  # the hello's backend data (a nixl client's agent)
-        self._on_connect, self._on_drop = on_connect, on_drop  # after the handshake, at drop
-        self._connected_hook = False
+        # after the handshake; at the drop of a connection it ran for (any that was handed out)
+        self._on_connect, self._on_drop = on_connect, on_drop
         self._connect_timeout_s, self._retry_after_s = connect_timeout_s, retry_after_s
         self._sock: socket.socket | None = None
         self._down_until = 0.0
@@ -84,7 +84,6 @@ class Connection:
             client_handshake(sock, self._layout, self._secret, self._extra)
             if self._on_connect is not None:
                 self._on_connect(sock)
-                self._connected_hook = True
         except OSError as exc:  # includes HandshakeRefused, StoreError and timeouts
             sock.close()
             self._back_off(f"handshake with the KV store at {self.endpoint} failed: {exc}")
@@ -116,12 +115,12 @@ class Connection:
 
     def drop(self) -> None:
         """Close after a failure or a timeout: where the stream stands is unknown."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        if self._connected_hook:
-            self._connected_hook = False
-            self._on_drop()  # type: ignore[misc]
+        if self._sock is None:
+            return
+        self._sock.close()
+        self._sock = None
+        if self._on_drop is not None:
+            self._on_drop()
 
 
 def _closed_by_peer(exc: ConnectionError) -> bool:

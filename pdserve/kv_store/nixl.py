@@ -25,7 +25,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from pdserve.kv_store.protocol import (
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.nixl import (
     NixlAgent,
-    NixlPeerInfo,
+    Peer,
     decode_peer_info,
     encode_peer_info,
 )
@@ -107,11 +107,6 @@ def payload_spans(layout: KVLayout, addrs: Sequence[int]) -> np.ndarray:
     """Per block, the 2 * num_layers spans of its payload (K0 V0 K1 V1 ...) at `addrs`."""
     parts = np.arange(2 * layout.num_layers, dtype=np.uint64) * np.uint64(layout.block_bytes)
     return _rows(np.asarray(addrs, np.uint64)[:, None] + parts[None, :], layout.block_bytes)
-
-
-class Peer(NamedTuple):
-    agent: str
-    info: NixlPeerInfo
 
 
 class NixlStoreServer:

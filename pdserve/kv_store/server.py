@@ -100,11 +100,6 @@ class _Session:
         self.pending: list | None = None  # blocks READ for a put, kept only on Commit
         self.io_timeout_s = io_timeout_s
 
-    def new_buffer(self, nbytes: int):
-        """A buffer for a block the DRAM tier may keep: registered memory on a nixl store."""
-        slot = self.nixl.arena.alloc(nbytes) if self.nixl is not None else None
-        return slot if slot is not None else bytearray(nbytes)
-
     def close(self) -> None:
         """The connection is gone: unpin what it held, drop what it did not commit."""
         self._prev_lease, self.lease = self.lease, None
@@ -199,7 +194,7 @@ class _Session:
         self.end_prev_lease()
         stored, n = 0, payload_bytes(self.layout)
         for meta in req.blocks:
-            buf = self.new_buffer(n)
+            buf = self.store.buffer(n)
             recv_into_exact(self.conn, memoryview(buf))
             stored += self.store.put(Key(self.layout_key, meta.block_hash), self.layout, meta, buf)
         send_msg(self.conn, PutReply(stored, self.removed()))

@@ -151,6 +151,12 @@ class Store:
                 e.pins -= 1
             self._enforce_dram()  # blocks pinned past the watermark may leave DRAM now
 
+    def buffer(self, nbytes: int) -> Payload:
+        """A buffer for a block the DRAM tier may keep: from `alloc` (a nixl store's registered
+        memory) while it has room, else plain memory."""
+        slot = self.alloc(nbytes) if self.alloc is not None else None
+        return slot if slot is not None else bytearray(nbytes)
+
     def read(self, entry: Entry) -> Payload | None:
         """The payload of an acquired block, from DRAM or from its file (checksummed, then
         promoted to DRAM). None if the file is corrupt: the block is then dropped."""

@@ -62,11 +62,11 @@ class NixlPeerInfo(msgspec.Struct, frozen=True):
     v_addrs: list[int]
 
 
-class _Peer(NamedTuple):
+class Peer(NamedTuple):
+    """A connected peer's agent (as added to ours) and what its hello said."""
+
     agent: str
-    num_blocks: int
-    k_addrs: list[int]
-    v_addrs: list[int]
+    info: NixlPeerInfo
 
 
 class NixlAgent:
@@ -226,30 +226,31 @@ class NixlReceiver(TcpReceiver):
         super().__init__(layout, k_caches, v_caches, host, **options)
         self._agent = NixlAgent("recv", [*k_caches, *v_caches], progress_thread)
 
-    def _on_peer(self, hello: ClientHello) -> _Peer:
+    def _on_peer(self, hello: ClientHello) -> Peer:
         info = decode_peer_info(hello.extra, self.layout.num_layers)
-        name = self._agent.add_peer(info.agent_metadata)
-        return _Peer(name, info.num_blocks, info.k_addrs, info.v_addrs)
+        return Peer(self._agent.add_peer(info.agent_metadata), info)
 
-    def _on_peer_closed(self, peer: _Peer | None) -> None:
+    def _on_peer_closed(self, peer: Peer | None) -> None:
         if peer is not None:
             self._agent.drop_peer(peer.agent)
 
     def _skip_payload(self, conn, hdr: LayerHeader) -> None:
         pass  # nothing follows the header on the socket
 
-    def _land(self, conn, hdr: LayerHeader, ticket: WriteTicket, peer: _Peer) -> None:
+    def _land(self, conn, hdr: LayerHeader, ticket: WriteTicket, peer: Peer) -> None:
         if ticket.released or not hdr.dst_block_ids:
             return
-        if not all(0 <= b < peer.num_blocks for b in hdr.src_block_ids):
-            raise ProtocolError(f"source block ids outside the sender's {peer.num_blocks} blocks")
+        if not all(0 <= b < peer.info.num_blocks for b in hdr.src_block_ids):
+            raise ProtocolError(
+                f"source block ids outside the sender's {peer.info.num_blocks} blocks"
+            )
         bb, layer = self.layout.block_bytes, hdr.layer
         # one descriptor per run of blocks consecutive on both sides: UCX pays per descriptor,
         # so 6 KiB single-block descriptors run at a fraction of the bandwidth of long spans
         runs = np.array(paired_runs(hdr.src_block_ids, hdr.dst_block_ids), dtype=np.uint64)
         src, dst, size = runs[:, 0] * bb, runs[:, 1] * bb, runs[:, 2] * bb
         zero = np.zeros(len(runs), dtype=np.uint64)
-        remote_base = (peer.k_addrs[layer], peer.v_addrs[layer])
+        remote_base = (peer.info.k_addrs[layer], peer.info.v_addrs[layer])
         local_base = (self.k_caches[layer].data_ptr(), self.v_caches[layer].data_ptr())
         # (N, 3) rows of (address, length, device id): every run of K, then of V
         remote = np.concatenate([np.stack([b + src, size, zero], 1) for b in remote_base])

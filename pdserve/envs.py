@@ -22,5 +22,11 @@ def secret() -> bytes | None:
     return value.encode() if value else None
 
 
+def step_log_dir() -> Path | None:
+    """`PDSERVE_STEP_LOG`: a directory where every engine logs its steps (see `StepLog`)."""
+    value = os.environ.get("PDSERVE_STEP_LOG")
+    return Path(value) if value else None
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model_runner import ModelRunner
@@ -21,7 +22,7 @@ from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.step_perf import StepPerf
+from pdserve.engine.step_perf import StepLog, StepPerf
 from pdserve.model.loader import ModelFiles, load_model_files, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.perf = StepPerf()
+        self.step_log = StepLog.for_engine(envs.step_log_dir(), config.role)
         self._tokenizer = None
         self.eos_ids = set(mc.eos_token_ids)
         self.hold_finished = False  # set by workers that offload finished blocks to a KV store
@@ -175,6 +177,7 @@ class LLMEngine:
         prefilling = [s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs]
         prefill_tokens = sum(n for n, p in zip(batch.num_new_tokens, prefilling, strict=True) if p)
         decode_seqs = prefilling.count(False)
+        computed = [s.num_computed_tokens for s in batch.seqs] if self.step_log else []
         hook = None if layer_hook is None else (lambda layer: layer_hook(batch, layer))
         loading = [s for s in batch.seqs if s.prefix_load is not None]
         before = None
@@ -197,7 +200,11 @@ class LLMEngine:
             seqs = [batch.seqs[i] for i in indices]
             tokens = sample(logits, seqs)
             outs = [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
-        self.perf.observe(prefill_tokens, decode_seqs, start, time.perf_counter())
+        end = time.perf_counter()
+        self.perf.observe(prefill_tokens, decode_seqs, start, end)
+        if self.step_log:
+            self.step_log.write(start, end - start, batch.num_new_tokens, computed,
+                                prefill_tokens, len(outs))  # fmt: skip
         return outs
 
     @staticmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from pdserve.engine.cli import add_engine_args, engine_config_from_args
 
@@ -170,6 +171,8 @@ def _serve(args) -> int:
             f"--decode-chunk-size must be 0 (off) or at least --max-num-seqs ({max_seqs}): every "
             f"running stream needs one of its tokens in each step, got {args.decode_chunk_size}"
         )
+    if args.step_log:  # the workers inherit it (pdserve.envs.step_log_dir)
+        os.environ["PDSERVE_STEP_LOG"] = str(Path(args.step_log).resolve())
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
     frontend = _make_frontend(args)
@@ -296,6 +299,14 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--store-ssd-gb", type=float, default=4.0, help="store SSD tier size (default 4)"
+    )
+    p.add_argument(
+        "--step-log",
+        default=None,
+        metavar="DIR",
+        help="every worker appends one JSON line per engine step (start, seconds, batch shape) "
+        "to DIR/steps-ROLE-PID.jsonl; `pdserve profile --from-steps DIR` calibrates the "
+        "simulator from them (same as PDSERVE_STEP_LOG=DIR)",
     )
     p.set_defaults(func=_serve)
 

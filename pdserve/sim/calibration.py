@@ -185,3 +185,17 @@ def save_overhead(path: str | Path, mode: str, fit: OverheadFit) -> None:
         "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     path.write_text(json.dumps(doc, indent=2))
+
+
+def save_served_fit(path: str | Path, fit: Fit, steps: int, source: str) -> None:
+    """Replace the efficiencies of the profile at `path` with `fit`, fitted to `steps` logged
+    steps of a served engine (from `source`); the bare-engine fit stays under "engine_fit"."""
+    path = Path(path)
+    load_profile(path)  # validates
+    doc = json.loads(path.read_text())
+    doc.setdefault("engine_fit", {"efficiency": doc["efficiency"], "fit": doc["fit"]})
+    doc["efficiency"] = asdict(fit.efficiency)
+    doc["fit"] = {"median_rel_error": fit.median_rel_error, "max_rel_error": fit.max_rel_error,
+                  "served_steps": steps, "source": source,
+                  "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    path.write_text(json.dumps(doc, indent=2))

@@ -68,6 +68,10 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
                    "(on 2 cores: 2 co-located, 1 disaggregated)")  # fmt: skip
     p.add_argument("--serving-mode", choices=("colocated", "disagg"), default="colocated",
                    help="the --mode that server runs (default colocated)")  # fmt: skip
+    p.add_argument("--from-steps", metavar="DIR", help="instead of timing the engine, refit the "
+                   "profile at --out (made by `pdserve profile` earlier) to the steps a served "
+                   "engine logged in DIR (`pdserve serve --step-log DIR`): the engine's speed as "
+                   "it served, beside the router and client on the same cores")  # fmt: skip
     p.set_defaults(func=_handler("profile"))
 
 

@@ -30,6 +30,8 @@ def profile(args: argparse.Namespace) -> int:
     from pdserve.sim.hardware import Accelerator
     from pdserve.sim.profile import DEFAULT_DECODE, DEFAULT_PREFILL, engine_profile
 
+    if args.from_steps:
+        return _profile_from_steps(args)
     if args.decode_steps < 1 or args.repeats < 1:
         raise ValueError("--decode-steps and --repeats must be >= 1")
     import torch
@@ -47,18 +49,40 @@ def profile(args: argparse.Namespace) -> int:
     )  # fmt: skip
     doc = profile_document(hardware, spec, dtype, points, fit, args.decode_steps)
     Path(args.out).write_text(json.dumps(doc, indent=2))
-    eff = fit.efficiency
     print(f"hardware  {hardware['description']}: {hardware['peak_flops'] / 1e9:.1f} GFLOP/s, "
           f"{hardware['mem_bytes_per_s'] / 1e9:.1f} GB/s memory, "
           f"{hardware['loopback_bytes_per_s'] / 1e9:.2f} GB/s loopback TCP")  # fmt: skip
     for pt in points:
         print(f"  {pt.phase:<8} batch {pt.batch_size:>3} x {pt.tokens:>4} tokens: "
               f"{pt.seconds * 1e3:8.1f} ms")  # fmt: skip
+    _print_fit(fit)
+    if args.serving_url:
+        _profile_serving(args)
+    print(f"wrote     {args.out}")
+    return 0
+
+
+def _print_fit(fit) -> None:
+    eff = fit.efficiency
     print(f"fit       mfu {eff.mfu:.3f} (half at {eff.half_tokens:g} tokens), mbu {eff.mbu:.3f}, "
           f"attention {eff.attn_eff:.3f}, overhead {eff.iteration_overhead_s * 1e3:.2f} ms + "
           f"{eff.per_seq_overhead_s * 1e3:.2f} ms/seq + {eff.per_cached_token_s * 1e6:.2f} "
           f"us/cached token; error median {fit.median_rel_error:.1%}, "
           f"max {fit.max_rel_error:.1%}")  # fmt: skip
+
+
+def _profile_from_steps(args: argparse.Namespace) -> int:
+    """Refit the profile at --out to the steps a served engine logged (`pdserve.sim.served`)."""
+    from pdserve.sim.calibration import load_profile, save_served_fit
+    from pdserve.sim.served import fit_steps, group_steps, read_steps
+
+    prof = load_profile(args.out)
+    steps = read_steps(args.from_steps)
+    fit = fit_steps(steps, prof.model, prof.accelerator, prof.weight_dtype)
+    save_served_fit(args.out, fit, len(steps), str(args.from_steps))
+    print(f"steps     {len(steps)} served steps in {len(group_steps(steps))} shapes "
+          f"from {args.from_steps}")  # fmt: skip
+    _print_fit(fit)
     if args.serving_url:
         _profile_serving(args)
     print(f"wrote     {args.out}")

@@ -119,12 +119,19 @@ def fit_overhead(cluster, dep, groups: list[list[RequestRecord]]) -> OverheadFit
     medians = _tpot_excess(cluster, dep, groups)
     rows = np.array(list(medians.values()))  # (TPOT excess, its slope in step_s, in seq_s)
     (step, seq), _ = nonneg_lstsq(rows[:, 1:], rows[:, 0])
-    lone = [g for g in groups if len(g) == 1]
-    pred = _predicted(_with(cluster, dep.mode, ServingOverhead(0.0, step, seq)), dep, lone)
-    raw_request = statistics.median(g[0].ttft_s - pred[g[0].index].ttft_s for g in lone)
+    raw_request = request_excess(cluster, dep, groups, step, seq)
     fitted = ServingOverhead(max(raw_request, 0.0), step, seq)
     raw_tpot = {k: m[0] for k, m in sorted(medians.items())}
     return OverheadFit(fitted, raw_request, raw_tpot, len(records))
+
+
+def request_excess(cluster, dep, groups, step_s: float, seq_s: float) -> float:
+    """Median of measured - predicted TTFT over the lone requests of `groups`, with `step_s`
+    and `seq_s` in the prediction: what the serving path adds once per request (raw: < 0 when
+    the server was faster than predicted)."""
+    lone = [g for g in groups if len(g) == 1]
+    pred = _predicted(_with(cluster, dep.mode, ServingOverhead(0.0, step_s, seq_s)), dep, lone)
+    return statistics.median(g[0].ttft_s - pred[g[0].index].ttft_s for g in lone)
 
 
 def _tpot_excess(cluster, dep, groups) -> dict[int, tuple[float, ...]]:

@@ -121,26 +121,35 @@ def fit_efficiency(
     points: Sequence[Point], model: ModelSpec, accel: Accelerator, weight_dtype: str,
     decode_steps: int = DEFAULT_DECODE_STEPS,
 ) -> Fit:  # fmt: skip
-    """Fit `points` with the latency model, minimising relative squared error.
+    """Fit `points` with the latency model (see `fit_batches`). Needs >= 2 points."""
+    if len(points) < 2:
+        raise ValueError("profiling needs at least 2 measurements to fit; add grid points")
+    batches = [point_batch(p, decode_steps) for p in points]
+    return fit_batches(batches, [p.seconds for p in points], model, accel, weight_dtype)
+
+
+def fit_batches(
+    batches: Sequence[Batch], seconds: Sequence[float], model: ModelSpec, accel: Accelerator,
+    weight_dtype: str,
+) -> Fit:  # fmt: skip
+    """Fit the latency model to passes over `batches` that took `seconds`, minimising relative
+    squared error.
 
     mfu, mbu and half_tokens are searched on grids; for each, the overheads (per pass, per
     sequence, per cached token read) and the attention cost, which enter linearly, are solved
-    by non-negative least squares. Needs >= 2 points.
+    by non-negative least squares.
     """
     import numpy as np
 
-    if len(points) < 2:
-        raise ValueError("profiling needs at least 2 measurements to fit; add grid points")
     unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0),
                         weight_dtype, weight_dtype)  # fmt: skip
-    batches = [point_batch(p, decode_steps) for p in points]
     work = np.array([unit.work(b) for b in batches])
     gemm, attn = work[:, 0] / accel.peak_flops, work[:, 1] / accel.peak_flops
     mem = work[:, 2] / accel.mem_bytes_per_s
     tokens = np.array([b.tokens for b in batches], dtype=np.float64)
     seqs = np.array([b.seqs for b in batches], dtype=np.float64)
     cached = np.array([b.kv_read for b in batches], dtype=np.float64)
-    t = np.array([p.seconds for p in points])
+    t = np.asarray(seconds, dtype=np.float64)
     linear = np.stack([np.ones_like(t), seqs, attn, cached], axis=1) / t[:, None]
     best = (math.inf, Efficiency())
     for mfu, half, mbu in itertools.product(EFF_GRID, HALF_TOKENS_GRID, EFF_GRID):

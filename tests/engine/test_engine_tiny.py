@@ -1,6 +1,8 @@
 """Engine behaviour on a tiny random model: batching, chunking, prefix caching, preemption,
 abort — every variant must produce the same greedy tokens and return every block."""
 
+import os
+
 import pytest
 from factories import make_engine, make_model_files, run_to_completion
 
@@ -172,3 +174,25 @@ def test_decodes_of_very_different_lengths_are_grouped_and_match_single(files):
     assert [(g.start, g.end) for g in meta.decode_groups] == [(0, 1), (1, 2)]
     for s in seqs:
         eng.block_manager.free(s)
+
+
+def test_step_log_records_every_step_in_the_simulators_terms(files, reference, tmp_path,
+                                                             monkeypatch):  # fmt: skip
+    """PDSERVE_STEP_LOG: one line per step, with what it computed (`pdserve.sim.served` reads
+    them back); chunk 8 over a 7-token and a 39-token prompt gives a known schedule."""
+    from pdserve.sim.served import read_steps
+
+    monkeypatch.setenv("PDSERVE_STEP_LOG", str(tmp_path / "steps"))
+    eng = make_engine(files, chunk_size=8)
+    assert run_to_completion(eng, PROMPTS[:2], GREEDY) == reference[:2]
+    steps = read_steps(tmp_path / "steps")
+    assert {s.log for s in steps} == {f"steps-{eng.config.role}-{os.getpid()}.jsonl"}
+    first, second = steps[0].batch, steps[1].batch
+    # step 1: 7 tokens of prompt A and 1 of B; step 2: A's first decode and 7 more of B
+    assert (first.tokens, first.seqs, first.kv_read, steps[0].prefill_tokens) == (8, 2, 0, 8)
+    assert first.attn_pairs == 7 * 3.5 + 1 * 0.5 and first.sampled == 1
+    assert (second.tokens, second.seqs, second.kv_read, steps[1].prefill_tokens) == (8, 2, 7 + 1, 7)
+    assert second.sampled == 1 and steps[1].decodes and not steps[0].decodes
+    # every token computed is in the log: both prompts and every output token but the last
+    assert sum(s.batch.tokens for s in steps) == 7 + 39 + 2 * (GREEDY.max_tokens - 1)
+    assert all(s.seconds > 0 for s in steps) and steps == sorted(steps, key=lambda s: s.t)

@@ -36,7 +36,6 @@ from pdserve.kv_store.protocol import (
     NixlLoadReply,
     NixlPut,
     Put,
-    PutRead,
     PutReply,
     Query,
     QueryReply,
@@ -149,15 +148,8 @@ class _Session:
             self.attached = True
             send_msg(self.conn, AttachReply(self.nixl.metadata))
         elif isinstance(req, NixlPut):
-            from pdserve.kv_store.nixl import NixlTransferError
-
-            try:
-                self.pending = self.nixl.read_put(self.layout, self.peer, req, self.io_timeout_s)
-            except NixlTransferError as exc:  # NIXL failed (not the client's protocol): say why
-                log.warning("KV store: a NIXL put from %s failed: %s", self.peer.agent, exc)
-                send_msg(self.conn, PutRead(0, str(exc)))
-                return
-            send_msg(self.conn, PutRead(len(self.pending)))
+            self.pending, reply = self.nixl.read_put(self.layout, self.peer, req, self.io_timeout_s)
+            send_msg(self.conn, reply)
         elif isinstance(req, Commit):
             if pending is None:
                 raise ProtocolError("Commit without a NixlPut before it")

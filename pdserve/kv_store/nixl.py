@@ -142,6 +142,10 @@ class NixlStoreServer:
         slot[:] = memoryview(payload).cast("B")
         return slot, self.arena.address(slot)  # type: ignore[return-value]
 
+    def wait_readable(self, sock: socket.socket, timeout_s: float) -> None:
+        """Wait for the client's next request while it READs our memory (`wait_readable`)."""
+        wait_readable(sock, self.agent, timeout_s)
+
     def read_put(
         self, layout: KVLayout, peer: Peer, req: NixlPut, timeout_s: float
     ) -> tuple[list[tuple[BlockMeta, memoryview]] | None, PutRead]:

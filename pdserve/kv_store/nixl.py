@@ -20,6 +20,7 @@ progress (`wait_readable`), which wire-up (and UCX's TCP transport) needs.
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import time
@@ -51,6 +52,7 @@ from pdserve.kv_transfer.nixl import (
 )
 from pdserve.kv_transfer.wire import ClientHello, ProtocolError
 
+log = logging.getLogger("pdserve.kv_store")
 T = TypeVar("T")
 _PUMP_S = 5e-5  # between progress calls while a peer READs our memory
 STORE_HEADROOM = 256 << 20  # registered beyond the DRAM tier: puts and SSD hits in flight
@@ -140,10 +142,29 @@ class NixlStoreServer:
         slot[:] = memoryview(payload).cast("B")
         return slot, self.arena.address(slot)  # type: ignore[return-value]
 
+    def wait_readable(self, sock: socket.socket, timeout_s: float) -> None:
+        """Wait for the client's next request while it READs our memory (`wait_readable`)."""
+        wait_readable(sock, self.agent, timeout_s)
+
     def read_put(
         self, layout: KVLayout, peer: Peer, req: NixlPut, timeout_s: float
+    ) -> tuple[list[tuple[BlockMeta, memoryview]] | None, PutRead]:
+        """READ the blocks `req` names from the client into new buffers (all or nothing);
+        return them and the reply. A READ that failed or timed out is answered with why (None:
+        nothing to commit; the buffers are freed): the client sees the failure and the
+        connection stays usable. A malformed request raises ProtocolError: the client is
+        dropped."""
+        try:
+            blocks = self._read_blocks(layout, peer, req, timeout_s)
+        except NixlTransferError as exc:
+            reason = str(exc)  # not `exc`: a log record keeping it would keep the buffers
+            log.warning("KV store: a NIXL put from %s failed: %s", peer.agent, reason)
+            return None, PutRead(0, reason)
+        return blocks, PutRead(len(blocks))
+
+    def _read_blocks(
+        self, layout: KVLayout, peer: Peer, req: NixlPut, timeout_s: float
     ) -> list[tuple[BlockMeta, memoryview]]:
-        """READ the blocks `req` names from the client into new buffers (all or nothing)."""
         n, size = len(req.blocks), payload_bytes(layout)
         if len(req.block_ids) != n or len(req.copy_addrs) != n:
             raise ProtocolError("NixlPut lists as many block ids and copy addresses as blocks")
@@ -164,8 +185,12 @@ class NixlStoreServer:
         remote = [cache_spans(layout, peer.info.k_addrs, peer.info.v_addrs, ids[cached])]
         local.append(_rows(np.asarray([addrs[i] for i in copies], np.uint64), size))
         remote.append(_rows(np.asarray([req.copy_addrs[i] for i in copies], np.uint64), size))
+        local_rows, remote_rows = np.concatenate(local), np.concatenate(remote)
         with nixl_errors(f"NIXL READ from {peer.agent}"):
-            self.agent.read(np.concatenate(local), np.concatenate(remote), peer.agent, timeout_s)
+            try:
+                self.agent.read(local_rows, remote_rows, peer.agent, timeout_s)
+            except (TimeoutError, ConnectionError) as exc:  # the READ itself, not the protocol
+                raise NixlTransferError(str(exc)) from exc  # (it names the READ and the peer)
         return list(zip(req.blocks, slots, strict=True))  # type: ignore[arg-type]
 
     def close(self) -> None:

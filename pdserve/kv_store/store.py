@@ -154,12 +154,15 @@ class Store:
     def buffer(self, nbytes: int) -> Payload:
         """A buffer for a block the DRAM tier may keep: from `alloc` (a nixl store's registered
         memory) while it has room, else plain memory."""
-        slot = self.alloc(nbytes) if self.alloc is not None else None
+        slot = self._slot(nbytes)
         return slot if slot is not None else bytearray(nbytes)
 
     def read(self, entry: Entry) -> Payload | None:
         """The payload of an acquired block, from DRAM or from its file (checksummed, then
-        promoted to DRAM). None if the file is corrupt: the block is then dropped."""
+        promoted to DRAM, in `alloc`'s memory while it has room). None if the file is corrupt:
+        the block is then dropped. A block another load promoted while we read its file is
+        served from that copy, one that left the index meanwhile from the file's bytes: only a
+        promotion takes `alloc`'s memory."""
         with self._lock:
             data = entry.data
             if data is not None:
@@ -173,13 +176,17 @@ class Store:
                 self._count["corrupt_dropped"] += 1
                 self._remove_ssd(entry)
             return None
-        if self.alloc is not None and (slot := self.alloc(len(data))) is not None:
-            slot[:] = data  # type: ignore[index]
-            data = slot
         with self._lock:
             self._count["hits_ssd"] += 1
-            if entry.data is None and self._entries.get(entry.key) is entry:
-                self._add_dram(entry, data)
+            if entry.data is not None:  # another load promoted it meanwhile: serve that copy
+                return entry.data
+            if self._entries.get(entry.key) is entry:
+                # Copied under the lock so that only the promoted copy takes DRAM's (on a nixl
+                # store, registered) memory: a block's memcpy, next to the file writes that
+                # demotions already do under it.
+                promoted = self._dram_copy(data)
+                self._add_dram(entry, promoted)
+                return promoted
             return data
 
     def removal_cursor(self) -> int:
@@ -242,6 +249,16 @@ class Store:
     def _bump(self, name: str) -> None:
         with self._lock:
             self._count[name] += 1
+
+    def _slot(self, nbytes: int) -> Payload | None:
+        return self.alloc(nbytes) if self.alloc is not None else None
+
+    def _dram_copy(self, data: Payload) -> Payload:
+        """`data` in a buffer from `alloc` while it has room, else `data` itself."""
+        if (slot := self._slot(len(data))) is None:
+            return data
+        slot[:] = data  # type: ignore[index]
+        return slot
 
     def _leading(self, keys: Sequence[Key]) -> list[Entry]:
         out = []

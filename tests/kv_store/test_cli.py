@@ -66,3 +66,16 @@ def test_registering_imports_neither_torch_nor_numpy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_tcp_store_imports_no_torch(tmp_path):
+    code = (
+        "import sys; from pathlib import Path; "
+        "from pdserve.kv_store.config import StoreConfig; "
+        "from pdserve.kv_store.server import StoreServer; "
+        "from pdserve.kv_store.store import Store; "
+        f"s = StoreServer(Store(StoreConfig(1 << 20, 1 << 20, Path({str(tmp_path)!r})))); "
+        "s.start(); s.close(); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # nixl.py (which does) is imported for nixl stores only

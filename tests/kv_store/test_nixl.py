@@ -13,7 +13,16 @@ import torch
 from pdserve.kv_store import nixl as store_nixl
 from pdserve.kv_store.arena import Arena
 from pdserve.kv_store.client import StoreClient
-from pdserve.kv_store.protocol import Commit, NixlPut, StoreError, recv_reply, send_msg
+from pdserve.kv_store.protocol import (
+    Commit,
+    GetStats,
+    NixlPut,
+    PutRead,
+    StatsReply,
+    StoreError,
+    recv_reply,
+    send_msg,
+)
 from pdserve.kv_store.protocol import Error as ErrorReply
 from pdserve.kv_transfer.nixl import NixlAgent
 from pdserve.kv_transfer.wire import client_handshake
@@ -187,6 +196,33 @@ def test_bad_nixl_requests_drop_the_client_and_the_store_keeps_serving(
     chain = make_chain(2)
     _put(good, chain, [0, 1])
     assert good.load(chain.hashes, [2, 3]) == 2 and good.last_error is None
+
+
+def test_a_put_whose_read_times_out_is_answered_and_the_connection_serves_on(
+    serve, client, transport, monkeypatch
+):
+    layout = make_layout()
+    served = serve(layout)
+    writer = client(served.server.endpoint, layout, *make_caches(layout, 4, seed=9))
+    chain = make_chain(2)
+
+    def stalled(*args, **kwargs):
+        raise TimeoutError("NIXL READ from the client took over 30 s")
+
+    monkeypatch.setattr(served.server.nixl.agent, "read", stalled)
+    sock = _raw(served.server.endpoint, layout, writer._nixl.hello)
+    send_msg(sock, NixlPut(chain.metas(), [0, 1], [0, 0]))
+    reply = recv_reply(sock, PutRead)
+    assert reply.read == 0 and "took over 30 s" in reply.error
+    _until(lambda: served.server.nixl.arena.live_slots == 0)  # the READ's buffers are freed
+    send_msg(sock, GetStats())  # the same connection serves the next request
+    assert recv_reply(sock, StatsReply).stats.blocks_put == 0
+    sock.close()
+    ticket = writer.put(chain.hashes, chain.tokens, [0, 1])  # the client hears why
+    assert ticket.wait(10) and not ticket.ok and "took over 30 s" in ticket.error
+    monkeypatch.undo()
+    _put(writer, chain, [0, 1])
+    assert served.store.stats().blocks_put == 2
 
 
 def test_arena_slots_free_themselves_and_empty_chunks_serve_any_size(transport):

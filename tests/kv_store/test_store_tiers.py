@@ -202,3 +202,27 @@ def test_the_removal_log_is_bounded_and_a_slow_reader_skips_ahead():
     assert log.read(0, "a", 10) == ([2, 4], 5)  # 0 and 1 fell off; 3 is another layout's
     assert log.read(4, "a", 10) == ([4], 5)
     assert log.read(5, "a", 10) == ([], 5)
+
+
+def test_an_ssd_hit_two_loads_read_at_once_is_copied_into_dram_once(tmp_path):
+    store = _store(tmp_path, dram=1, ssd=4)
+    caches = make_caches(LAYOUT, 2, seed=4)
+    k = fill(store, LAYOUT, make_chain(2), caches)
+    assert store.tier_keys() == ([k[1]], [k[0]])
+    slots: list[bytearray] = []  # what the DRAM tier took from `alloc` (registered memory)
+    store.alloc = lambda n: slots.append(bytearray(n)) or slots[-1]
+    first, second = store.acquire([k[0]]), store.acquire([k[0]])
+    file_read, other = store._files.read, []
+
+    def other_load_reads_meanwhile(key, nbytes):  # it promotes the block while we read
+        store._files.read = file_read
+        other.append(store.read(second[0]))
+        return file_read(key, nbytes)
+
+    store._files.read = other_load_reads_meanwhile
+    data = store.read(first[0])
+    store.release(first + second)
+    assert len(slots) == 1 and data is slots[0] and other[0] is slots[0]  # no second copy
+    assert bytes(data) == payload_of(*caches, 0)
+    assert store.tier_keys() == ([k[0]], [k[0], k[1]]) and store.stats().hits_ssd == 2
+    store.check_integrity()

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from pdserve.bench.metrics import SLO
+from pdserve.bench.metrics import SLO, RequestRecord
 from pdserve.bench.workload import generate_requests, named_workload
 from pdserve.sim.calibration import load_profile, save_overhead
 from pdserve.sim.deployment import Cluster, Deployment
@@ -157,6 +157,57 @@ def _s(x: float | None) -> str:
     return f"{x:8.3f} s" if x is not None else "     n/a  "
 
 
+def run_mode(mode: str, args, out: Path, rates: list[float]) -> None:
+    """Serve `mode` with step logs, send the probes, run bench at each rate; write the probes'
+    records (OUT/serving-MODE.json), each run (OUT/MODE-RATE/) and when each phase ran
+    (OUT/timeline-MODE.json, which the calibration's windows come from)."""
+    profile = ensure_profile(out, THREADS[mode])
+    port = free_port()
+    steps_dir = out / f"steps-{mode}"
+    shutil.rmtree(steps_dir, ignore_errors=True)
+    proc = serve(mode, port, out / f"serve-{mode}.log", steps_dir)
+    url = f"http://127.0.0.1:{port}/v1"
+    timeline: dict = {"runs": {}}
+    try:
+        start = time.time()
+        groups = measure_probes(url, probe_groups())
+        timeline["probes"] = (start, time.time())
+        (out / f"serving-{mode}.json").write_bytes(msgspec.json.encode(groups))
+        calibrate_serving(mode, profile, groups)
+        for rate in rates:
+            start = time.time()
+            measure(mode, args, rate, out, url)
+            timeline["runs"][str(rate)] = (start, time.time())
+            (out / f"timeline-{mode}.json").write_text(json.dumps(timeline))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def analyze_mode(mode: str, args, out: Path) -> list[dict]:
+    """Predict every run of `mode` in OUT, each calibrated on the steps logged outside it."""
+    profile = out / f"profile-{THREADS[mode]}t.json"
+    groups = msgspec.json.decode((out / f"serving-{mode}.json").read_bytes(),
+                                 type=list[list[RequestRecord]])  # fmt: skip
+    timeline = json.loads((out / f"timeline-{mode}.json").read_text())
+    runs = {float(r): tuple(w) for r, w in timeline["runs"].items()}
+    steps_dir, prof = out / f"steps-{mode}", load_profile(profile)
+    results = []
+    for rate, window in runs.items():
+        real = json.loads((out / f"{mode}-{rate:g}" / "results.json").read_text())
+        others = [tuple(timeline["probes"]), *(w for r, w in runs.items() if r != rate)]
+        cluster, info = served_cluster(mode, profile, steps_dir, others, groups)
+        in_run, _ = served_cluster(mode, profile, steps_dir, [window], groups)
+        results.append({
+            "mode": mode, "rate": rate, "measured": real["runs"][0]["aggregates"],
+            "predicted": predict(mode, cluster, args, rate), "calibration": info,
+            "predicted_profile": predict(mode, prof.cluster(), args, rate),
+            "predicted_bare_engine": predict(mode, prof.cluster(serving=False), args, rate),
+            "predicted_in_run": predict(mode, in_run, args, rate),
+        })  # fmt: skip
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # 30 requests a rate (3 documents, on average) at these rates: ~6 min of runs per mode.
@@ -168,46 +219,23 @@ def main() -> int:
     ap.add_argument("--slo-ttft", type=float, default=30.0)
     ap.add_argument("--slo-tpot", type=float, default=1.0)
     ap.add_argument("--out", default="sim-vs-real", help="directory for profiles and runs")
+    ap.add_argument(
+        "--analyze",
+        action="store_true",
+        help="measure nothing: predict the runs "
+        "already in --out again (after a change to the simulator or calibration)",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
     rows, results = [], []
     for mode in args.modes.split(","):
-        profile = ensure_profile(out, THREADS[mode])
-        port = free_port()
-        steps_dir = out / f"steps-{mode}"
-        shutil.rmtree(steps_dir, ignore_errors=True)
-        proc = serve(mode, port, out / f"serve-{mode}.log", steps_dir)
-        url = f"http://127.0.0.1:{port}/v1"
-        runs: dict[float, tuple[Window, dict]] = {}
-        try:
-            start = time.time()
-            groups = measure_probes(url, probe_groups())
-            probes = (start, time.time())
-            (out / f"serving-{mode}.json").write_bytes(msgspec.json.encode(groups))
-            calibrate_serving(mode, profile, groups)
-            for rate in rates:
-                start = time.time()
-                real = measure(mode, args, rate, out, url)
-                runs[rate] = ((start, time.time()), real)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-        for rate, (window, real) in runs.items():
-            others = [probes, *(w for r, (w, _) in runs.items() if r != rate)]
-            cluster, info = served_cluster(mode, profile, steps_dir, others, groups)
-            in_run, _ = served_cluster(mode, profile, steps_dir, [window], groups)
-            pred = predict(mode, cluster, args, rate)
-            rows += compare_rows(mode, rate, pred, real)
-            prof = load_profile(profile)
-            results.append({
-                "mode": mode, "rate": rate, "measured": real, "predicted": pred,
-                "calibration": info,
-                "predicted_profile": predict(mode, prof.cluster(), args, rate),
-                "predicted_bare_engine": predict(mode, prof.cluster(serving=False), args, rate),
-                "predicted_in_run": predict(mode, in_run, args, rate),
-            })  # fmt: skip
+        if not args.analyze:
+            run_mode(mode, args, out, rates)
+        for r in analyze_mode(mode, args, out):
+            rows += compare_rows(mode, r["rate"], r["predicted"], r["measured"])
+            results.append(r)
             print("\n".join(rows[-4:]), flush=True)
     (out / "sim_vs_real.json").write_text(json.dumps(results, indent=1))
     print("\n".join(["", "mode        rate metric   predicted vs measured", *rows]))

@@ -130,14 +130,15 @@ def fit_efficiency(
 
 def fit_batches(
     batches: Sequence[Batch], seconds: Sequence[float], model: ModelSpec, accel: Accelerator,
-    weight_dtype: str,
+    weight_dtype: str, weights: Sequence[float] | None = None,
 ) -> Fit:  # fmt: skip
     """Fit the latency model to passes over `batches` that took `seconds`, minimising relative
-    squared error.
+    squared error (each pass's times its weight, default 1).
 
-    mfu, mbu and half_tokens are searched on grids; for each, the overheads (per pass, per
-    sequence, per cached token read) and the attention cost, which enter linearly, are solved
-    by non-negative least squares.
+    mfu, mbu and half_tokens are searched on grids, then on a grid 8x finer around the best;
+    for each, the overheads (per pass, per sequence, per cached token read) and the attention
+    cost, which enter linearly, are solved by non-negative least squares (attention at no more
+    than peak FLOP/s: its cost is solved as the excess over that).
     """
     import numpy as np
 
@@ -150,19 +151,33 @@ def fit_batches(
     seqs = np.array([b.seqs for b in batches], dtype=np.float64)
     cached = np.array([b.kv_read for b in batches], dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64)
-    linear = np.stack([np.ones_like(t), seqs, attn, cached], axis=1) / t[:, None]
-    best = (math.inf, Efficiency())
-    for mfu, half, mbu in itertools.product(EFF_GRID, HALF_TOKENS_GRID, EFF_GRID):
-        roof = np.maximum(gemm / mfu * (1 + half / tokens), mem / mbu)
-        coef, err = nonneg_lstsq(linear, (t - roof) / t)
-        if err < best[0]:
-            over, per_seq, attn_cost, per_cached = coef
-            attn_eff = min(1.0, 1.0 / attn_cost) if attn_cost > 0 else 1.0
-            best = (err, Efficiency(mfu, mbu, over, per_seq, attn_eff, half, per_cached))
+    w = np.sqrt(np.ones_like(t) if weights is None else np.asarray(weights, dtype=np.float64))
+    scale = w / t
+    linear = np.stack([np.ones_like(t), seqs, attn, cached], axis=1) * scale[:, None]
+
+    def search(mfus, halves, mbus, best):
+        for mfu, half, mbu in itertools.product(mfus, halves, mbus):
+            roof = np.maximum(gemm / mfu * (1 + half / tokens), mem / mbu)
+            coef, err = nonneg_lstsq(linear, (t - roof - attn) * scale)
+            if err < best[0]:
+                over, per_seq, attn_excess, per_cached = coef
+                eff = Efficiency(mfu, mbu, over, per_seq, 1 / (1 + attn_excess), half, per_cached)
+                best = (err, eff)
+        return best
+
+    best = search(EFF_GRID, HALF_TOKENS_GRID, EFF_GRID, (math.inf, Efficiency()))
+    e = best[1]
+    best = search(_finer(e.mfu), (e.half_tokens,), _finer(e.mbu), best)
     eff = best[1]
     fitted = LatencyModel(model, accel, 1, eff, weight_dtype, weight_dtype)
     rel = np.abs(np.array([fitted.iteration(b) for b in batches]) / t - 1)
     return Fit(eff, float(np.median(rel)), float(rel.max()))
+
+
+def _finer(x: float) -> list[float]:
+    """Values within one step of EFF_GRID around `x`, 8 to a step, capped at 1."""
+    step = EFF_GRID[1] / EFF_GRID[0]
+    return sorted({min(1.0, x * step ** (k / 8)) for k in range(-8, 9)})
 
 
 def nonneg_lstsq(a, y) -> tuple[list[float], float]:

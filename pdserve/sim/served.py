@@ -120,7 +120,13 @@ def fit_steps(
     groups = group_steps(steps)
     if len(groups) < 2:
         raise ValueError("the logged steps all have one shape; serve varied requests first")
-    return fit_batches([g[0] for g in groups], [g[1] for g in groups], model, accel, weight_dtype)
+    # Steps with prompt tokens and pure decode steps weigh alike in total, however many shapes
+    # each has: decode steps come in many more shapes (batch x context), and would otherwise
+    # leave the prefills, which make TTFT, to a poor fit.
+    prefill = [g[0].tokens > g[0].seqs for g in groups]
+    shares = {p: 1.0 / prefill.count(p) for p in set(prefill)}
+    return fit_batches([g[0] for g in groups], [g[1] for g in groups], model, accel, weight_dtype,
+                       [shares[p] for p in prefill])  # fmt: skip
 
 
 def step_gaps(steps: Sequence[Step]) -> tuple[float, float]:

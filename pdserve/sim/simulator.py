@@ -4,11 +4,12 @@ Deployments: co-located continuous batching (whole prompts per step), co-located
 prefill, and disaggregated P:D pools with their own TP degrees joined by the KV `Fabric`.
 Arrivals are routed like pdserve's router: co-located and decode instances by least outstanding
 requests, prefill instances by fewest queued prompt tokens. Events are instance iteration or
-decode-stretch ends and fabric completions, in a heap; arrivals are merged in from their sorted
-list. A calibrated serving path (`Cluster.serving`) delays every arrival by its per-request
-overhead and lengthens every iteration by its per-step and per-sequence ones. The output is
-bench's `RequestRecord`s and `summarize` aggregates, so simulated and measured runs share one
-JSON shape.
+decode-stretch ends, fabric completions and remote prompts reaching the prefill pool once their
+decode instance has placed them (between two of its steps), in a heap; arrivals are merged in
+from their sorted list. A calibrated serving path (`Cluster.serving`) delays every arrival by
+its per-request overhead and lengthens every iteration by its per-step and per-sequence ones.
+The output is bench's `RequestRecord`s and `summarize` aggregates, so simulated and measured
+runs share one JSON shape.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class _Loop:
     def __init__(self, cluster: Cluster, dep: Deployment, budget: int, slo: SLO) -> None:
         self.slo = slo
         self.itl: tuple[list[float], list[float]] = ([], [])
-        self.heap: list[tuple[float, int, int, Instance | None]] = []
+        self.heap: list[tuple[float, int, int, Instance | SimRequest | None]] = []
         self.seq = 0
         self.cluster, self.dep = cluster, dep
         self.finished: list[SimRequest] = []
@@ -78,7 +79,7 @@ class _Loop:
         self.remote_pending = 0
 
     # -- scheduling ------------------------------------------------------------------------
-    def push(self, t: float, kind: int, inst: Instance | None) -> None:
+    def push(self, t: float, kind: int, inst: Instance | SimRequest | None) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, inst))
 
@@ -133,13 +134,36 @@ class _Loop:
         ):
             inst = min(self.decoders, key=lambda i: i.load + i.inbound)
         else:
+            # Remote prefill: the router first asks the decode instance for blocks (Admit ->
+            # Placement), which its worker answers between two steps; the prompt reaches the
+            # prefill pool then.
             self.remote_pending += 1
-            inst = min(self.front, key=lambda i: i.queued_tokens)
             r.decoder = min(self.decoders, key=lambda i: i.load + i.inbound)
             r.decoder.inbound += 1
-            r.prefiller = inst
+            placed = self.next_boundary(r.decoder, now)
+            if placed > now:
+                self.push(placed, 0, r)
+                return
+            self.to_prefill(r, now)
+            return
         inst.enqueue(r)
         self.poke(inst, now)
+
+    def to_prefill(self, r: SimRequest, now: float) -> None:
+        """`r` (placed on its decoder) joins the prefill pool's least-loaded instance."""
+        inst = r.prefiller = min(self.front, key=lambda i: i.queued_tokens)
+        inst.enqueue(r)
+        self.poke(inst, now)
+
+    @staticmethod
+    def next_boundary(inst: Instance, now: float) -> float:
+        """When `inst` next finishes a step (now if idle)."""
+        if inst.busy_until is None:
+            return now
+        if inst.stretch is None:
+            return inst.busy_until
+        start, k, co = inst.stretch
+        return start + stretch_time(co, steps_to_reach(co, now - start, k))
 
     def instance_done(self, inst: Instance, now: float) -> None:
         inst.busy_time += now - inst.op_start
@@ -194,7 +218,9 @@ class _Loop:
                 self.arrive(r, r.arrival + delay)
                 continue
             now, _, version, inst = heapq.heappop(heap)
-            if inst is None:
+            if isinstance(inst, SimRequest):  # placed on its decoder: on to the prefill pool
+                self.to_prefill(inst, now)
+            elif inst is None:
                 if version != self.fabric_version:
                     continue
                 self.fabric_done(now)

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from pdserve.bench.metrics import SLO, RequestRecord
+from pdserve.bench.metrics import SLO, RequestRecord, summarize
 from pdserve.bench.workload import generate_requests, named_workload
 from pdserve.sim.calibration import load_profile, save_overhead
 from pdserve.sim.deployment import Cluster, Deployment
@@ -105,22 +105,46 @@ def served_cluster(
     return replace(bare, serving={mode: over}), info
 
 
-def predict(mode: str, cluster: Cluster, args, rate: float) -> dict:
-    reqs = generate_requests(named_workload(args.workload), args.num_requests, seed_of(args, rate),
-                             rate=rate)  # fmt: skip
-    slo = SLO(args.slo_ttft, args.slo_tpot)
-    return simulate(cluster, Deployment.served(mode), reqs, slo).aggregates
+def predict(mode: str, cluster: Cluster, args, rate: float, parts: list[int]) -> dict:
+    """The simulated aggregates of the run at `rate`: each part (`parts[i]` requests, seed
+    `part_seed(.., i)`) simulated from an idle deployment, as each was served, then pooled."""
+    slo, records, duration = SLO(args.slo_ttft, args.slo_tpot), [], 0.0
+    for i, n in enumerate(parts):
+        reqs = generate_requests(named_workload(args.workload), n, part_seed(args, rate, i),
+                                 rate=rate)  # fmt: skip
+        result = simulate(cluster, Deployment.served(mode), reqs, slo)
+        records += result.records
+        duration += result.aggregates["duration_s"]
+    return summarize(records, slo, duration)
 
 
-def measure(mode: str, args, rate: float, out: Path, url: str) -> dict:
-    run_dir = out / f"{mode}-{rate:g}"
-    seed = str(seed_of(args, rate))
+def part_seed(args, rate: float, part: int) -> int:
+    return seed_of(args, rate) + part
+
+
+def part_dir(out: Path, mode: str, rate: float, part: int) -> Path:
+    return out / f"{mode}-{rate:g}-{part}"
+
+
+def measure(mode: str, args, rate: float, out: Path, url: str, part: int, n: int) -> None:
+    seed = str(part_seed(args, rate, part))
     cmd = [*PDSERVE, "bench", "--url", url, "--workload", args.workload, "--rate", str(rate),
-           "--num-requests", str(args.num_requests), "--seed", seed, "--slo-ttft",
-           str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--out", str(run_dir),
+           "--num-requests", str(n), "--seed", seed, "--slo-ttft", str(args.slo_ttft),
+           "--slo-tpot", str(args.slo_tpot), "--out", str(part_dir(out, mode, rate, part)),
            "--no-progress"]  # fmt: skip
     subprocess.run(cmd, check=True)
-    return json.loads((run_dir / "results.json").read_text())["runs"][0]["aggregates"]
+
+
+def measured(out: Path, mode: str, rate: float, parts: int, slo: SLO) -> tuple[dict, list[int]]:
+    """The pooled aggregates of the run at `rate` and its parts' request counts."""
+    records, duration, counts = [], 0.0, []
+    for i in range(parts):
+        run = json.loads((part_dir(out, mode, rate, i) / "results.json").read_text())["runs"][0]
+        part = msgspec.convert(run["records"], list[RequestRecord])
+        records += part
+        duration += run["duration_s"]
+        counts.append(len(part))
+    return summarize(records, slo, duration), counts
 
 
 def serve(mode: str, port: int, log: Path, steps_dir: Path) -> subprocess.Popen:
@@ -159,26 +183,33 @@ def _s(x: float | None) -> str:
 
 def run_mode(mode: str, args, out: Path, rates: list[float]) -> None:
     """Serve `mode` with step logs, send the probes, run bench at each rate; write the probes'
-    records (OUT/serving-MODE.json), each run (OUT/MODE-RATE/) and when each phase ran
-    (OUT/timeline-MODE.json, which the calibration's windows come from)."""
+    records (OUT/serving-MODE.json), each run (OUT/MODE-RATE-PART/) and when each ran
+    (OUT/timeline-MODE.json, which the calibration's windows come from).
+
+    Each rate runs in two parts of half the requests, in the order A B C C B A: the machine's
+    speed drifts over minutes (the decode worker's step here went 61, 68, 55, 52 ms for one
+    shape over four consecutive phases), and a rate's calibration, taken from the other rates'
+    parts, then spans the same stretch of time as its own parts do."""
     profile = ensure_profile(out, THREADS[mode])
     port = free_port()
     steps_dir = out / f"steps-{mode}"
     shutil.rmtree(steps_dir, ignore_errors=True)
     proc = serve(mode, port, out / f"serve-{mode}.log", steps_dir)
     url = f"http://127.0.0.1:{port}/v1"
-    timeline: dict = {"runs": {}}
+    timeline: dict = {"runs": {str(rate): [] for rate in rates}}
+    sizes = (args.num_requests // 2, args.num_requests - args.num_requests // 2)
     try:
         start = time.time()
         groups = measure_probes(url, probe_groups())
         timeline["probes"] = (start, time.time())
         (out / f"serving-{mode}.json").write_bytes(msgspec.json.encode(groups))
         calibrate_serving(mode, profile, groups)
-        for rate in rates:
-            start = time.time()
-            measure(mode, args, rate, out, url)
-            timeline["runs"][str(rate)] = (start, time.time())
-            (out / f"timeline-{mode}.json").write_text(json.dumps(timeline))
+        for part, order in enumerate((rates, rates[::-1])):
+            for rate in order:
+                start = time.time()
+                measure(mode, args, rate, out, url, part, sizes[part])
+                timeline["runs"][str(rate)].append((start, time.time()))
+                (out / f"timeline-{mode}.json").write_text(json.dumps(timeline))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -190,20 +221,23 @@ def analyze_mode(mode: str, args, out: Path) -> list[dict]:
     groups = msgspec.json.decode((out / f"serving-{mode}.json").read_bytes(),
                                  type=list[list[RequestRecord]])  # fmt: skip
     timeline = json.loads((out / f"timeline-{mode}.json").read_text())
-    runs = {float(r): tuple(w) for r, w in timeline["runs"].items()}
+    runs = {float(r): [tuple(w) for w in ws] for r, ws in timeline["runs"].items()}
     steps_dir, prof = out / f"steps-{mode}", load_profile(profile)
-    results = []
-    for rate, window in runs.items():
-        real = json.loads((out / f"{mode}-{rate:g}" / "results.json").read_text())
-        others = [tuple(timeline["probes"]), *(w for r, w in runs.items() if r != rate)]
+    slo, results = SLO(args.slo_ttft, args.slo_tpot), []
+    for rate, windows in runs.items():
+        real, parts = measured(out, mode, rate, len(windows), slo)
+        others = [
+            tuple(timeline["probes"]),
+            *(w for r, ws in runs.items() if r != rate for w in ws),
+        ]
         cluster, info = served_cluster(mode, profile, steps_dir, others, groups)
-        in_run, _ = served_cluster(mode, profile, steps_dir, [window], groups)
+        in_run, _ = served_cluster(mode, profile, steps_dir, windows, groups)
         results.append({
-            "mode": mode, "rate": rate, "measured": real["runs"][0]["aggregates"],
-            "predicted": predict(mode, cluster, args, rate), "calibration": info,
-            "predicted_profile": predict(mode, prof.cluster(), args, rate),
-            "predicted_bare_engine": predict(mode, prof.cluster(serving=False), args, rate),
-            "predicted_in_run": predict(mode, in_run, args, rate),
+            "mode": mode, "rate": rate, "requests_per_part": parts, "measured": real,
+            "predicted": predict(mode, cluster, args, rate, parts), "calibration": info,
+            "predicted_profile": predict(mode, prof.cluster(), args, rate, parts),
+            "predicted_bare_engine": predict(mode, prof.cluster(serving=False), args, rate, parts),
+            "predicted_in_run": predict(mode, in_run, args, rate, parts),
         })  # fmt: skip
     return results
 

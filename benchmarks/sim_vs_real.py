@@ -94,9 +94,9 @@ def served_cluster(
     to them, the worker loop's gaps between decode steps, and the lone probes' TTFT excess."""
     prof = load_profile(profile)
     steps = read_steps(steps_dir, inside=windows)
-    fit = fit_steps(steps, prof.model, prof.accelerator, prof.weight_dtype)
+    fit, accel = fit_steps(steps, prof.model, prof.accelerator, prof.weight_dtype)
     step_s, seq_s = step_gaps(steps)
-    bare = prof._replace(efficiency=fit.efficiency).cluster(serving=False)
+    bare = prof._replace(accelerator=accel, efficiency=fit.efficiency).cluster(serving=False)
     dep = Deployment.served(mode)
     request_s = max(request_excess(bare, dep, groups, step_s, seq_s), 0.0)
     over = ServingOverhead(request_s, step_s, seq_s)

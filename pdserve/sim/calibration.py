@@ -187,13 +187,21 @@ def save_overhead(path: str | Path, mode: str, fit: OverheadFit) -> None:
     path.write_text(json.dumps(doc, indent=2))
 
 
-def save_served_fit(path: str | Path, fit: Fit, steps: int, source: str) -> None:
+def save_served_fit(
+    path: str | Path, fit: Fit, accel: Accelerator, steps: int, source: str
+) -> None:  # fmt: skip
     """Replace the efficiencies of the profile at `path` with `fit`, fitted to `steps` logged
-    steps of a served engine (from `source`); the bare-engine fit stays under "engine_fit"."""
+    steps of a served engine (from `source`) as fractions of `accel`'s peaks (which replace the
+    measured ones where higher); the bare-engine fit and the measured peaks stay in the file
+    under "engine_fit"."""
     path = Path(path)
     load_profile(path)  # validates
     doc = json.loads(path.read_text())
-    doc.setdefault("engine_fit", {"efficiency": doc["efficiency"], "fit": doc["fit"]})
+    hw = doc["hardware"]
+    doc.setdefault("engine_fit", {"efficiency": doc["efficiency"], "fit": doc["fit"],
+                                  "peak_flops": hw["peak_flops"],
+                                  "mem_bytes_per_s": hw["mem_bytes_per_s"]})  # fmt: skip
+    hw["peak_flops"], hw["mem_bytes_per_s"] = accel.peak_flops, accel.mem_bytes_per_s
     doc["efficiency"] = asdict(fit.efficiency)
     doc["fit"] = {"median_rel_error": fit.median_rel_error, "max_rel_error": fit.max_rel_error,
                   "served_steps": steps, "source": source,

@@ -78,8 +78,8 @@ def _profile_from_steps(args: argparse.Namespace) -> int:
 
     prof = load_profile(args.out)
     steps = read_steps(args.from_steps)
-    fit = fit_steps(steps, prof.model, prof.accelerator, prof.weight_dtype)
-    save_served_fit(args.out, fit, len(steps), str(args.from_steps))
+    fit, accel = fit_steps(steps, prof.model, prof.accelerator, prof.weight_dtype)
+    save_served_fit(args.out, fit, accel, len(steps), str(args.from_steps))
     print(f"steps     {len(steps)} served steps in {len(group_steps(steps))} shapes "
           f"from {args.from_steps}")  # fmt: skip
     _print_fit(fit)

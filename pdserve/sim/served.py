@@ -26,16 +26,18 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
 from pdserve.sim.hardware import Accelerator
-from pdserve.sim.latency import Batch
+from pdserve.sim.latency import Batch, Efficiency, LatencyModel
 from pdserve.sim.models import ModelSpec
 from pdserve.sim.profile import Fit, fit_batches, nonneg_lstsq
 
 MAX_GAP_S = 0.25  # longer between two decode steps: the worker waited for something, not busy
 MIN_STEPS = 20  # fewer steps than this cannot calibrate anything
+HEADROOM = 2.0  # peaks at least this many times what any served step achieved
 
 
 class Step(NamedTuple):
@@ -110,8 +112,10 @@ def _bucket(x: float, factor: float) -> int:
 
 def fit_steps(
     steps: Sequence[Step], model: ModelSpec, accel: Accelerator, weight_dtype: str
-) -> Fit:
-    """The latency model's efficiencies fitted to served `steps` (see the module doc)."""
+) -> tuple[Fit, Accelerator]:
+    """The latency model's efficiencies fitted to served `steps` (see the module doc), and the
+    accelerator they are fractions of: `accel`, with its peaks raised where the steps show
+    them too low (`served_accelerator`)."""
     if len(steps) < MIN_STEPS:
         raise ValueError(
             f"only {len(steps)} logged steps; calibrating needs at least {MIN_STEPS} (serve "
@@ -125,8 +129,30 @@ def fit_steps(
     # leave the prefills, which make TTFT, to a poor fit.
     prefill = [g[0].tokens > g[0].seqs for g in groups]
     shares = {p: 1.0 / prefill.count(p) for p in set(prefill)}
-    return fit_batches([g[0] for g in groups], [g[1] for g in groups], model, accel, weight_dtype,
-                       [shares[p] for p in prefill])  # fmt: skip
+    accel = served_accelerator(steps, model, accel, weight_dtype)
+    fit = fit_batches([g[0] for g in groups], [g[1] for g in groups], model, accel, weight_dtype,
+                      [shares[p] for p in prefill])  # fmt: skip
+    return fit, accel
+
+
+def served_accelerator(
+    steps: Sequence[Step], model: ModelSpec, accel: Accelerator, weight_dtype: str
+) -> Accelerator:
+    """`accel` with its peak FLOP/s and memory bandwidth raised, where needed, to HEADROOM times
+    the most any logged step achieved. The profile measures them with a few short matmuls and
+    copies, which on a drifting VM can land in a slow moment (this machine's two-thread "peak"
+    read 204 GFLOP/s in one profile and 395 in another); efficiencies are fractions of the
+    peaks, capped at 1, so a peak measured low leaves the fit pinned at the cap and distorts it
+    (long prefills came out 15-40 % slow)."""
+    unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0),
+                        weight_dtype, weight_dtype)  # fmt: skip
+    flops = bytes_ = 0.0
+    for s in steps:
+        w = unit.work(s.batch)
+        flops = max(flops, (w.gemm_flops + w.attn_flops) / s.seconds)
+        bytes_ = max(bytes_, w.bytes / s.seconds)
+    return replace(accel, peak_flops=max(accel.peak_flops, HEADROOM * flops),
+                   mem_bytes_per_s=max(accel.mem_bytes_per_s, HEADROOM * bytes_))  # fmt: skip
 
 
 def step_gaps(steps: Sequence[Step]) -> tuple[float, float]:

@@ -3,6 +3,7 @@ written by an engine with known step costs are fitted back to those costs."""
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -58,8 +59,8 @@ def test_fit_to_served_steps_recovers_the_step_costs(tmp_path, latency):
     write_log(log, batches, latency, noise=lambda: rng.uniform(0.97, 1.03))
     steps = read_steps(tmp_path)
     assert len(steps) == 600
-    fit = fit_steps(steps, MODEL, CPU, "fp32")
-    fitted = LatencyModel(MODEL, CPU, 1, fit.efficiency, "fp32", "fp32")
+    fit, accel = fit_steps(steps, MODEL, CPU, "fp32")
+    fitted = LatencyModel(MODEL, accel, 1, fit.efficiency, "fp32", "fp32")
     probe = [
         Batch(1, 1, 100, 100, 1),
         Batch(8, 8, 8000, 8000, 8),
@@ -68,6 +69,25 @@ def test_fit_to_served_steps_recovers_the_step_costs(tmp_path, latency):
     for b in probe:  # shapes between and beyond the logged ones
         assert fitted.iteration(b) == pytest.approx(latency.iteration(b), rel=0.05)
     assert fit.median_rel_error < 0.03
+
+
+def test_a_peak_measured_too_low_is_raised_not_fitted_around(tmp_path, latency):
+    """A profile whose matmul peak caught a slow moment (a quarter of the true one) would pin
+    mfu at 1 and distort the fit; the served fit raises the peak instead."""
+    rng = random.Random(9)
+    write_log(tmp_path / "steps-both-1.jsonl", served_batches(rng, 600), latency)
+    low = replace(CPU, peak_flops=CPU.peak_flops / 4, mem_bytes_per_s=CPU.mem_bytes_per_s / 4)
+    fit, accel = fit_steps(read_steps(tmp_path), MODEL, low, "fp32")
+    assert accel.peak_flops > low.peak_flops and accel.mem_bytes_per_s > low.mem_bytes_per_s
+    assert fit.efficiency.mfu < 1 and fit.efficiency.attn_eff < 1
+    fitted = LatencyModel(MODEL, accel, 1, fit.efficiency, "fp32", "fp32")
+    long_prefill = Batch(3000, 1, 3000**2 / 2, 0, 1)
+    assert fitted.iteration(long_prefill) == pytest.approx(
+        latency.iteration(long_prefill), rel=0.05
+    )
+    # a peak already high enough is kept
+    _, same = fit_steps(read_steps(tmp_path), MODEL, replace(CPU, peak_flops=1e15), "fp32")
+    assert same.peak_flops == 1e15
 
 
 def test_step_gaps_are_the_worker_loop_between_decode_steps(tmp_path, latency):
@@ -122,7 +142,8 @@ def test_profile_from_steps_refits_a_profile_and_keeps_the_engine_fit(tmp_path, 
     write_log(tmp_path / "steps-both-1.jsonl", served_batches(random.Random(8), 400), latency)
     assert main(["profile", "--from-steps", str(tmp_path), "--out", str(out)]) == 0
     assert "400 served steps" in capsys.readouterr().out
-    served = LatencyModel(MODEL, CPU, 1, load_profile(out).efficiency, "fp32", "fp32")
+    prof = load_profile(out)
+    served = LatencyModel(MODEL, prof.accelerator, 1, prof.efficiency, "fp32", "fp32")
     assert served.prefill(1024) == pytest.approx(latency.prefill(1024), rel=0.05)
     doc = json.loads(out.read_text())
     assert doc["engine_fit"]["efficiency"] == engine_fit.efficiency.__dict__

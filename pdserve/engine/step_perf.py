@@ -58,7 +58,6 @@ class StepLog:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
         self._file = path.open("a", buffering=1)
 
     @classmethod
@@ -86,6 +85,3 @@ class StepLog:
             "prefill_tokens": prefill_tokens,
         }
         self._file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self._file.close()

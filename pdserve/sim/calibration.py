@@ -174,9 +174,7 @@ def load_profile(path: str | Path) -> Profile:
 def save_overhead(path: str | Path, mode: str, fit: OverheadFit) -> None:
     """Record the serving overhead fitted for `mode` in the profile at `path` (replacing an
     earlier one for that mode; other modes are kept)."""
-    path = Path(path)
-    load_profile(path)  # validates
-    doc = json.loads(path.read_text())
+    doc = _profile_doc(path)
     doc.setdefault("serving", {})[mode] = {
         **asdict(fit.overhead),
         "raw_request_s": fit.raw_request_s,
@@ -184,7 +182,7 @@ def save_overhead(path: str | Path, mode: str, fit: OverheadFit) -> None:
         "probes": fit.probes,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    path.write_text(json.dumps(doc, indent=2))
+    Path(path).write_text(json.dumps(doc, indent=2))
 
 
 def save_served_fit(
@@ -194,9 +192,7 @@ def save_served_fit(
     steps of a served engine (from `source`) as fractions of `accel`'s peaks (which replace the
     measured ones where higher); the bare-engine fit and the measured peaks stay in the file
     under "engine_fit"."""
-    path = Path(path)
-    load_profile(path)  # validates
-    doc = json.loads(path.read_text())
+    doc = _profile_doc(path)
     hw = doc["hardware"]
     doc.setdefault("engine_fit", {"efficiency": doc["efficiency"], "fit": doc["fit"],
                                   "peak_flops": hw["peak_flops"],
@@ -206,4 +202,10 @@ def save_served_fit(
     doc["fit"] = {"median_rel_error": fit.median_rel_error, "max_rel_error": fit.max_rel_error,
                   "served_steps": steps, "source": source,
                   "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
-    path.write_text(json.dumps(doc, indent=2))
+    Path(path).write_text(json.dumps(doc, indent=2))
+
+
+def _profile_doc(path: str | Path) -> dict:
+    """The JSON of the valid profile at `path` (ValueError as `load_profile` when not)."""
+    load_profile(path)
+    return json.loads(Path(path).read_text())

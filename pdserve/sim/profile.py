@@ -142,8 +142,7 @@ def fit_batches(
     """
     import numpy as np
 
-    unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0),
-                        weight_dtype, weight_dtype)  # fmt: skip
+    unit = raw_work_model(model, accel, weight_dtype)
     work = np.array([unit.work(b) for b in batches])
     gemm, attn = work[:, 0] / accel.peak_flops, work[:, 1] / accel.peak_flops
     mem = work[:, 2] / accel.mem_bytes_per_s
@@ -172,6 +171,13 @@ def fit_batches(
     fitted = LatencyModel(model, accel, 1, eff, weight_dtype, weight_dtype)
     rel = np.abs(np.array([fitted.iteration(b) for b in batches]) / t - 1)
     return Fit(eff, float(np.median(rel)), float(rel.max()))
+
+
+def raw_work_model(model: ModelSpec, accel: Accelerator, weight_dtype: str) -> LatencyModel:
+    """A latency model at full efficiency and no overheads: its `work` is a pass's raw FLOPs
+    and bytes, which the fits divide by the peaks."""
+    unit = Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0)
+    return LatencyModel(model, accel, 1, unit, weight_dtype, weight_dtype)
 
 
 def _finer(x: float) -> list[float]:

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pdserve.sim.hardware import Accelerator
-from pdserve.sim.latency import Batch, Efficiency, LatencyModel
+from pdserve.sim.latency import Batch
 from pdserve.sim.models import ModelSpec
-from pdserve.sim.profile import Fit, fit_batches, nonneg_lstsq
+from pdserve.sim.profile import Fit, fit_batches, nonneg_lstsq, raw_work_model
 
 MAX_GAP_S = 0.25  # longer between two decode steps: the worker waited for something, not busy
 MIN_STEPS = 20  # fewer steps than this cannot calibrate anything
@@ -91,18 +91,28 @@ def _within(t: float, inside: Sequence[Window], outside: Sequence[Window]) -> bo
     return not any(a <= t < b for a, b in outside)
 
 
-def group_steps(steps: Iterable[Step]) -> list[tuple[Batch, float, int]]:
-    """Steps of like shape merged: (mean batch, mean seconds, steps) per group."""
+class StepGroup(NamedTuple):
+    """Logged steps of like shape, merged."""
+
+    prefill: bool  # its steps computed prompt tokens
+    batch: Batch  # their mean
+    seconds: float  # their mean
+    steps: int
+
+
+def group_steps(steps: Iterable[Step]) -> list[StepGroup]:
+    """Steps of like shape merged, one `StepGroup` per shape."""
     groups: dict[tuple, list[Step]] = defaultdict(list)
     for s in steps:
         b = s.batch
         key = (s.prefill_tokens > 0, b.seqs, _bucket(b.tokens, 1.25), _bucket(b.kv_read, 1.3))
         groups[key].append(s)
     out = []
-    for members in groups.values():
+    for key, members in groups.items():
         columns = zip(*(m.batch for m in members), strict=True)
         mean = Batch(*(statistics.fmean(col) for col in columns))
-        out.append((mean, statistics.fmean(m.seconds for m in members), len(members)))
+        out.append(StepGroup(key[0], mean, statistics.fmean(m.seconds for m in members),
+                             len(members)))  # fmt: skip
     return out
 
 
@@ -127,11 +137,11 @@ def fit_steps(
     # Steps with prompt tokens and pure decode steps weigh alike in total, however many shapes
     # each has: decode steps come in many more shapes (batch x context), and would otherwise
     # leave the prefills, which make TTFT, to a poor fit.
-    prefill = [g[0].tokens > g[0].seqs for g in groups]
+    prefill = [g.prefill for g in groups]
     shares = {p: 1.0 / prefill.count(p) for p in set(prefill)}
     accel = served_accelerator(steps, model, accel, weight_dtype)
-    fit = fit_batches([g[0] for g in groups], [g[1] for g in groups], model, accel, weight_dtype,
-                      [shares[p] for p in prefill])  # fmt: skip
+    fit = fit_batches([g.batch for g in groups], [g.seconds for g in groups], model, accel,
+                      weight_dtype, [shares[p] for p in prefill])  # fmt: skip
     return fit, accel
 
 
@@ -144,8 +154,7 @@ def served_accelerator(
     read 204 GFLOP/s in one profile and 395 in another); efficiencies are fractions of the
     peaks, capped at 1, so a peak measured low leaves the fit pinned at the cap and distorts it
     (long prefills came out 15-40 % slow)."""
-    unit = LatencyModel(model, accel, 1, Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0),
-                        weight_dtype, weight_dtype)  # fmt: skip
+    unit = raw_work_model(model, accel, weight_dtype)
     flops = bytes_ = 0.0
     for s in steps:
         w = unit.work(s.batch)

@@ -114,10 +114,10 @@ class _Loop:
             self.start(inst, now)
         elif inst.stretch is not None and inst.wants_boundary():
             start, k, co = inst.stretch
-            k2 = steps_to_reach(co, now - start, k)
+            k2, end = _stretch_boundary(inst.stretch, now)
             if k2 < k:
                 inst.stretch = (start, k2, co)
-                self.schedule(inst, start, start + stretch_time(co, k2))
+                self.schedule(inst, start, end)
 
     def reschedule_fabric(self) -> None:
         t = self.fabric.next_time()
@@ -143,8 +143,8 @@ class _Loop:
             placed = self.next_boundary(r.decoder, now)
             if placed > now:
                 self.push(placed, 0, r)
-                return
-            self.to_prefill(r, now)
+            else:
+                self.to_prefill(r, now)
             return
         inst.enqueue(r)
         self.poke(inst, now)
@@ -162,8 +162,7 @@ class _Loop:
             return now
         if inst.stretch is None:
             return inst.busy_until
-        start, k, co = inst.stretch
-        return start + stretch_time(co, steps_to_reach(co, now - start, k))
+        return _stretch_boundary(inst.stretch, now)[1]
 
     def instance_done(self, inst: Instance, now: float) -> None:
         inst.busy_time += now - inst.op_start
@@ -256,6 +255,13 @@ def simulate(
     if loop.decoders:
         util["decode"] = _busy(loop.decoders, duration)
     return SimResult(records, aggregates, util, loop.fabric.bytes_sent)
+
+
+def _stretch_boundary(stretch: tuple, now: float) -> tuple[int, float]:
+    """(steps done, time) at the first step boundary at or after `now` in a decode stretch."""
+    start, k, co = stretch
+    steps = steps_to_reach(co, now - start, k)
+    return steps, start + stretch_time(co, steps)
 
 
 def _servable(loop: _Loop, sims: list[SimRequest]) -> list[SimRequest]:

@@ -55,7 +55,7 @@ from pdserve.sim.served import Window, fit_steps, read_steps, step_gaps
 from pdserve.sim.simulator import simulate
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-THREADS = {"colocated": 2, "disagg": 1}  # cores per worker under `pdserve serve` on 2 cores
+CORES = 2  # `pdserve serve` gives each worker an equal share of them
 
 
 def free_port() -> int:
@@ -70,6 +70,10 @@ def seed_of(args, rate: float) -> int:
     return args.seed + int(round(rate * 1000))
 
 
+def threads_per_worker(dep: Deployment) -> int:
+    return max(CORES // (dep.replicas if dep.mode == "colocated" else 2), 1)
+
+
 def ensure_profile(out: Path, threads: int) -> Path:
     path = out / f"profile-{threads}t.json"
     if not path.exists():
@@ -78,17 +82,17 @@ def ensure_profile(out: Path, threads: int) -> Path:
     return path
 
 
-def calibrate_serving(mode: str, profile: Path, groups: list) -> None:
-    """Fit the serving overhead of `mode` to the probe `groups` against the bare engine's
+def calibrate_serving(dep: Deployment, profile: Path, groups: list) -> None:
+    """Fit the serving overhead of `dep` to the probe `groups` against the bare engine's
     profile, and save it in the profile (the method of earlier runs)."""
     bare = load_profile(profile).cluster(serving=False)
-    fit = fit_overhead(bare, Deployment.served(mode), groups)
-    save_overhead(profile, mode, fit)
-    print(f"{mode}: profile's serving overhead {describe_overhead(fit)}", flush=True)
+    fit = fit_overhead(bare, dep, groups)
+    save_overhead(profile, dep.mode, fit)
+    print(f"{dep.mode}: profile's serving overhead {describe_overhead(fit)}", flush=True)
 
 
 def served_cluster(
-    mode: str, profile: Path, steps_dir: Path, windows: list[Window], groups: list
+    dep: Deployment, profile: Path, steps_dir: Path, windows: list[Window], groups: list
 ) -> tuple[Cluster, dict]:  # fmt: skip
     """This machine calibrated from the steps logged inside `windows`: the latency model fitted
     to them, the worker loop's gaps between decode steps, and the lone probes' TTFT excess."""
@@ -97,22 +101,21 @@ def served_cluster(
     fit, accel = fit_steps(steps, prof.model, prof.accelerator, prof.weight_dtype)
     step_s, seq_s = step_gaps(steps)
     bare = prof._replace(accelerator=accel, efficiency=fit.efficiency).cluster(serving=False)
-    dep = Deployment.served(mode)
     request_s = max(request_excess(bare, dep, groups, step_s, seq_s), 0.0)
     over = ServingOverhead(request_s, step_s, seq_s)
     info = {"steps": len(steps), "efficiency": fit.efficiency.__dict__, "overhead": over.__dict__,
             "fit_median_rel_error": fit.median_rel_error}  # fmt: skip
-    return replace(bare, serving={mode: over}), info
+    return replace(bare, serving={dep.mode: over}), info
 
 
-def predict(mode: str, cluster: Cluster, args, rate: float, parts: list[int]) -> dict:
+def predict(dep: Deployment, cluster: Cluster, args, rate: float, parts: list[int]) -> dict:
     """The simulated aggregates of the run at `rate`: each part (`parts[i]` requests, seed
     `part_seed(.., i)`) simulated from an idle deployment, as each was served, then pooled."""
     slo, records, duration = SLO(args.slo_ttft, args.slo_tpot), [], 0.0
     for i, n in enumerate(parts):
         reqs = generate_requests(named_workload(args.workload), n, part_seed(args, rate, i),
                                  rate=rate)  # fmt: skip
-        result = simulate(cluster, Deployment.served(mode), reqs, slo)
+        result = simulate(cluster, dep, reqs, slo)
         records += result.records
         duration += result.aggregates["duration_s"]
     return summarize(records, slo, duration)
@@ -147,8 +150,11 @@ def measured(out: Path, mode: str, rate: float, parts: int, slo: SLO) -> tuple[d
     return summarize(records, slo, duration), counts
 
 
-def serve(mode: str, port: int, log: Path, steps_dir: Path) -> subprocess.Popen:
+def serve(dep: Deployment, port: int, log: Path, steps_dir: Path) -> subprocess.Popen:
+    mode = dep.mode
     cmd = [*PDSERVE, "serve", "--mode", mode, "--port", str(port), "--step-log", str(steps_dir)]
+    if mode == "colocated":
+        cmd += ["--colocated-workers", str(dep.replicas)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -181,7 +187,7 @@ def _s(x: float | None) -> str:
     return f"{x:8.3f} s" if x is not None else "     n/a  "
 
 
-def run_mode(mode: str, args, out: Path, rates: list[float]) -> None:
+def run_mode(dep: Deployment, args, out: Path, rates: list[float]) -> None:
     """Serve `mode` with step logs, send the probes, run bench at each rate; write the probes'
     records (OUT/serving-MODE.json), each run (OUT/MODE-RATE-PART/) and when each ran
     (OUT/timeline-MODE.json, which the calibration's windows come from).
@@ -190,20 +196,22 @@ def run_mode(mode: str, args, out: Path, rates: list[float]) -> None:
     speed drifts over minutes (the decode worker's step here went 61, 68, 55, 52 ms for one
     shape over four consecutive phases), and a rate's calibration, taken from the other rates'
     parts, then spans the same stretch of time as its own parts do."""
-    profile = ensure_profile(out, THREADS[mode])
+    mode, threads = dep.mode, threads_per_worker(dep)
+    profile = ensure_profile(out, threads)
     port = free_port()
     steps_dir = out / f"steps-{mode}"
     shutil.rmtree(steps_dir, ignore_errors=True)
-    proc = serve(mode, port, out / f"serve-{mode}.log", steps_dir)
+    proc = serve(dep, port, out / f"serve-{mode}.log", steps_dir)
     url = f"http://127.0.0.1:{port}/v1"
-    timeline: dict = {"runs": {str(rate): [] for rate in rates}}
+    timeline: dict = {"runs": {str(rate): [] for rate in rates}, "workers": dep.replicas,
+                      "threads": threads}  # fmt: skip
     sizes = (args.num_requests // 2, args.num_requests - args.num_requests // 2)
     try:
         start = time.time()
         groups = measure_probes(url, probe_groups())
         timeline["probes"] = (start, time.time())
         (out / f"serving-{mode}.json").write_bytes(msgspec.json.encode(groups))
-        calibrate_serving(mode, profile, groups)
+        calibrate_serving(dep, profile, groups)
         for part, order in enumerate((rates, rates[::-1])):
             for rate in order:
                 start = time.time()
@@ -217,10 +225,12 @@ def run_mode(mode: str, args, out: Path, rates: list[float]) -> None:
 
 def analyze_mode(mode: str, args, out: Path) -> list[dict]:
     """Predict every run of `mode` in OUT, each calibrated on the steps logged outside it."""
-    profile = out / f"profile-{THREADS[mode]}t.json"
     groups = msgspec.json.decode((out / f"serving-{mode}.json").read_bytes(),
                                  type=list[list[RequestRecord]])  # fmt: skip
     timeline = json.loads((out / f"timeline-{mode}.json").read_text())
+    # runs before --colocated-workers served one co-located worker on both cores
+    dep = Deployment.served(mode, timeline.get("workers", 1))
+    profile = out / f"profile-{timeline.get('threads', threads_per_worker(dep))}t.json"
     runs = {float(r): [tuple(w) for w in ws] for r, ws in timeline["runs"].items()}
     steps_dir, prof = out / f"steps-{mode}", load_profile(profile)
     slo, results = SLO(args.slo_ttft, args.slo_tpot), []
@@ -230,14 +240,15 @@ def analyze_mode(mode: str, args, out: Path) -> list[dict]:
             tuple(timeline["probes"]),
             *(w for r, ws in runs.items() if r != rate for w in ws),
         ]
-        cluster, info = served_cluster(mode, profile, steps_dir, others, groups)
-        in_run, _ = served_cluster(mode, profile, steps_dir, windows, groups)
+        cluster, info = served_cluster(dep, profile, steps_dir, others, groups)
+        in_run, _ = served_cluster(dep, profile, steps_dir, windows, groups)
         results.append({
-            "mode": mode, "rate": rate, "requests_per_part": parts, "measured": real,
-            "predicted": predict(mode, cluster, args, rate, parts), "calibration": info,
-            "predicted_profile": predict(mode, prof.cluster(), args, rate, parts),
-            "predicted_bare_engine": predict(mode, prof.cluster(serving=False), args, rate, parts),
-            "predicted_in_run": predict(mode, in_run, args, rate, parts),
+            "mode": mode, "workers": dep.num_gpus, "rate": rate, "requests_per_part": parts,
+            "measured": real, "calibration": info,
+            "predicted": predict(dep, cluster, args, rate, parts),
+            "predicted_profile": predict(dep, prof.cluster(), args, rate, parts),
+            "predicted_bare_engine": predict(dep, prof.cluster(serving=False), args, rate, parts),
+            "predicted_in_run": predict(dep, in_run, args, rate, parts),
         })  # fmt: skip
     return results
 
@@ -250,6 +261,12 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="colocated,disagg")
+    ap.add_argument(
+        "--colocated-workers", type=int, default=2,
+        help="co-located workers, one per core (default 2: the same cores per worker as "
+        "disaggregated's prefill + decode worker; 1 = one worker on both cores, whose two "
+        "threads' speed swings by up to 13 %% from one 10 s to the next on this VM)",
+    )  # fmt: skip
     ap.add_argument("--slo-ttft", type=float, default=30.0)
     ap.add_argument("--slo-tpot", type=float, default=1.0)
     ap.add_argument("--out", default="sim-vs-real", help="directory for profiles and runs")
@@ -266,7 +283,7 @@ def main() -> int:
     rows, results = [], []
     for mode in args.modes.split(","):
         if not args.analyze:
-            run_mode(mode, args, out, rates)
+            run_mode(Deployment.served(mode, args.colocated_workers), args, out, rates)
         for r in analyze_mode(mode, args, out):
             rows += compare_rows(mode, r["rate"], r["predicted"], r["measured"])
             results.append(r)

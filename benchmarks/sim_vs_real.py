@@ -1,15 +1,17 @@
 """Simulator vs the real system on this machine: predicted and measured TTFT/TPOT p50 and p90.
 
 For each mode (co-located, disaggregated) this starts `pdserve serve --mode MODE --step-log`
-(the bundled model; co-located = one worker on both cores, disaggregated = a prefill and a
-decode worker on one core each, with the router's conditional disaggregation), sends it the
+(the bundled model; co-located = two workers on one core each, the router sending each request
+to the one with fewer in flight; disaggregated = a prefill and a decode worker on one core
+each, with the router's conditional disaggregation), sends it the
 serving-overhead probes (`pdserve.sim.overhead`: short requests alone and in small groups),
 runs `pdserve bench` with a workload at each rate, and runs `pdserve.sim` on the same requests
 (same workload, count and seed). It prints both side by side with the relative error; the
 issue's target is within 15 %.
 
     .venv/bin/python benchmarks/sim_vs_real.py [--rates 0.15,0.3,0.45] [--workload mixed]
-        [--num-requests 30] [--modes colocated,disagg] [--out sim-vs-real]
+        [--num-requests 30] [--modes colocated,disagg] [--colocated-workers 2]
+        [--out sim-vs-real]
 
 The prediction printed is calibrated **from the served engine's own steps, leaving out the run
 it predicts**: the latency model is fitted (`pdserve.sim.served`) to the steps the workers

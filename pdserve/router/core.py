@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 
@@ -225,14 +226,23 @@ class RouterCore:
 
     # -- placement -------------------------------------------------------------------------
     def _pick_decode(self, prompt: list[int]) -> WorkerInfo | None:
-        """Longest prefix overlap, then fewest requests in flight, then most free blocks."""
-        hashes = block_hashes(prompt, self.config.block_size)
+        """The worker where the prompt would compute the fewest prompt tokens before its first
+        token: those queued there for local prefill plus its own uncached ones (a cached
+        prefix saves its tokens); then the fewest requests in flight; then the most free
+        blocks. A chat request thus does not wait behind another worker's 4k-token prefill to
+        save one cached block, nor skip a cached prefix for a worker that is merely idle."""
+        size = self.config.block_size
+        hashes = block_hashes(prompt, size)
         candidates = [w for w in self.alive() if w.can_decode]
         if not candidates:
             return None
-        return min(
-            candidates, key=lambda w: (-w.overlap(hashes), len(w.inflight), -w.free_blocks())
-        )
+        queued = self._prefill_queues()
+
+        def cost(w: WorkerInfo) -> tuple[int, int, int]:
+            uncached = len(prompt) - min(w.overlap(hashes) * size, len(prompt))
+            return queued[w.worker_id] + uncached, len(w.inflight), -w.free_blocks()
+
+        return min(candidates, key=cost)
 
     def _pick_prefill(self, prompt: list[int]) -> WorkerInfo | None:
         hashes = block_hashes(prompt, self.config.block_size)
@@ -339,11 +349,16 @@ class RouterCore:
     def pending_prefill_tokens(self, remote: bool, decode_id: str) -> int:
         """Prompt tokens admitted but not yet prefilled: in the prefill pool (remote) or on
         decode worker `decode_id` (local prefill)."""
-        return sum(
-            s.uncached_tokens
-            for s in self.requests.values()
-            if not s.tokens and s.remote == remote and (remote or s.decode_id == decode_id)
-        )
+        return self._prefill_queues()[None if remote else decode_id]
+
+    def _prefill_queues(self) -> Counter[str | None]:
+        """Prompt tokens admitted but not yet prefilled, by where they are prefilled: the id
+        of the decode worker prefilling them itself, or None for the prefill pool."""
+        queues: Counter[str | None] = Counter()
+        for s in self.requests.values():
+            if not s.tokens:
+                queues[None if s.remote else s.decode_id] += s.uncached_tokens
+        return queues
 
     def finish(self, state: RequestState, abort: bool) -> None:
         """Forget a request; with abort, tell every worker holding it to free its blocks."""

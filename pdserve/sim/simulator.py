@@ -2,8 +2,9 @@
 
 Deployments: co-located continuous batching (whole prompts per step), co-located with chunked
 prefill, and disaggregated P:D pools with their own TP degrees joined by the KV `Fabric`.
-Arrivals are routed like pdserve's router: co-located and decode instances by least outstanding
-requests, prefill instances by fewest queued prompt tokens. Events are instance iteration or
+Arrivals are routed like pdserve's router: co-located and decode instances by fewest prompt
+tokens queued for their own prefill, then least outstanding requests; prefill instances by
+fewest queued prompt tokens. Events are instance iteration or
 decode-stretch ends, fabric completions and remote prompts reaching the prefill pool once their
 decode instance has placed them (between two of its steps), in a heap; arrivals are merged in
 from their sorted list. A calibrated serving path (`Cluster.serving`) delays every arrival by
@@ -128,17 +129,17 @@ class _Loop:
     # -- events ----------------------------------------------------------------------------
     def arrive(self, r: SimRequest, now: float) -> None:
         if self.dep.mode == "colocated":
-            inst = min(self.front, key=lambda i: i.load)
+            inst = min(self.front, key=_decode_cost)
         elif r.prompt < self.dep.local_prefill_threshold and not (
             self.dep.short_prefills_to_idle_pool and self.remote_pending == 0
         ):
-            inst = min(self.decoders, key=lambda i: i.load + i.inbound)
+            inst = min(self.decoders, key=_decode_cost)
         else:
             # Remote prefill: the router first asks the decode instance for blocks (Admit ->
             # Placement), which its worker answers between two steps; the prompt reaches the
             # prefill pool then.
             self.remote_pending += 1
-            r.decoder = min(self.decoders, key=lambda i: i.load + i.inbound)
+            r.decoder = min(self.decoders, key=_decode_cost)
             r.decoder.inbound += 1
             placed = self.next_boundary(r.decoder, now)
             if placed > now:
@@ -291,3 +292,9 @@ def _busy(insts: list[Instance], duration: float) -> float:
     if duration <= 0 or not insts:
         return 0.0
     return sum(i.busy_time for i in insts) / (duration * len(insts))
+
+
+def _decode_cost(inst: Instance) -> tuple[int, int]:
+    """The router's choice of decode instance: fewest prompt tokens queued for its own prefill,
+    then fewest requests (those whose KV is still on its way included)."""
+    return inst.queued_tokens, inst.load + inst.inbound

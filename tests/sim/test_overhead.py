@@ -157,3 +157,6 @@ def test_served_deployment_follows_the_real_defaults():
     for d in (dep, Deployment.served("colocated")):
         assert d.max_num_seqs == EngineConfig.max_num_seqs
         assert d.chunk == serve.chunk_size  # None: whole prompts
+    assert Deployment.served("colocated").replicas == serve.colocated_workers
+    two = Deployment.served("colocated", 2)  # --colocated-workers 2
+    assert (two.replicas, two.num_gpus, two.max_num_seqs) == (2, 2, EngineConfig.max_num_seqs)

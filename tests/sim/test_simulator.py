@@ -171,3 +171,13 @@ def test_pool_stays_busy_until_the_kv_has_landed_like_the_router():
     assert computed < 0.05  # r1 arrives after r0 computed, before its KV landed (0.2048 s)
     res = simulate(cl, dep, [req(0, 0.0, 100, 2), req(1, 0.1, 32, 2)], SLO_LOOSE)
     assert res.kv_bytes_sent == pytest.approx(kv_bytes(MODEL, 100, "fp16"), rel=1e-9)
+
+
+def test_colocated_replicas_route_around_a_queued_prefill_like_the_router():
+    cl = cluster(get_link("ib-ndr"))
+    # r0 (long prompt) prefills on one replica, r1 streams on the other; r2 (short) then finds
+    # one request on each: fewest in flight would tie, fewest queued prompt tokens does not.
+    reqs = [req(0, 0.0, 3000, 2), req(1, 0.0001, 32, 500), req(2, 0.0002, 32, 2)]
+    res = simulate(cl, Deployment(replicas=2), reqs, SLO_LOOSE)
+    doc, _, chat = sorted(res.records, key=lambda r: r.index)
+    assert chat.ttft_s < doc.ttft_s / 10  # it did not wait behind r0's prefill

@@ -194,10 +194,11 @@ def run_mode(dep: Deployment, args, out: Path, rates: list[float]) -> None:
     records (OUT/serving-MODE.json), each run (OUT/MODE-RATE-PART/) and when each ran
     (OUT/timeline-MODE.json, which the calibration's windows come from).
 
-    Each rate runs in two parts of half the requests, in the order A B C C B A: the machine's
-    speed drifts over minutes (the decode worker's step here went 61, 68, 55, 52 ms for one
-    shape over four consecutive phases), and a rate's calibration, taken from the other rates'
-    parts, then spans the same stretch of time as its own parts do."""
+    Each rate runs in `--parts` parts, the rates in turn, forwards then backwards (A B C C B A
+    A B C for three): the machine's speed drifts over minutes (the decode worker's one-stream
+    step here went from 49 to 64 ms for the last five minutes of a run), and a rate's
+    calibration, taken from the other rates' parts, then spans the same stretches of time as
+    its own parts do."""
     mode, threads = dep.mode, threads_per_worker(dep)
     profile = ensure_profile(out, threads)
     port = free_port()
@@ -207,14 +208,15 @@ def run_mode(dep: Deployment, args, out: Path, rates: list[float]) -> None:
     url = f"http://127.0.0.1:{port}/v1"
     timeline: dict = {"runs": {str(rate): [] for rate in rates}, "workers": dep.replicas,
                       "threads": threads}  # fmt: skip
-    sizes = (args.num_requests // 2, args.num_requests - args.num_requests // 2)
+    sizes = [len(range(i, args.num_requests, args.parts)) for i in range(args.parts)]
     try:
         start = time.time()
         groups = measure_probes(url, probe_groups())
         timeline["probes"] = (start, time.time())
         (out / f"serving-{mode}.json").write_bytes(msgspec.json.encode(groups))
         calibrate_serving(dep, profile, groups)
-        for part, order in enumerate((rates, rates[::-1])):
+        for part in range(args.parts):
+            order = rates if part % 2 == 0 else rates[::-1]
             for rate in order:
                 start = time.time()
                 measure(mode, args, rate, out, url, part, sizes[part])
@@ -262,6 +264,10 @@ def main() -> int:
     ap.add_argument("--workload", default="mixed", help="chat, docs or mixed (default mixed)")
     ap.add_argument("--num-requests", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--parts", type=int, default=3,
+        help="run each rate in this many parts, the rates in turn (default 3: A B C C B A A B C)",
+    )  # fmt: skip
     ap.add_argument("--modes", default="colocated,disagg")
     ap.add_argument(
         "--colocated-workers", type=int, default=2,
@@ -279,6 +285,8 @@ def main() -> int:
         "already in --out again (after a change to the simulator or calibration)",
     )
     args = ap.parse_args()
+    if not 1 <= args.parts <= args.num_requests:
+        ap.error(f"--parts must be between 1 and --num-requests ({args.num_requests})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]

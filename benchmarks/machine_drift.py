@@ -5,8 +5,8 @@ another (`benchmarks/sim_vs_real.py`), so its accuracy can be no better than the
 its speed between them. This runs one engine per core (one thread each, pinned), each
 generating the same 100-token greedy completion again and again for `--seconds`, and prints
 the median time per output token in every `--window`-second window, relative to the whole
-run's median, side by side: windows that move together on both cores are the machine (the
-host's memory bandwidth, shared with other tenants), not the engine.
+run's median, side by side. The engine does the same work every time, so what moves is the
+machine (here: a VM whose cores and memory bandwidth are shared with other tenants).
 
     .venv/bin/python benchmarks/machine_drift.py [--seconds 120] [--window 10] [--cores 0,1]
 """
@@ -69,25 +69,24 @@ def main() -> int:
             return 1
         runs.append(json.loads(stdout.strip().splitlines()[-1]))
     start = min(r[0][0] for r in runs)
-    medians = [statistics.median(s for _, s in r) for r in runs]
     windows = int(args.seconds // args.window)
+    per_core = []  # per core: (whole-run median, median of each window or None)
+    for r in runs:
+        by_window = [[] for _ in range(windows)]
+        for t, s in r:
+            if (w := int((t - start) // args.window)) < windows:
+                by_window[w].append(s)
+        per_core.append((statistics.median(s for _, s in r),
+                         [statistics.median(xs) if xs else None for xs in by_window]))  # fmt: skip
     print("| window (s) | " + " | ".join(f"core {c}: ms/token (x median)" for c in cores) + " |")
     print("|---|" + "---|" * len(cores))
     for w in range(windows):
-        cells = []
-        for r, med in zip(runs, medians, strict=True):
-            xs = [s for t, s in r if w <= (t - start) // args.window < w + 1]
-            cells.append(f"{statistics.median(xs) * 1e3:.1f} ({statistics.median(xs) / med:.2f})"
-                         if xs else "-")  # fmt: skip
+        cells = [f"{m[w] * 1e3:.1f} ({m[w] / med:.2f})" if m[w] else "-" for med, m in per_core]
         print(f"| {w * args.window:g}-{(w + 1) * args.window:g} | " + " | ".join(cells) + " |")
-    for c, r, med in zip(cores, runs, medians, strict=True):
-        per = [
-            statistics.median(xs)
-            for w in range(windows)
-            if (xs := [s for t, s in r if w <= (t - start) // args.window < w + 1])
-        ]
+    for c, (med, m) in zip(cores, per_core, strict=True):
+        seen = [x for x in m if x]
         print(f"core {c}: median {med * 1e3:.1f} ms/token; windows span "
-              f"{min(per) / med:.2f}-{max(per) / med:.2f} x median")  # fmt: skip
+              f"{min(seen) / med:.2f}-{max(seen) / med:.2f} x median")  # fmt: skip
     return 0
 
 

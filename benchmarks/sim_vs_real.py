@@ -2,12 +2,12 @@
 
 For each mode (co-located, disaggregated) this starts `pdserve serve --mode MODE --step-log`
 (the bundled model; co-located = two workers on one core each, the router sending each request
-to the one with fewer in flight; disaggregated = a prefill and a decode worker on one core
-each, with the router's conditional disaggregation), sends it the
-serving-overhead probes (`pdserve.sim.overhead`: short requests alone and in small groups),
-runs `pdserve bench` with a workload at each rate, and runs `pdserve.sim` on the same requests
-(same workload, count and seed). It prints both side by side with the relative error; the
-issue's target is within 15 %.
+to the one with the fewest prompt tokens to compute before its first token; disaggregated = a
+prefill and a decode worker on one core each, with the router's conditional disaggregation),
+sends it the serving-overhead probes (`pdserve.sim.overhead`: short requests alone and in
+small groups), runs `pdserve bench` with a workload at each rate, and runs `pdserve.sim` on the
+same requests (same workload, count and seed). It prints both side by side with the relative
+error; the issue's target is within 15 %.
 
     .venv/bin/python benchmarks/sim_vs_real.py [--rates 0.15,0.3,0.45] [--workload mixed]
         [--num-requests 30] [--modes colocated,disagg] [--colocated-workers 2]
@@ -73,7 +73,7 @@ def seed_of(args, rate: float) -> int:
 
 
 def threads_per_worker(dep: Deployment) -> int:
-    return max(CORES // (dep.replicas if dep.mode == "colocated" else 2), 1)
+    return max(CORES // dep.num_gpus, 1)
 
 
 def ensure_profile(out: Path, threads: int) -> Path:

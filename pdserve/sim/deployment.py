@@ -83,12 +83,11 @@ class Deployment:
     @classmethod
     def served(cls, mode: str, replicas: int = 1) -> Deployment:
         """What `pdserve serve --mode MODE` runs with its defaults: `replicas` workers
-        co-located (--colocated-workers; the router sends each request to the one with the
-        fewest in flight), or
-        one prefill and one decode worker with the router's conditional disaggregation (short
-        prompts on the decode worker while the prefill pool is busy; an idle pool takes them)
-        and the decode worker's own prefills in steps of 64 tokens (--decode-chunk-size). The
-        engine's defaults: 64 sequences; whole prompts up to the bundled model's 8k context."""
+        co-located (--colocated-workers), or one prefill and one decode worker with the
+        router's conditional disaggregation (short prompts on the decode worker while the
+        prefill pool is busy; an idle pool takes them) and the decode worker's own prefills in
+        steps of 64 tokens (--decode-chunk-size). The engine's defaults: 64 sequences; whole
+        prompts up to the bundled model's 8k context."""
         engine = {"max_num_seqs": 64, "max_batched_tokens": 8192}
         if mode != "disagg":
             return cls(mode, replicas=replicas, **engine)

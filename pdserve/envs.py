@@ -30,3 +30,9 @@ def step_log_dir() -> Path | None:
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def kv_staging() -> bool:
+    """`PDSERVE_KV_STAGING=1`: stage KV transfers through host blocks even for a CPU cache (as a
+    GPU cache always is); the tests use it to run the GPU path's bookkeeping on CPU."""
+    return os.environ.get("PDSERVE_KV_STAGING", "").lower() in ("1", "true", "yes")

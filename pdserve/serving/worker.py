@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ from pdserve.kv_store.client import StoreClient
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
 from pdserve.serving import messages as m
 from pdserve.serving.channel import Codec, require_secret_for, resolve_secret
+from pdserve.serving.kv_staging import HostStaging
 from pdserve.serving.store_link import StoreLink, split_index_events
 
 log = logging.getLogger("pdserve.worker")
@@ -72,18 +74,24 @@ class Worker:
             head_dim=mc.head_dim,
         )
         secret = resolve_secret()
-        self.receiver = self.sender = None
+        self.receiver = self.sender = self.staging = None
+        caches = runner.k_caches, runner.v_caches
+        if self.role != "both" and (runner.device.type != "cpu" or envs.kv_staging()):
+            # the connectors move host memory: stage the GPU cache's transfers through it
+            self.staging = HostStaging.sized(*caches, self.engine.max_model_len)
+            caches = self.staging.k_caches, self.staging.v_caches
         if self.role == "decode":
             require_secret_for(config.kv_host, secret)
-            self.receiver = make_receiver(
-                config.kv_transport, self.layout, runner.k_caches, runner.v_caches, config.kv_host
-            )
+            self.receiver = make_receiver(config.kv_transport, self.layout, *caches, config.kv_host)
             self.receiver.start()
         if self.role == "prefill":
-            self.sender = make_sender(
-                config.kv_transport, self.layout, runner.k_caches, runner.v_caches
-            )
+            self.sender = make_sender(config.kv_transport, self.layout, *caches)
         self.store = None
+        if config.kv_store and runner.device.type != "cpu":
+            raise ValueError(
+                f"the KV store (--kv-store) moves blocks of a host-memory KV cache; this worker's "
+                f"cache is on {runner.device}: run it without --kv-store, or with --device cpu"
+            )
         if config.kv_store:
             client = StoreClient(config.kv_store, self.layout, runner.k_caches, runner.v_caches)
             self.store = StoreLink(client)
@@ -139,6 +147,8 @@ class Worker:
         if not self.engine.has_work():
             try:
                 self.engine.check_integrity()
+                if self.staging is not None:
+                    self.staging.check()
                 self.integrity_error = None
             except AssertionError as exc:
                 self.integrity_error = str(exc) or "integrity check failed"
@@ -217,6 +227,8 @@ class Worker:
         self.outgoing.pop(rid, None)
         if self.receiver is not None:
             self.receiver.release(rid)  # no byte lands in these blocks after this
+        if self.staging is not None:
+            self.staging.release(rid)
         self.engine.abort(rid)
         self.index_offset.pop(rid, None)
 
@@ -230,20 +242,30 @@ class Worker:
 
     def try_place(self) -> None:
         """Give pending remote-prefill requests blocks, oldest first, and answer Placement."""
+        bs = self.layout.block_size
         while self.pending:
             admit, _ = self.pending[0]
+            # the most host blocks it can need (its cached prefix is known once it has blocks)
+            if self.staging is not None and self.staging.num_free < -(-len(admit.prompt) // bs):
+                return
             seq = self.engine.make_sequence(
                 admit.prompt, to_sampling(admit.params), admit.request_id
             )
             if not self.engine.add_transferring(seq):
                 return
             self.pending.pop(0)
-            first = seq.num_cached_tokens // self.layout.block_size
-            self.receiver.expect(seq.request_id, seq.block_table[first:])
+            first = seq.num_cached_tokens // bs
+            dst = seq.block_table[first:]
+            if self.staging is not None:  # the KV lands in host blocks (checked free above)
+                dst = self.staging.take(seq.request_id, len(dst))
+            self.receiver.expect(seq.request_id, dst)
             self.leases[seq.request_id] = time.monotonic() + admit.lease_s
             self.send(
                 m.Placement(
-                    seq.request_id, seq.block_table, seq.num_cached_tokens, self.receiver.endpoint
+                    seq.request_id,
+                    seq.block_table[:first] + dst,
+                    seq.num_cached_tokens,
+                    self.receiver.endpoint,
                 )
             )
 
@@ -254,7 +276,14 @@ class Worker:
         error = self.receiver.failed(rid)
         landed = self.receiver.layers_landed(rid)
         self.receiver.release(rid)
-        if msg.first_token is None or error or landed < self.layout.num_layers:
+        complete = msg.first_token is not None and not error and landed == self.layout.num_layers
+        if self.staging is not None:
+            if complete:
+                seq = self.engine.requests[rid]
+                first = seq.num_cached_tokens // self.layout.block_size
+                self.staging.to_device(rid, seq.block_table[first:])
+            self.staging.release(rid)
+        if not complete:
             log.warning(
                 "KV of %s incomplete (%s, %d layers): prefilling locally", rid, error, landed
             )
@@ -265,14 +294,18 @@ class Worker:
             self.emit([out])
 
     def on_Prefill(self, msg: m.Prefill) -> None:
+        first = msg.num_cached_tokens // self.layout.block_size
         seq = self.engine.add_request(
             msg.prompt, to_sampling(msg.params, max_tokens=1), msg.request_id
         )
+        if self.staging is not None:
+            if self.staging.take(msg.request_id, len(msg.dst_block_ids) - first) is None:
+                # the decode worker prefills it itself: slower, nothing lost
+                self.engine.abort(msg.request_id)
+                self.send(m.PrefillDone(msg.request_id, None, error="prefill host staging full"))
+                return
         self.outgoing[seq.request_id] = Outgoing(
-            seq.request_id,
-            msg.kv_endpoint,
-            msg.dst_block_ids,
-            msg.num_cached_tokens // self.layout.block_size,
+            seq.request_id, msg.kv_endpoint, msg.dst_block_ids, first
         )
 
     # -- engine ---------------------------------------------------------------------------
@@ -283,12 +316,12 @@ class Worker:
             if out is None or seq.num_computed_tokens + n < seq.num_tokens:
                 continue
             end = len(out.dst_block_ids)
+            src = seq.block_table[out.first_block : end]
+            if self.staging is not None:
+                self.staging.to_host(seq.request_id, layer, src)
+                src = self.staging.held(seq.request_id)
             self.sender.send_layer(
-                out.endpoint,
-                seq.request_id,
-                layer,
-                seq.block_table[out.first_block : end],
-                out.dst_block_ids[out.first_block : end],
+                out.endpoint, seq.request_id, layer, src, out.dst_block_ids[out.first_block : end]
             )
 
     def finish_prefills(self, outs: list[StepOutput]) -> None:
@@ -300,6 +333,8 @@ class Worker:
             res = self.sender.wait(o.seq.request_id, self.config.transfer_timeout_s)
             exposed = time.monotonic() - t
             self.engine.release(o.seq.request_id)
+            if self.staging is not None:
+                self.staging.release(o.seq.request_id)
             self.send(
                 m.PrefillDone(
                     o.seq.request_id,
@@ -334,6 +369,8 @@ class Worker:
                 log.warning("lease of %s expired before its KV arrived: prefilling locally", rid)
                 del self.leases[rid]
                 self.receiver.release(rid)
+                if self.staging is not None:
+                    self.staging.release(rid)
                 self.engine.resume_local(rid)
 
     def step(self) -> None:

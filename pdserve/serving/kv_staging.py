@@ -1,0 +1,104 @@
+"""Pinned host blocks between a GPU KV cache and the KV transfer connectors.
+
+The connectors move host memory: tcp sockets read and write it, NIXL registers it as DRAM, the
+in-process connector copies it. A worker whose cache lives on a GPU therefore stages each
+transfer through a pool of host blocks with the cache's own block shape:
+
+* prefill: right after layer `l`'s forward pass, that layer's blocks of every prompt finishing
+  in the step are copied device -> host into the transfer's host blocks, which are then queued
+  (`KVSender.send_layer`) exactly as cache blocks would be; they go back to the pool once the
+  transfer is acknowledged or aborted;
+* decode: the KV lands in host blocks (`KVReceiver.expect` is given them); when the prefill
+  worker reports the transfer complete, all layers are copied host -> device into the
+  sequence's cache blocks, before its first decode step.
+
+The pool is sized to hold at least two prompts of the longest allowed length, so a prompt that
+fits the device cache always fits the pool; a prompt that finds the pool busy waits (decode) or
+is prefilled by the decode worker itself (prefill), never lost.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_GB = 2.0
+
+
+class HostStaging:
+    """`num_blocks` host blocks shaped like `k_caches`/`v_caches`' (one K and one V tensor per
+    layer, `[num_blocks, block_size, num_kv_heads, head_dim]`), lent per transfer id.
+
+    `k_caches`/`v_caches` are the connectors' caches; `device_k`/`device_v` the engine's."""
+
+    def __init__(self, device_k, device_v, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"host staging needs at least one block, got {num_blocks}")
+        self.device_k, self.device_v = device_k, device_v
+        self.device = device_k[0].device
+        pin = self.device.type == "cuda"  # page-locked: the copies run at the link's speed
+        shape = (num_blocks, *device_k[0].shape[1:])
+        dtype = device_k[0].dtype
+        self.k_caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in device_k]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in device_v]
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._held: dict[str, list[int]] = {}
+
+    @classmethod
+    def sized(cls, device_k, device_v, max_model_len: int, gb: float = DEFAULT_GB) -> HostStaging:
+        """`gb` GiB of blocks, but room for at least two prompts of `max_model_len` tokens, and
+        never more blocks than the device cache has."""
+        block_size = device_k[0].shape[1]
+        block_bytes = sum(t[0].nbytes for t in (*device_k, *device_v))
+        floor = 2 * -(-max_model_len // block_size)
+        n = max(int(gb * (1 << 30)) // block_bytes, floor)
+        return cls(device_k, device_v, min(n, device_k[0].shape[0]))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, transfer_id: str, n: int) -> list[int] | None:
+        """Lend `n` host blocks to `transfer_id`; None (nothing taken) if fewer are free."""
+        if transfer_id in self._held:
+            raise ValueError(f"transfer {transfer_id!r} already holds host blocks")
+        if n > len(self._free):
+            return None
+        ids = [self._free.pop() for _ in range(n)]
+        self._held[transfer_id] = ids
+        return ids
+
+    def release(self, transfer_id: str) -> None:
+        """Return `transfer_id`'s host blocks to the pool (no-op if it holds none)."""
+        self._free.extend(reversed(self._held.pop(transfer_id, [])))
+
+    def held(self, transfer_id: str) -> list[int]:
+        return self._held[transfer_id]
+
+    def to_host(self, transfer_id: str, layer: int, device_ids: list[int]) -> None:
+        """Copy layer `layer` of cache blocks `device_ids` into the transfer's host blocks."""
+        host = self._host_index(transfer_id, device_ids)
+        src = torch.tensor(device_ids, dtype=torch.long, device=self.device)
+        for dev, stage in ((self.device_k, self.k_caches), (self.device_v, self.v_caches)):
+            stage[layer].index_copy_(0, host, dev[layer].index_select(0, src).cpu())
+
+    def to_device(self, transfer_id: str, device_ids: list[int]) -> None:
+        """Copy every layer of the transfer's host blocks into cache blocks `device_ids`."""
+        host = self._host_index(transfer_id, device_ids)
+        dst = torch.tensor(device_ids, dtype=torch.long, device=self.device)
+        for dev, stage in ((self.device_k, self.k_caches), (self.device_v, self.v_caches)):
+            for layer, cache in enumerate(dev):
+                cache.index_copy_(0, dst, stage[layer].index_select(0, host).to(self.device))
+
+    def _host_index(self, transfer_id: str, device_ids: list[int]) -> torch.Tensor:
+        host = self._held[transfer_id]
+        if len(host) != len(device_ids):
+            raise ValueError(
+                f"transfer {transfer_id!r} holds {len(host)} host blocks, not {len(device_ids)}"
+            )
+        return torch.tensor(host, dtype=torch.long)
+
+    def check(self) -> None:
+        """Every host block is either free or lent to exactly one transfer."""
+        lent = [b for ids in self._held.values() for b in ids]
+        assert sorted(lent + self._free) == list(range(self.num_blocks)), "host staging leaked"

@@ -47,10 +47,14 @@ class Ours:
 
     system = "pdserve"
 
-    def __init__(self, dtype: str, threads: int, kv_cache_gb: float | None):
+    def __init__(
+        self, dtype: str, threads: int | None, kv_cache_gb: float | None, device: str = "cpu",
+        model: str | None = None,
+    ):  # fmt: skip
         from pdserve import LLM
 
-        self.llm = LLM(dtype=dtype, device="cpu", num_threads=threads, kv_cache_gb=kv_cache_gb)
+        self.llm = LLM(model=model, dtype=dtype, device=device, num_threads=threads,
+                       kv_cache_gb=kv_cache_gb)  # fmt: skip
         self.dtype = str(self.llm.engine.runner.dtype).removeprefix("torch.")
         self.label = f"{dtype}->{self.dtype}" if dtype == "auto" else dtype
 
@@ -88,41 +92,56 @@ class Ours:
 
 
 class Theirs:
-    """transformers' AutoModelForCausalLM on the same GGUF file."""
+    """transformers' AutoModelForCausalLM on the same GGUF file (or Hugging Face folder)."""
 
     system = "transformers"
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, device: str = "cpu", model: str | None = None):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        from pdserve.model.loader import bundled_model_path
+        from pdserve.model.loader import resolve_model_path
 
         hf_logging.set_verbosity_error()  # its advice to load GGUF in float32: we run both
-        path = bundled_model_path()
+        path, self.device = resolve_model_path(model), torch.device(device)
+        where = {"gguf_file": path.name} if path.is_file() else {}
         with contextlib.redirect_stderr(io.StringIO()):  # its per-tensor progress bars
-            self.model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
-            ).eval()
+            self.model = (
+                AutoModelForCausalLM.from_pretrained(
+                    str(path.parent if path.is_file() else path),
+                    dtype=getattr(torch, dtype),
+                    **where,
+                )
+                .to(self.device)
+                .eval()
+            )
         weights = {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
         self.dtype = dtype  # the roofline counts bytes in this dtype: say so if weights differ
         self.label = dtype if weights == {dtype} else f"{dtype} (weights {'/'.join(weights)})"
 
+    def _sync(self) -> None:  # GPU work is queued: time it to its end, as ours (logits to CPU)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> float:
         start = time.perf_counter()
-        self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        self.model(torch.tensor([ids], device=self.device), use_cache=True, logits_to_keep=1)
+        self._sync()
         return time.perf_counter() - start
 
     @torch.inference_mode()
     def decode(self, prompts: list[list[int]], steps: int) -> float:
-        out = self.model(torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+        out = self.model(torch.tensor(prompts, device=self.device), use_cache=True,
+                         logits_to_keep=1)  # fmt: skip
         cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
         for timed in (False, True):  # one untimed step, as for ours
+            self._sync()
             start = time.perf_counter()
             for _ in range(steps if timed else 1):
                 out = self.model(token, cache=cache, use_cache=True, logits_to_keep=1)
                 cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            self._sync()
         return (time.perf_counter() - start) / steps
 
 

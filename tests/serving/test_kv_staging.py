@@ -13,13 +13,17 @@ from pdserve.serving.kv_staging import HostStaging
 from .conftest import Server
 from .test_serve_e2e import PROMPTS, completion_ids
 
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
+# cpu: the GPU path's bookkeeping and copies, forced on a CPU cache; cuda: the real thing
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=CUDA)]
 
-def caches(num_blocks=6, layers=3, seed=0):
+
+def caches(num_blocks=6, layers=3, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, 4, 2, 8)
     return (
-        [torch.randn(shape, generator=g) for _ in range(layers)],
-        [torch.randn(shape, generator=g) for _ in range(layers)],
+        [torch.randn(shape, generator=g).to(device) for _ in range(layers)],
+        [torch.randn(shape, generator=g).to(device) for _ in range(layers)],
     )
 
 
@@ -48,15 +52,18 @@ def test_check_finds_a_leaked_block():
         staging.check()
 
 
-def test_blocks_go_to_host_and_back_exactly():
-    k, v = caches(seed=1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_go_to_host_and_back_exactly(device):
+    k, v = caches(seed=1, device=device)
     sender = HostStaging(k, v, num_blocks=4)
+    assert not sender.k_caches[0].is_cuda
+    assert sender.k_caches[0].is_pinned() == (device == "cuda")
     host = sender.take("t", 3)
     for layer in range(3):
         sender.to_host("t", layer, [5, 0, 2])
         for dev, stage in ((k, sender.k_caches), (v, sender.v_caches)):
-            assert torch.equal(stage[layer][host], dev[layer][[5, 0, 2]])
-    k2, v2 = caches(seed=2)
+            assert torch.equal(stage[layer][host], dev[layer][[5, 0, 2]].cpu())
+    k2, v2 = caches(seed=2, device=device)
     receiver = HostStaging(k2, v2, num_blocks=4)
     landed = receiver.take("t", 3)
     for layer in range(3):  # what a connector does: bytes into the receiver's host blocks
@@ -68,7 +75,7 @@ def test_blocks_go_to_host_and_back_exactly():
         assert torch.equal(k2[layer][[3, 4, 1]], k[layer][[5, 0, 2]])
         assert torch.equal(v2[layer][[3, 4, 1]], v[layer][[5, 0, 2]])
     assert not torch.equal(k2[0][1], untouched)  # block 1 was a destination
-    assert torch.equal(k2[0][0], caches(seed=2)[0][0][0])  # block 0 was not
+    assert torch.equal(k2[0][0], caches(seed=2, device=device)[0][0][0])  # block 0 was not
     with pytest.raises(ValueError, match="holds 3 host blocks, not 2"):
         receiver.to_device("t", [0, 1])
 
@@ -81,16 +88,17 @@ def test_sized_holds_two_longest_prompts_but_never_more_than_the_cache():
 
 
 @pytest.mark.slow
-def test_a_staged_disagg_server_matches_the_offline_engine():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_staged_disagg_server_matches_the_offline_engine(device):
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", device="cpu")
+    llm = LLM(dtype="float32", device=device)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     tok = llm.tokenizer
     want = {p: tok.decode(llm.generate(p, params)[0].token_ids) for p in PROMPTS}
     server = Server(
         "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0",
-        "--kv-cache-gb", "0.25", env={"PDSERVE_KV_STAGING": "1"},
+        "--kv-cache-gb", "0.25", "--device", device, env={"PDSERVE_KV_STAGING": "1"},
     )  # fmt: skip
     try:
         # the long prompt twice: the second finds its prefix cached on the decode worker, so

@@ -71,28 +71,24 @@ def write_random_weights(folder: Path, seed: int = 0) -> None:
 
 def engine_figures(args, model: str | None) -> list[dict]:
     """Each system in turn (the GPU's speed holds still; a CPU's would need interleaving)."""
-    rows, makers = (
-        [],
-        [
-            lambda: Ours("bfloat16", None, args.kv_cache_gb, device=args.device, model=model),
-            lambda: Theirs("bfloat16", device=args.device, model=model),
-        ],
-    )
-    for make in makers:
+    rows: list[dict] = []
+    for name, make in (
+        ("pdserve", lambda: Ours("bfloat16", None, args.kv_cache_gb, device=args.device,
+                                 model=model)),
+        ("transformers", lambda: Theirs("bfloat16", device=args.device, model=model)),
+    ):  # fmt: skip
         try:
-            rows += system_figures(args, make())
-        except Exception as exc:  # transformers is the optional comparison: say why it is missing
-            if not rows:
-                raise
-            print(f"transformers not compared: {type(exc).__name__}: {exc}", flush=True)
-            rows.append({"system": "transformers", "error": f"{type(exc).__name__}: {exc}"})
+            system_figures(args, make(), rows)
+        except Exception as exc:  # keep the rows measured; say what failed
+            print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"system": name, "error": f"{type(exc).__name__}: {exc}"})
         if args.device == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def system_figures(args, system) -> list[dict]:
-    prompts, rows = Prompts(32000), []
+def system_figures(args, system, rows: list[dict]) -> None:
+    prompts = Prompts(32000)
     system.prefill(prompts.make(256))  # warm-up: CUDA context, kernels' first launches
     for tokens in args.prefill:
         samples = [system.prefill(prompts.make(tokens)) for _ in range(args.repeats)]
@@ -103,6 +99,42 @@ def system_figures(args, system) -> list[dict]:
             for _ in range(args.repeats)
         ]
         rows.append(row(system, "decode", batch, 128, samples, batch))
+
+
+def staging_figures(args) -> list[dict]:
+    """The host staging's copies for one `tokens`-token prompt of SmolLM2-135M's shape
+    (30 layers, 3 KV heads of 64, bf16, 16-token blocks, scattered block ids): device -> host
+    per layer (prefill side) and host -> device for all layers (decode side)."""
+    from pdserve.serving.kv_staging import HostStaging
+
+    rows = []
+    for tokens in args.staging_tokens:
+        n = -(-tokens // 16)
+        shape = (4 * n, 16, 3, 64)
+        k = [torch.randn(shape, dtype=torch.bfloat16, device=args.device) for _ in range(30)]
+        v = [torch.randn(shape, dtype=torch.bfloat16, device=args.device) for _ in range(30)]
+        staging = HostStaging(k, v, num_blocks=n)
+        ids = list(range(0, 4 * n, 4))  # every fourth block: no contiguous runs
+        host_s, device_s = [], []
+        for i in range(args.repeats + 1):
+            staging.take(str(i), n)
+            t = time.perf_counter()
+            for layer in range(30):
+                staging.to_host(str(i), layer, ids)
+            host_s.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            staging.to_device(str(i), ids)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            device_s.append(time.perf_counter() - t)
+            staging.release(str(i))
+        nbytes = 2 * 30 * n * 16 * 3 * 64 * 2
+        for what, samples in (("to_host, 30 layers", host_s[1:]), ("to_device", device_s[1:])):
+            sec = statistics.median(samples)
+            rows.append({"tokens": tokens, "copy": what, "bytes": nbytes, "median_s": sec,
+                         "gb_per_s": nbytes / sec / 1e9})  # fmt: skip
+            print(f"staging {tokens:>5} tokens {what:<18} {sec * 1e3:8.2f} ms "
+                  f"{nbytes / sec / 1e9:6.2f} GB/s", flush=True)  # fmt: skip
     return rows
 
 
@@ -117,11 +149,13 @@ def row(system, workload: str, batch: int, tokens: int, samples: list[float], n:
 
 def serve_figures(args, model: str | None, out: Path) -> list[dict]:
     rows = []
-    for mode in args.modes.split(","):
+    for spec in args.modes.split(","):
+        mode, _, workers = spec.partition(":")  # colocated:2 = two co-located workers
         port = free_port()
         cmd = [*PDSERVE, "serve", "--mode", mode, "--device", args.device, "--port", str(port)]
         cmd += ["--model", model] if model else []
-        cmd += ["--colocated-workers", "1"] if mode == "colocated" else []
+        cmd += ["--colocated-workers", workers or "1"] if mode == "colocated" else []
+        mode = spec.replace(":", "-")
         log = out / f"serve-{mode}.log"
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
         try:
@@ -187,16 +221,27 @@ def main() -> int:
         metavar="DIR",
         help="run on random weights of DIR/config.json (written into DIR once)",
     )
-    ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8192])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8000])
+    ap.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=[1, 16, 64],
+        help="decode batch sizes (at most the engine's --max-num-seqs, 64)",
+    )
+    ap.add_argument("--staging-tokens", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
-    ap.add_argument("--modes", default="colocated,disagg")
+    ap.add_argument(
+        "--modes",
+        default="colocated,colocated:2,disagg",
+        help="serving runs; colocated:N = N co-located workers on the GPU",
+    )
     ap.add_argument("--workload", default="mixed")
     ap.add_argument("--rate", type=float, default=8.0, help="requests/s for the serving runs")
     ap.add_argument("--num-requests", type=int, default=200)
-    ap.add_argument("--skip", default="", help="comma-separated: engine, serve")
+    ap.add_argument("--skip", default="", help="comma-separated: engine, staging, serve")
     ap.add_argument("--out", type=Path, default=Path("gpu-check"))
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script")
     args = ap.parse_args()
@@ -213,6 +258,7 @@ def main() -> int:
     print(json.dumps(record), flush=True)
     skip = set(args.skip.split(","))
     for name, fn in (("engine", lambda: engine_figures(args, model)),
+                     ("staging", lambda: staging_figures(args)),
                      ("serve", lambda: serve_figures(args, model, args.out))):  # fmt: skip
         if name in skip:
             continue

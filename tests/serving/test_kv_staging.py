@@ -103,8 +103,9 @@ def test_a_staged_disagg_server_matches_the_offline_engine(device):
     try:
         # the long prompt twice: the second finds its prefix cached on the decode worker, so
         # only the blocks after it are staged
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]  # $PDSERVE_MODEL's
         for prompt in [*PROMPTS, PROMPTS[-1]]:
-            assert completion_ids(server, prompt, tok, stream=False) == want[prompt], prompt
+            assert completion_ids(server, prompt, tok, False, model) == want[prompt], prompt
         metrics = httpx.get(server.url + "/metrics").text
         remote = [
             line

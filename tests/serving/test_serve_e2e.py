@@ -29,9 +29,9 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def completion_ids(server, prompt: str, tokenizer, stream: bool) -> list[int]:
+def completion_ids(server, prompt: str, tokenizer, stream: bool, model: str = MODEL) -> list[int]:
     kw = dict(
-        model=MODEL,
+        model=model,
         prompt=prompt,
         max_tokens=MAX_TOKENS,
         temperature=0,

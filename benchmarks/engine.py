@@ -134,13 +134,14 @@ class Theirs:
     def decode(self, prompts: list[list[int]], steps: int) -> float:
         out = self.model(torch.tensor(prompts, device=self.device), use_cache=True,
                          logits_to_keep=1)  # fmt: skip
-        cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        key = "cache" if hasattr(out, "cache") else "past_key_values"  # transformers < 5.2x
+        cache, token = getattr(out, key), out.logits[:, -1].argmax(-1, keepdim=True)
         for timed in (False, True):  # one untimed step, as for ours
             self._sync()
             start = time.perf_counter()
             for _ in range(steps if timed else 1):
-                out = self.model(token, cache=cache, use_cache=True, logits_to_keep=1)
-                cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+                out = self.model(token, **{key: cache}, use_cache=True, logits_to_keep=1)
+                cache, token = getattr(out, key), out.logits[:, -1].argmax(-1, keepdim=True)
             self._sync()
         return (time.perf_counter() - start) / steps
 

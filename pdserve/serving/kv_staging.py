@@ -41,7 +41,7 @@ class HostStaging:
         self.k_caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in device_k]
         self.v_caches = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in device_v]
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(num_blocks))
         self._held: dict[str, list[int]] = {}
 
     @classmethod
@@ -59,43 +59,57 @@ class HostStaging:
         return len(self._free)
 
     def take(self, transfer_id: str, n: int) -> list[int] | None:
-        """Lend `n` host blocks to `transfer_id`; None (nothing taken) if fewer are free."""
+        """Lend `n` host blocks to `transfer_id`, one contiguous run if the pool has one (the
+        copies then move one slice per layer); None (nothing taken) if fewer are free."""
         if transfer_id in self._held:
             raise ValueError(f"transfer {transfer_id!r} already holds host blocks")
         if n > len(self._free):
             return None
-        ids = [self._free.pop() for _ in range(n)]
+        free = sorted(self._free)
+        start = next((i for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1), 0)
+        ids = free[start : start + n]
+        self._free = free[:start] + free[start + n :]
         self._held[transfer_id] = ids
         return ids
 
     def release(self, transfer_id: str) -> None:
         """Return `transfer_id`'s host blocks to the pool (no-op if it holds none)."""
-        self._free.extend(reversed(self._held.pop(transfer_id, [])))
+        self._free.extend(self._held.pop(transfer_id, []))
 
     def held(self, transfer_id: str) -> list[int]:
         return self._held[transfer_id]
 
     def to_host(self, transfer_id: str, layer: int, device_ids: list[int]) -> None:
         """Copy layer `layer` of cache blocks `device_ids` into the transfer's host blocks."""
-        host = self._host_index(transfer_id, device_ids)
+        host = self._host_slice(transfer_id, device_ids)
         src = torch.tensor(device_ids, dtype=torch.long, device=self.device)
         for dev, stage in ((self.device_k, self.k_caches), (self.device_v, self.v_caches)):
-            stage[layer].index_copy_(0, host, dev[layer].index_select(0, src).cpu())
+            gathered = dev[layer].index_select(0, src)
+            if isinstance(host, slice):  # straight into the pinned run, at the link's speed
+                stage[layer][host].copy_(gathered)
+            else:
+                stage[layer].index_copy_(0, host, gathered.cpu())
 
     def to_device(self, transfer_id: str, device_ids: list[int]) -> None:
         """Copy every layer of the transfer's host blocks into cache blocks `device_ids`."""
-        host = self._host_index(transfer_id, device_ids)
+        host = self._host_slice(transfer_id, device_ids)
         dst = torch.tensor(device_ids, dtype=torch.long, device=self.device)
+        pinned = isinstance(host, slice) and self.device.type == "cuda"  # copies can queue up
         for dev, stage in ((self.device_k, self.k_caches), (self.device_v, self.v_caches)):
             for layer, cache in enumerate(dev):
-                cache.index_copy_(0, dst, stage[layer].index_select(0, host).to(self.device))
+                cache.index_copy_(0, dst, stage[layer][host].to(self.device, non_blocking=pinned))
+        if pinned:  # the host blocks are lent again once this returns
+            torch.cuda.current_stream(self.device).synchronize()
 
-    def _host_index(self, transfer_id: str, device_ids: list[int]) -> torch.Tensor:
+    def _host_slice(self, transfer_id: str, device_ids: list[int]) -> slice | torch.Tensor:
+        """The transfer's host blocks: a slice if they are one run, else an index tensor."""
         host = self._held[transfer_id]
         if len(host) != len(device_ids):
             raise ValueError(
                 f"transfer {transfer_id!r} holds {len(host)} host blocks, not {len(device_ids)}"
             )
+        if host and host[-1] - host[0] == len(host) - 1:
+            return slice(host[0], host[-1] + 1)
         return torch.tensor(host, dtype=torch.long)
 
     def check(self) -> None:

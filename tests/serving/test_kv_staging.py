@@ -52,19 +52,42 @@ def test_check_finds_a_leaked_block():
         staging.check()
 
 
+def test_take_prefers_one_contiguous_run():
+    staging = HostStaging(*caches(), num_blocks=6)
+    assert [staging.take(t, 1) for t in "abc"] == [[0], [1], [2]]
+    staging.release("b")
+    assert staging.take("d", 2) == [3, 4]  # the run after the hole, not [1, 3]
+    assert staging.take("e", 2) == [1, 5]  # no run of two left: the lowest free blocks
+    staging.check()
+
+
+def fragment(staging: HostStaging) -> None:
+    """Leave the pool's free blocks without a run of three."""
+    for t in range(staging.num_blocks):
+        staging.take(f"f{t}", 1)
+    for t in range(0, staging.num_blocks, 2):
+        staging.release(f"f{t}")
+
+
+@pytest.mark.parametrize("fragmented", [False, True], ids=["one-run", "scattered"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_blocks_go_to_host_and_back_exactly(device):
+def test_blocks_go_to_host_and_back_exactly(device, fragmented):
     k, v = caches(seed=1, device=device)
-    sender = HostStaging(k, v, num_blocks=4)
+    sender = HostStaging(k, v, num_blocks=6)
     assert not sender.k_caches[0].is_cuda
     assert sender.k_caches[0].is_pinned() == (device == "cuda")
+    if fragmented:
+        fragment(sender)
     host = sender.take("t", 3)
+    assert (host[-1] - host[0] == 2) != fragmented
     for layer in range(3):
         sender.to_host("t", layer, [5, 0, 2])
         for dev, stage in ((k, sender.k_caches), (v, sender.v_caches)):
             assert torch.equal(stage[layer][host], dev[layer][[5, 0, 2]].cpu())
     k2, v2 = caches(seed=2, device=device)
-    receiver = HostStaging(k2, v2, num_blocks=4)
+    receiver = HostStaging(k2, v2, num_blocks=6)
+    if fragmented:
+        fragment(receiver)
     landed = receiver.take("t", 3)
     for layer in range(3):  # what a connector does: bytes into the receiver's host blocks
         receiver.k_caches[layer][landed] = sender.k_caches[layer][host]

@@ -5,7 +5,9 @@ For each mode (co-located, disaggregated) this starts `pdserve serve --mode MODE
 to the one with the fewest prompt tokens to compute before its first token; disaggregated = a
 prefill and a decode worker on one core each, with the router's conditional disaggregation),
 sends it the serving-overhead probes (`pdserve.sim.overhead`: short requests alone and in
-small groups), runs `pdserve bench` with a workload at each rate, and runs `pdserve.sim` on the
+small groups) and two interference rounds (a document prefilled beside running streams while
+short prompts arrive: steps that happen mostly at the busiest rate), runs `pdserve bench` with
+a workload at each rate, and runs `pdserve.sim` on the
 same requests (same workload, count and seed). It prints both side by side with the relative
 error; the issue's target is within 15 %.
 
@@ -15,9 +17,9 @@ error; the issue's target is within 15 %.
 
 The prediction printed is calibrated **from the served engine's own steps, leaving out the run
 it predicts**: the latency model is fitted (`pdserve.sim.served`) to the steps the workers
-logged during the probes and the *other* rates' runs, the worker loop's time between steps
-comes from the same logs, and the per-request overhead (HTTP, router, client) from the lone
-probes' TTFT. So no measurement of a run enters its own prediction, while the calibration is
+logged during the probes, the interference rounds and the *other* rates' runs, the worker
+loop's time between steps comes from the same logs, and the per-request overhead (HTTP, router,
+client) from the lone probes' TTFT. So no measurement of a run enters its own prediction, while the calibration is
 taken minutes from it, on the same server, under the same neighbours on the cores. The JSON
 keeps beside it the prediction calibrated by a separate `pdserve profile` (created with the
 workers' thread count when missing, plus the probes' overhead fit: the method of earlier runs),
@@ -49,6 +51,7 @@ from pdserve.sim.overhead import (
     ServingOverhead,
     describe_overhead,
     fit_overhead,
+    interference_rounds,
     measure_probes,
     probe_groups,
     request_excess,
@@ -215,6 +218,9 @@ def run_mode(dep: Deployment, args, out: Path, rates: list[float]) -> None:
         timeline["probes"] = (start, time.time())
         (out / f"serving-{mode}.json").write_bytes(msgspec.json.encode(groups))
         calibrate_serving(dep, profile, groups)
+        start = time.time()
+        measure_probes(url, interference_rounds(), seed=8_888, warm_up=False)
+        timeline["interference"] = (start, time.time())
         for part in range(args.parts):
             order = rates if part % 2 == 0 else rates[::-1]
             for rate in order:
@@ -242,6 +248,7 @@ def analyze_mode(mode: str, args, out: Path) -> list[dict]:
         real, parts = measured(out, mode, rate, len(windows), slo)
         others = [
             tuple(timeline["probes"]),
+            *([tuple(timeline["interference"])] if "interference" in timeline else []),
             *(w for r, ws in runs.items() if r != rate for w in ws),
         ]
         cluster, info = served_cluster(dep, profile, steps_dir, others, groups)

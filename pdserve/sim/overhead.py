@@ -78,12 +78,40 @@ def probe_groups(
     ]
 
 
+# A document's prefill beside running streams, with short prompts arriving meanwhile: in
+# (arrival s, prompt tokens, output tokens). Disaggregated, the prefill worker computes the
+# document while the decode worker prefills the late short prompts itself, in chunks beside its
+# streams; co-located, one worker prefills the document beside its streams. Such steps are
+# common only at high load, so a calibration that leaves out the busiest rate has few of them
+# unless these rounds put them in.
+INTERFERENCE_ROUND = (
+    (0.0, 96, 96), (0.0, 160, 96), (0.0, 224, 96), (0.0, 64, 96),
+    (0.5, 3072, 8),
+    (1.5, 128, 48), (2.5, 192, 48), (3.5, 224, 48), (4.5, 160, 48),
+)  # fmt: skip
+INTERFERENCE_ROUNDS = 2
+
+
+def interference_rounds(
+    rounds: int = INTERFERENCE_ROUNDS, shape: Sequence[tuple[float, int, int]] = INTERFERENCE_ROUND
+) -> list[list[RequestSpec]]:
+    """`rounds` copies of `shape`, each a group for `measure_probes` (arrivals within the
+    round). Their steps calibrate the engine model (`pdserve.sim.served`); they are not
+    probes for `fit_overhead`, which wants short requests on an idle server."""
+    index = itertools.count(10_000)  # apart from probe_groups' indexes
+    return [
+        [RequestSpec(next(index), t, "interference", p, o) for t, p, o in shape]
+        for _ in range(rounds)
+    ]
+
+
 def measure_probes(
-    url: str, groups: list[list[RequestSpec]], seed: int = 7_777
+    url: str, groups: list[list[RequestSpec]], seed: int = 7_777, warm_up: bool = True
 ) -> list[list[RequestRecord]]:
-    """Send each group at once, one group after another, to the server at `url` (the API base,
-    e.g. http://127.0.0.1:8000/v1) with bench's client and exact-length prompts; returns the
-    records of every group after the warm-up. `seed` picks the prompts' words (no prefix hits)."""
+    """Send each group (at its requests' arrival offsets: 0 = at once), one group after
+    another, to the server at `url` (the API base, e.g. http://127.0.0.1:8000/v1) with bench's
+    client and exact-length prompts; returns the records of every group, but the first when
+    `warm_up`. `seed` picks the prompts' words (no prefix hits)."""
     from pdserve.bench.client import Endpoint
     from pdserve.bench.prompts import load_prompt_builder
     from pdserve.bench.runner import LoadConfig, run_load
@@ -98,7 +126,7 @@ def measure_probes(
         if bad:
             raise RuntimeError(f"serving-overhead probe failed: {bad[0].status}: {bad[0].error}")
         measured.append(run.records)
-    return measured[1:]
+    return measured[1:] if warm_up else measured
 
 
 def fit_overhead(cluster, dep, groups: list[list[RequestRecord]]) -> OverheadFit:

@@ -19,6 +19,7 @@ from pdserve.sim.overhead import (
     ServingOverhead,
     describe_overhead,
     fit_overhead,
+    interference_rounds,
     probe_groups,
 )
 from pdserve.sim.profile import Fit, Point
@@ -116,6 +117,21 @@ def test_probe_groups_start_with_a_lone_warm_up_and_interleave_sizes():
         [(0, 32)], [(1, 128)], [(2, 32), (3, 128)], [(4, 32)], [(5, 128), (6, 32)],
     ]  # fmt: skip
     assert {s.output_tokens for g in groups for s in g} == {16}
+
+
+def test_interference_rounds_send_short_prompts_while_a_document_prefills():
+    rounds = interference_rounds(rounds=2)
+    assert len(rounds) == 2 and [len(r) for r in rounds] == [9, 9]
+    indexes = [s.index for r in rounds for s in r]
+    assert len(set(indexes)) == len(indexes)
+    assert not set(indexes) & {s.index for g in probe_groups() for s in g}
+    for r in rounds:
+        (doc,) = [s for s in r if s.prompt_tokens > 256]  # the prefill pool's
+        early = [s for s in r if s.arrival_s < doc.arrival_s]
+        late = [s for s in r if s.arrival_s > doc.arrival_s]
+        # streams decode when the document arrives; short prompts arrive while it prefills
+        assert early and all(s.output_tokens >= 64 for s in early)
+        assert late and all(s.prompt_tokens < 256 for s in late)
 
 
 def test_profile_carries_the_overhead_per_mode_for_this_machine_only(tmp_path):

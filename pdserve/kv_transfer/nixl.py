@@ -11,11 +11,13 @@ Why the receiver pulls (like vLLM's NixlConnector) rather than the sender writin
 WRITE could land in any registered block, so the receiver could neither refuse blocks it did not
 register for that transfer nor guarantee that nothing lands after `release`. Pulling keeps every
 write into decode memory under the receiver's TransferTable, exactly as with tcp. A layer's READ
-is not interruptible: `release` waits for an in-flight READ to finish (milliseconds).
+is not interruptible: `release` waits for an in-flight READ to finish (milliseconds), and a
+READ given up past its timeout is waited for too (its peer disconnected if it runs on).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -33,11 +35,13 @@ from pdserve.kv_transfer.tcp_receiver import TcpReceiver
 from pdserve.kv_transfer.transfer_table import WriteTicket
 from pdserve.kv_transfer.wire import ClientHello, LayerHeader, ProtocolError
 
+log = logging.getLogger(__name__)
 INSTALL_HINT = (
     "the nixl KV transport needs NVIDIA NIXL: pip install nixl-cu12==1.5.1 (the pdserve[nixl] "
     "extra), or use the built-in tcp transport"
 )
 _READ_TIMEOUT_S = 30.0
+_FINISH_WAIT_S = 10.0  # a READ given up may run on this long before its peer is disconnected
 _SPIN_S = 1e-3  # poll without sleeping this long: most layer READs finish within it
 
 
@@ -123,7 +127,8 @@ class NixlAgent:
         timeout_s: float = _READ_TIMEOUT_S,
     ) -> None:
         """READ the (N, 3) rows (address, length, 0) of `remote` into those of `local`; wait for
-        it. TimeoutError past `timeout_s`, ConnectionError if it failed."""
+        it. TimeoutError past `timeout_s` (once the READ has ended: no byte lands in `local`
+        after this returns or raises), ConnectionError if it failed."""
         with self.lock:
             local_d = self.agent.get_xfer_descs(local, "DRAM")
             remote_d = self.agent.get_xfer_descs(remote, "DRAM")
@@ -133,6 +138,7 @@ class NixlAgent:
         while state == "PROC":
             waited = time.monotonic() - start
             if waited > timeout_s:
+                self._finish(handle, peer_agent)
                 raise TimeoutError(f"NIXL READ from {peer_agent} took over {timeout_s} s")
             time.sleep(0 if waited < _SPIN_S else 1e-4)  # then back off: two cores are shared
             with self.lock:
@@ -141,6 +147,31 @@ class NixlAgent:
             handle.release()
         if state != "DONE":
             raise ConnectionError(f"NIXL READ from {peer_agent} failed ({state})")
+
+    def _finish(self, handle, peer_agent: str) -> None:
+        """Wait for a READ that `read` gave up to end, so that none of its bytes lands after
+        `read` has returned (the caller frees or reuses the destination then). Releasing the
+        handle does not stop a READ under way (seen with UCX over tcp: the bytes landed after
+        the release). A peer that does not end it within `_FINISH_WAIT_S` is disconnected,
+        which fails every transfer with it."""
+        deadline, disconnected = time.monotonic() + _FINISH_WAIT_S, False
+        while True:
+            with self.lock:
+                if self.agent.check_xfer_state(handle) != "PROC":
+                    handle.release()
+                    return
+                if time.monotonic() > deadline:
+                    if disconnected:
+                        log.error("a NIXL READ from %s is still under way after its peer was "
+                                  "disconnected; its destination may still be written",
+                                  peer_agent)  # fmt: skip
+                        return
+                    log.warning("a NIXL READ from %s given up %.0f s ago is still under way: "
+                                "disconnecting the peer", peer_agent, _FINISH_WAIT_S)  # fmt: skip
+                    if self.peers.pop(peer_agent, None) is not None:
+                        self.agent.remove_remote_agent(peer_agent)
+                    deadline, disconnected = time.monotonic() + _FINISH_WAIT_S, True
+            time.sleep(1e-3)
 
     def close(self) -> None:
         with self.lock:

@@ -268,3 +268,35 @@ def test_registered_memory_full_falls_back_to_plain_memory(serve, client, transp
     del hog
     assert reader.load(chain.hashes, [2, 3]) == 2  # copied into registered memory to serve
     assert torch.equal(dst[1][2][[2, 3]], src[1][2][[0, 1]])
+
+
+def _agents_with(local: np.ndarray, remote: np.ndarray):
+    """A reading agent with `local` registered, a peer with `remote`; (reader, peer, name)."""
+    reader, peer = NixlAgent("reader", [], False), NixlAgent("peer", [], progress_thread=True)
+    reader.register(local.ctypes.data, local.nbytes)
+    peer.register(remote.ctypes.data, remote.nbytes)
+    return reader, peer, reader.add_peer(peer.metadata())
+
+
+def _rows(a: np.ndarray, start: int, nbytes: int) -> np.ndarray:
+    return np.array([[a.ctypes.data + start, nbytes, 0]], dtype=np.uint64)
+
+
+def test_a_read_given_up_writes_nothing_afterwards(transport, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")  # not shared memory, which READs in one synchronous go
+    size = 256 << 20  # large enough to be in flight when a zero timeout gives it up
+    local, remote = np.zeros(size + 4096, np.uint8), np.full(size + 4096, 7, np.uint8)
+    reader, peer, name = _agents_with(local, remote)
+    try:
+        with pytest.raises(TimeoutError, match="took over 0 s"):
+            reader.read(_rows(local, 0, size), _rows(remote, 0, size), name, timeout_s=0)
+        local[:size] = 1  # the caller reuses the destination once read() has given up
+        # another READ drives the same UCX worker: a READ left running would complete now
+        reader.read(_rows(local, size, 4096), _rows(remote, size, 4096), name)
+        time.sleep(0.2)
+        reader.progress()
+        assert (local[size:] == 7).all()  # the agent still reads
+        assert (local[:size] == 1).all(), "bytes of the given-up READ landed afterwards"
+    finally:
+        reader.close()
+        peer.close()

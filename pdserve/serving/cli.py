@@ -161,7 +161,9 @@ def _serve(args) -> int:
         ServePlan,
         WorkerProcs,
         drain_worker_output,
+        gpu_per_worker,
         serve_forever,
+        visible_gpus,
         wait_ready,
     )
 
@@ -187,9 +189,22 @@ def _serve(args) -> int:
     if store_endpoint:
         base_argv += ["--kv-store", store_endpoint]
 
+    gpus = visible_gpus() if args.device in ("auto", "cuda") else 0
+    devices = gpu_per_worker(args.device, len(plan.workers), gpus)
+    if gpus == 1 and args.mode == "disagg":
+        print(
+            "pdserve serve: note: the prefill and decode workers share this machine's one GPU, "
+            "where a prefill still stalls the decode steps and each transfer costs a copy "
+            "through host memory; disaggregation pays with a GPU per worker (--mode colocated "
+            "serves one GPU better)",
+            flush=True,
+        )
+
     async def ready(port):
         for i, (role, cpus) in enumerate(plan.workers):
             argv = list(base_argv)
+            if devices[i]:  # given last, it overrides the --device of base_argv
+                argv += ["--device", devices[i]]
             chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
             if chunk:
                 argv += ["--chunk-size", str(chunk)]
@@ -205,7 +220,10 @@ def _serve(args) -> int:
             return
         drain_worker_output(procs)
         url = f"http://{args.host}:{port}"
-        layout = ", ".join(f"{r}@cpu{c}" for r, c in plan.workers)
+        layout = ", ".join(
+            f"{r}@cpu{c}" + (f"+{d}" if d else "")
+            for (r, c), d in zip(plan.workers, devices, strict=True)
+        )
         print(f"pdserve ready: {url}/v1 ({args.mode}: {layout})", flush=True)
         print(
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

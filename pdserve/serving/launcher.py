@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("pdserve.serve")
 
@@ -61,6 +62,26 @@ class ServePlan:
             tuple(("prefill", g) for g in groups[:prefill])
             + tuple(("decode", g) for g in groups[prefill:])
         )
+
+
+def visible_gpus() -> int:
+    """How many CUDA GPUs a worker would see, found without importing torch (the router stays
+    light): `CUDA_VISIBLE_DEVICES` when set, else the NVIDIA driver's entries in /proc."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        ids = [d.strip() for d in env.split(",") if d.strip()]
+        return 0 if not ids or ids[0] == "-1" else len(ids)
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0
+
+
+def gpu_per_worker(device: str, workers: int, gpus: int) -> list[str | None]:
+    """Each worker's `--device`: with `device` auto or cuda and several GPUs, a GPU each in turn
+    (prefill workers come first, so one prefill and one decode worker get GPUs 0 and 1); else
+    None, the `device` every worker is given."""
+    if device not in ("auto", "cuda") or gpus < 2:
+        return [None] * workers
+    return [f"cuda:{i % gpus}" for i in range(workers)]
 
 
 def _split(cores: list[int], n: int) -> list[str]:

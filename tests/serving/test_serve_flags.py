@@ -21,3 +21,24 @@ def test_bad_flags_exit_2_with_a_message(flags, message):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
+
+
+def test_several_gpus_give_each_worker_its_own():
+    from pdserve.serving.launcher import gpu_per_worker
+
+    assert gpu_per_worker("auto", 2, gpus=2) == ["cuda:0", "cuda:1"]  # 1 P + 1 D
+    assert gpu_per_worker("cuda", 3, gpus=2) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert gpu_per_worker("auto", 2, gpus=1) == [None, None]  # the workers' own --device
+    assert gpu_per_worker("auto", 2, gpus=0) == [None, None]
+    assert gpu_per_worker("cuda:3", 2, gpus=8) == [None, None]  # asked for one GPU: all on it
+    assert gpu_per_worker("cpu", 2, gpus=8) == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("env", "gpus"), [("0,1", 2), ("3", 1), ("", 0), ("-1", 0), (" 2 , 5 ,", 2)]
+)
+def test_visible_gpus_follows_cuda_visible_devices(monkeypatch, env, gpus):
+    from pdserve.serving.launcher import visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+    assert visible_gpus() == gpus

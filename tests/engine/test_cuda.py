@@ -3,21 +3,14 @@ batched, chunked and prefix-cached prefills, in float32; bfloat16 (the GPU defau
 
 import pytest
 import torch
-from factories import make_engine, make_model_files, run_to_completion
+from factories import make_engine, run_to_completion
 
-from pdserve.engine.sampling_params import SamplingParams
+from .test_engine_tiny import GREEDY, PROMPTS
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"),
 ]
-PROMPTS = [[5, 17, 33, 2, 9, 71, 8], list(range(1, 40)), [200, 3, 3, 3, 250, 1, 1, 7, 9, 90, 11]]
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def files():
-    return make_model_files(seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -4,17 +4,12 @@ abort — every variant must produce the same greedy tokens and return every blo
 import os
 
 import pytest
-from factories import make_engine, make_model_files, run_to_completion
+from factories import make_engine, run_to_completion
 
 from pdserve.engine.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 33, 2, 9, 71, 8], list(range(1, 40)), [200, 3, 3, 3, 250, 1, 1, 7, 9, 90, 11]]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def files():
-    return make_model_files(seed=1)
 
 
 @pytest.fixture(scope="module")

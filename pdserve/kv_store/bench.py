@@ -23,6 +23,7 @@ from pdserve.engine.block_hash import block_hashes
 from pdserve.kv_store.client import StoreClient
 from pdserve.kv_store.config import payload_bytes
 from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.registry import TRANSPORTS
 
 SMOLLM2 = KVLayout("smollm2-135m", "bfloat16", 30, 16, 3, 64)
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=256, help="blocks per run (default 256)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per case (default 1)")
-    parser.add_argument("--transports", nargs="+", default=["tcp"], choices=["tcp", "nixl"])
+    parser.add_argument("--transports", nargs="+", default=["tcp"], choices=TRANSPORTS)
     args = parser.parse_args(argv)
     mb = args.blocks * payload_bytes(SMOLLM2) / 1e6
     print(f"{args.blocks} blocks x {payload_bytes(SMOLLM2)} B = {mb:.1f} MB (SmolLM2-135M bf16)")

@@ -1,4 +1,5 @@
-"""`pdserve store`: run the KV store process (imports only argparse until the handler runs)."""
+"""`pdserve store`: run the KV store process (imports only argparse and the transport names
+until the handler runs)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ nixl://HOST:PORT; tcp clients are still served.
 
 
 def register(subparsers) -> None:
+    from pdserve.kv_transfer.registry import TRANSPORTS  # torch-free (msgspec)
+
     p = subparsers.add_parser(
         "store",
         help="run the KV cache store (DRAM + SSD tiers) for workers to offload and load blocks",
@@ -36,7 +39,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--transport",
-        choices=["tcp", "nixl"],
+        choices=TRANSPORTS,
         default="tcp",
         help="how block bytes move: tcp (on the socket, default) or nixl (NIXL READs of "
         "registered memory; needs nixl-cu12); tcp clients are served either way",

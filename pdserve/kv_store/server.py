@@ -47,6 +47,7 @@ from pdserve.kv_store.protocol import (
 from pdserve.kv_store.store import Entry, Payload, Store
 from pdserve.kv_transfer.acceptor import Acceptor
 from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.registry import TRANSPORTS
 from pdserve.kv_transfer.wire import (
     HOW_TO_SET_SECRET,
     HandshakeRefused,
@@ -60,7 +61,6 @@ from pdserve.kv_transfer.wire import (
 
 log = logging.getLogger("pdserve.kv_store")
 MAX_BLOCK_BYTES = 256 << 20  # one block of any real model is far smaller; refuse absurd layouts
-TRANSPORTS = ("tcp", "nixl")
 
 
 class _Held:

@@ -14,6 +14,11 @@ _BACKENDS = {
 }
 
 
+# The connectors that move KV between processes and hosts (inproc is for tests), and the
+# transports the KV store serves block bytes over: the choices of every --kv-transport/--transport.
+TRANSPORTS = ("tcp", "nixl")
+
+
 def available_backends() -> list[str]:
     """Every connector name `make_sender`/`make_receiver` accept (nixl may still fail to import)."""
     return list(_BACKENDS)

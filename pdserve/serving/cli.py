@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from pdserve.engine.cli import add_engine_args, engine_config_from_args
+from pdserve.kv_transfer.registry import TRANSPORTS
 
 ENGINE_FLAGS = (
     "model",
@@ -292,9 +293,7 @@ def register(sub) -> None:
         "running it computes them whole (default 64; 0 = always whole prompts in one step). "
         "Co-located workers use --chunk-size",
     )
-    p.add_argument(
-        "--kv-transport", default="tcp", choices=["tcp", "nixl"], help="KV transfer backend"
-    )
+    p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS, help="KV transfer backend")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument(
         "--kv-store",
@@ -347,7 +346,7 @@ def register(sub) -> None:
     p.add_argument(
         "--cpus", default=None, help="pin to these cores, e.g. 0 or 2-3 (threads follow)"
     )
-    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "nixl"])
+    p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS)
     p.add_argument(
         "--kv-host", default="127.0.0.1", help="address the KV receiver binds (decode role)"
     )

@@ -88,7 +88,9 @@ def engine_figures(args, model: str | None) -> list[dict]:
 
 
 def system_figures(args, system, rows: list[dict]) -> None:
-    prompts = Prompts(32000)
+    llm = getattr(system, "llm", None)  # ours; transformers' model carries its config
+    vocab = llm.engine.model_config.vocab_size if llm else system.model.config.vocab_size
+    prompts = Prompts(vocab)  # token ids valid for this model
     system.prefill(prompts.make(256))  # warm-up: CUDA context, kernels' first launches
     for tokens in args.prefill:
         samples = [system.prefill(prompts.make(tokens)) for _ in range(args.repeats)]

@@ -17,14 +17,14 @@ error; the issue's target is within 15 %.
 
 The prediction printed is calibrated **from the served engine's own steps, leaving out the run
 it predicts**: the latency model is fitted (`pdserve.sim.served`) to the steps the workers
-logged during the probes, the interference rounds and the *other* rates' runs, the worker
-loop's time between steps comes from the same logs, and the per-request overhead (HTTP, router,
-client) from the lone probes' TTFT. So no measurement of a run enters its own prediction, while the calibration is
-taken minutes from it, on the same server, under the same neighbours on the cores. The JSON
-keeps beside it the prediction calibrated by a separate `pdserve profile` (created with the
-workers' thread count when missing, plus the probes' overhead fit: the method of earlier runs),
-the bare engine's, and one calibrated on the run's own steps (how well the simulator's
-scheduling reproduces the run when the step costs are right; not a prediction).
+logged during the probes, the interference rounds and the *other* rates' runs, the worker loop's
+time between steps comes from the same logs, and the per-request overhead (HTTP, router, client)
+from the lone probes' TTFT. So no measurement of a run enters its own prediction, while the
+calibration is taken minutes from it, on the same server, under the same neighbours on the
+cores. The JSON keeps beside it the prediction calibrated by a separate `pdserve profile`
+(created with the workers' thread count when missing, plus the probes' overhead fit: the method
+of earlier runs), the bare engine's, and one calibrated on the run's own steps (how well the
+simulator's scheduling reproduces the run when the step costs are right; not a prediction).
 On a 2-core CPU a mixed run (2k-4k-token documents) takes minutes per rate.
 """
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import httpx
 import torch
-from engine import Ours, Prompts, Theirs  # sibling module: this script runs as a file
+from _servers import metric, server  # sibling modules: this script runs as a file
+from engine import Ours, Prompts, Theirs
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
@@ -49,7 +50,7 @@ def write_random_weights(folder: Path, seed: int = 0) -> None:
     def w(rows: int, cols: int) -> torch.Tensor:
         return (torch.randn(rows, cols, generator=g) / cols**0.5).to(torch.bfloat16)
 
-    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)
     weights = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": ones(d)}
     if not c.get("tie_word_embeddings"):
         weights["lm_head.weight"] = w(v, d)
@@ -153,65 +154,27 @@ def serve_figures(args, model: str | None, out: Path) -> list[dict]:
     rows = []
     for spec in args.modes.split(","):
         mode, _, workers = spec.partition(":")  # colocated:2 = two co-located workers
-        port = free_port()
-        cmd = [*PDSERVE, "serve", "--mode", mode, "--device", args.device, "--port", str(port)]
-        cmd += ["--model", model] if model else []
-        cmd += ["--colocated-workers", workers or "1"] if mode == "colocated" else []
-        mode = spec.replace(":", "-")
-        log = out / f"serve-{mode}.log"
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(proc, port, log)
-            url = f"http://127.0.0.1:{port}/v1"
+        extra = ["--device", args.device, *(["--model", model] if model else [])]
+        extra += ["--colocated-workers", workers or "1"] if mode == "colocated" else []
+        name = spec.replace(":", "-")
+        with server(mode, *extra, log_dir=out) as url:
             chat = httpx.post(f"{url}/chat/completions", timeout=60, json={
                 "messages": [{"role": "user", "content": "What is the capital of France?"}],
                 "max_tokens": 16})  # fmt: skip
             chat.raise_for_status()
-            bench_dir = out / f"bench-{mode}"
+            bench_dir = out / f"bench-{name}"
             subprocess.run([*PDSERVE, "bench", "--url", url, "--workload", args.workload,
                             "--rate", str(args.rate), "--num-requests", str(args.num_requests),
                             "--out", str(bench_dir), "--no-progress"], check=True)  # fmt: skip
-            run = json.loads((bench_dir / "results.json").read_text())["runs"][0]
-            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-            kv = {
-                line.split()[0]: float(line.split()[1])
-                for line in metrics.splitlines()
-                if line.startswith(
-                    ("pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_total")
-                )  # fmt: skip
-            }
-            rows.append({"mode": mode, "chat": chat.json()["choices"][0]["message"]["content"],
-                         "aggregates": run["aggregates"], "kv": kv})  # fmt: skip
-            agg = run["aggregates"]
-            print(f"{mode:<10} rate {args.rate:g}: TTFT p50 {agg['ttft_s']['p50']:.3f} "
-                  f"p90 {agg['ttft_s']['p90']:.3f} s, TPOT p50 {agg['tpot_s']['p50'] * 1e3:.1f} "
-                  f"p90 {agg['tpot_s']['p90'] * 1e3:.1f} ms, {kv}", flush=True)  # fmt: skip
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            kv = {m: metric(url, m) for m in ("pdserve_kv_transfer_bytes_total",
+                                              "pdserve_kv_transfer_seconds_total")}  # fmt: skip
+        agg = json.loads((bench_dir / "results.json").read_text())["runs"][0]["aggregates"]
+        rows.append({"mode": name, "chat": chat.json()["choices"][0]["message"]["content"],
+                     "aggregates": agg, "kv": kv})  # fmt: skip
+        print(f"{name:<10} rate {args.rate:g}: TTFT p50 {agg['ttft_s']['p50']:.3f} "
+              f"p90 {agg['ttft_s']['p90']:.3f} s, TPOT p50 {agg['tpot_s']['p50'] * 1e3:.1f} "
+              f"p90 {agg['tpot_s']['p90'] * 1e3:.1f} ms, {kv}", flush=True)  # fmt: skip
     return rows
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdserve serve exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"pdserve serve not healthy after {timeout_s:.0f} s; see {log}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

@@ -154,24 +154,28 @@ class NixlAgent:
         handle does not stop a READ under way (seen with UCX over tcp: the bytes landed after
         the release). A peer that does not end it within `_FINISH_WAIT_S` is disconnected,
         which fails every transfer with it."""
-        deadline, disconnected = time.monotonic() + _FINISH_WAIT_S, False
-        while True:
+        if self._ended(handle, _FINISH_WAIT_S):
+            return
+        log.warning("a NIXL READ from %s given up %.0f s ago is still under way: disconnecting "
+                    "the peer", peer_agent, _FINISH_WAIT_S)  # fmt: skip
+        with self.lock:
+            if self.peers.pop(peer_agent, None) is not None:
+                self.agent.remove_remote_agent(peer_agent)
+        if not self._ended(handle, _FINISH_WAIT_S):
+            log.error("a NIXL READ from %s is still under way after its peer was disconnected; "
+                      "its destination may still be written", peer_agent)  # fmt: skip
+
+    def _ended(self, handle, seconds: float) -> bool:
+        """Poll a READ for up to `seconds`; once it is no longer under way, release its handle
+        and return True."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
             with self.lock:
                 if self.agent.check_xfer_state(handle) != "PROC":
                     handle.release()
-                    return
-                if time.monotonic() > deadline:
-                    if disconnected:
-                        log.error("a NIXL READ from %s is still under way after its peer was "
-                                  "disconnected; its destination may still be written",
-                                  peer_agent)  # fmt: skip
-                        return
-                    log.warning("a NIXL READ from %s given up %.0f s ago is still under way: "
-                                "disconnecting the peer", peer_agent, _FINISH_WAIT_S)  # fmt: skip
-                    if self.peers.pop(peer_agent, None) is not None:
-                        self.agent.remove_remote_agent(peer_agent)
-                    deadline, disconnected = time.monotonic() + _FINISH_WAIT_S, True
+                    return True
             time.sleep(1e-3)
+        return False
 
     def close(self) -> None:
         with self.lock:

@@ -43,6 +43,8 @@ class HostStaging:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks))
         self._held: dict[str, list[int]] = {}
+        # per transfer: its device block index and host blocks, built at its first copy
+        self._index: dict[str, tuple[torch.Tensor, slice | torch.Tensor]] = {}
 
     @classmethod
     def sized(cls, device_k, device_v, max_model_len: int, gb: float = DEFAULT_GB) -> HostStaging:
@@ -75,14 +77,14 @@ class HostStaging:
     def release(self, transfer_id: str) -> None:
         """Return `transfer_id`'s host blocks to the pool (no-op if it holds none)."""
         self._free.extend(self._held.pop(transfer_id, []))
+        self._index.pop(transfer_id, None)
 
     def held(self, transfer_id: str) -> list[int]:
         return self._held[transfer_id]
 
     def to_host(self, transfer_id: str, layer: int, device_ids: list[int]) -> None:
         """Copy layer `layer` of cache blocks `device_ids` into the transfer's host blocks."""
-        host = self._host_slice(transfer_id, device_ids)
-        src = torch.tensor(device_ids, dtype=torch.long, device=self.device)
+        src, host = self._indexes(transfer_id, device_ids)
         for dev, stage in ((self.device_k, self.k_caches), (self.device_v, self.v_caches)):
             gathered = dev[layer].index_select(0, src)
             if isinstance(host, slice):  # straight into the pinned run, at the link's speed
@@ -92,8 +94,7 @@ class HostStaging:
 
     def to_device(self, transfer_id: str, device_ids: list[int]) -> None:
         """Copy every layer of the transfer's host blocks into cache blocks `device_ids`."""
-        host = self._host_slice(transfer_id, device_ids)
-        dst = torch.tensor(device_ids, dtype=torch.long, device=self.device)
+        dst, host = self._indexes(transfer_id, device_ids)
         pinned = isinstance(host, slice) and self.device.type == "cuda"  # copies can queue up
         for dev, stage in ((self.device_k, self.k_caches), (self.device_v, self.v_caches)):
             for layer, cache in enumerate(dev):
@@ -101,16 +102,24 @@ class HostStaging:
         if pinned:  # the host blocks are lent again once this returns
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _host_slice(self, transfer_id: str, device_ids: list[int]) -> slice | torch.Tensor:
-        """The transfer's host blocks: a slice if they are one run, else an index tensor."""
-        host = self._held[transfer_id]
-        if len(host) != len(device_ids):
+    def _indexes(
+        self, transfer_id: str, device_ids: list[int]
+    ) -> tuple[torch.Tensor, slice | torch.Tensor]:
+        """(`device_ids` as an index on the device, the transfer's host blocks: a slice if they
+        are one run, else an index tensor), built once per transfer: a prompt's blocks are the
+        same for each of its layers."""
+        held = self._held[transfer_id]
+        if len(held) != len(device_ids):
             raise ValueError(
-                f"transfer {transfer_id!r} holds {len(host)} host blocks, not {len(device_ids)}"
+                f"transfer {transfer_id!r} holds {len(held)} host blocks, not {len(device_ids)}"
             )
-        if host and host[-1] - host[0] == len(host) - 1:
-            return slice(host[0], host[-1] + 1)
-        return torch.tensor(host, dtype=torch.long)
+        if (cached := self._index.get(transfer_id)) is not None:
+            return cached
+        one_run = held and held[-1] - held[0] == len(held) - 1
+        host = slice(held[0], held[-1] + 1) if one_run else torch.tensor(held, dtype=torch.long)
+        device = torch.tensor(device_ids, dtype=torch.long, device=self.device)
+        self._index[transfer_id] = device, host
+        return device, host
 
     def check(self) -> None:
         """Every host block is either free or lent to exactly one transfer."""

@@ -12,7 +12,8 @@ same requests (same workload, count and seed). It prints both side by side with 
 error; the issue's target is within 15 %.
 
     .venv/bin/python benchmarks/sim_vs_real.py [--rates 0.15,0.3,0.45] [--workload mixed]
-        [--num-requests 30] [--modes colocated,disagg] [--colocated-workers 2]
+        [--seconds-per-rate 200 | --num-requests N] [--modes colocated,disagg]
+        [--colocated-workers 2]
         [--out sim-vs-real]
 
 The prediction printed is calibrated **from the served engine's own steps, leaving out the run
@@ -126,6 +127,19 @@ def predict(dep: Deployment, cluster: Cluster, args, rate: float, parts: list[in
     return summarize(records, slo, duration)
 
 
+def requests_at(args, rate: float) -> int:
+    """How many requests the run at `rate` sends: `--num-requests`, else as many as arrive in
+    `--seconds-per-rate`, so that every rate is measured over about as long a time. Here a
+    worker's step time flips between two speeds (~52 and ~72 ms per one-stream step, 1.4x) every
+    20-60 s: a rate measured over 85 s (30 requests at 0.45 req/s) caught too few of those
+    periods for its share of fast steps to match the other rates' (its calibration)."""
+    return args.num_requests or max(round(rate * args.seconds_per_rate), 1)
+
+
+def part_sizes(n: int, parts: int) -> list[int]:
+    return [len(range(i, n, parts)) for i in range(parts)]
+
+
 def part_seed(args, rate: float, part: int) -> int:
     return seed_of(args, rate) + part
 
@@ -211,7 +225,7 @@ def run_mode(dep: Deployment, args, out: Path, rates: list[float]) -> None:
     url = f"http://127.0.0.1:{port}/v1"
     timeline: dict = {"runs": {str(rate): [] for rate in rates}, "workers": dep.replicas,
                       "threads": threads}  # fmt: skip
-    sizes = [len(range(i, args.num_requests, args.parts)) for i in range(args.parts)]
+    sizes = {rate: part_sizes(requests_at(args, rate), args.parts) for rate in rates}
     try:
         start = time.time()
         groups = measure_probes(url, probe_groups())
@@ -225,7 +239,7 @@ def run_mode(dep: Deployment, args, out: Path, rates: list[float]) -> None:
             order = rates if part % 2 == 0 else rates[::-1]
             for rate in order:
                 start = time.time()
-                measure(mode, args, rate, out, url, part, sizes[part])
+                measure(mode, args, rate, out, url, part, sizes[rate][part])
                 timeline["runs"][str(rate)].append((start, time.time()))
                 (out / f"timeline-{mode}.json").write_text(json.dumps(timeline))
     finally:
@@ -266,10 +280,18 @@ def analyze_mode(mode: str, args, out: Path) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # 30 requests a rate (3 documents, on average) at these rates: ~6 min of runs per mode.
+    # 200 s a rate (30, 60 and 90 requests; 3, 6 and 9 documents on average): ~12 min of
+    # runs per mode.
     ap.add_argument("--rates", default="0.15,0.3,0.45", help="request rates (req/s)")
     ap.add_argument("--workload", default="mixed", help="chat, docs or mixed (default mixed)")
-    ap.add_argument("--num-requests", type=int, default=30)
+    ap.add_argument(
+        "--seconds-per-rate", type=float, default=200.0,
+        help="send each rate as many requests as arrive in this many seconds (default 200)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--num-requests", type=int, default=0,
+        help="send this many requests at every rate instead (runs 1-15: 30)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--parts", type=int, default=3,
@@ -292,11 +314,14 @@ def main() -> int:
         "already in --out again (after a change to the simulator or calibration)",
     )
     args = ap.parse_args()
-    if not 1 <= args.parts <= args.num_requests:
-        ap.error(f"--parts must be between 1 and --num-requests ({args.num_requests})")
+    rates = [float(r) for r in args.rates.split(",")]
+    if args.num_requests < 0 or args.seconds_per_rate <= 0:
+        ap.error("--num-requests must be >= 0 and --seconds-per-rate > 0")
+    fewest = min(requests_at(args, rate) for rate in rates)
+    if not 1 <= args.parts <= fewest:
+        ap.error(f"--parts must be between 1 and the requests of the lowest rate ({fewest})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rates = [float(r) for r in args.rates.split(",")]
     rows, results = [], []
     for mode in args.modes.split(","):
         if not args.analyze:

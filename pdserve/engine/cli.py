@@ -24,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-gb",
         type=float,
         default=None,
-        help="KV cache size (default: 1 GiB on CPU, 90%% of free GPU memory x fraction)",
+        help="KV cache size (default: 1 GiB on CPU; on a GPU a quarter of its total memory, at "
+        "most 90%% of what is free)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument(

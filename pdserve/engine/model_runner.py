@@ -73,8 +73,7 @@ class ModelRunner:
         if cfg.kv_cache_gb is not None:
             budget = cfg.kv_cache_gb * (1 << 30)
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * cfg.kv_cache_fraction
+            budget = gpu_kv_budget(*torch.cuda.mem_get_info(self.device), cfg.kv_cache_fraction)
         else:
             budget = 1 << 30  # 1 GiB on CPU: ~23k tokens of SmolLM2-135M in bf16
         return max(1, int(budget // self.block_bytes))
@@ -143,3 +142,11 @@ class ModelRunner:
             return [], None
         rows = torch.tensor([r for _, r in sample_rows], device=self.device)
         return [i for i, _ in sample_rows], self.model.logits(hidden[rows]).cpu()
+
+
+def gpu_kv_budget(free: int, total: int, fraction: float) -> float:
+    """Bytes of KV cache on a GPU with `free` of `total` bytes free: `fraction` of its total
+    memory, at most 90 % of what is free. Of the total, not of what is free, so that workers
+    sharing one GPU get alike whichever starts first (of what is free, the second of two got
+    three quarters of the first's)."""
+    return min(total * fraction, free * 0.9)

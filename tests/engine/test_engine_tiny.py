@@ -191,3 +191,13 @@ def test_step_log_records_every_step_in_the_simulators_terms(files, reference, t
     # every token computed is in the log: both prompts and every output token but the last
     assert sum(s.batch.tokens for s in steps) == 7 + 39 + 2 * (GREEDY.max_tokens - 1)
     assert all(s.seconds > 0 for s in steps) and steps == sorted(steps, key=lambda s: s.t)
+
+
+def test_gpu_kv_budget_is_a_share_of_total_memory_capped_by_what_is_free():
+    from pdserve.engine.model_runner import gpu_kv_budget
+
+    gib = 1 << 30
+    first = gpu_kv_budget(79 * gib, 80 * gib, 0.25)
+    second = gpu_kv_budget(79 * gib - first, 80 * gib, 0.25)  # a second worker on the GPU
+    assert first == second == 20 * gib
+    assert gpu_kv_budget(10 * gib, 80 * gib, 0.25) == 9 * gib  # mostly taken: 90 % of the rest

@@ -83,8 +83,19 @@ class Cluster:
     def health(self) -> dict:
         return self.server.health()["workers"]
 
+    def wait_decoders_idle(self, timeout_s: float = 10.0) -> None:
+        """No decode worker reports a running request: call before a stream whose worker
+        `busy_decode_worker` will pick, or a report still lagging from an earlier request can
+        name the wrong worker."""
+        wait_until(
+            lambda: not any(h["running"] for h in self.health().values() if h["role"] != "prefill"),
+            timeout_s,
+            "the decode workers to report no running request",
+        )
+
     def busy_decode_worker(self, timeout_s: float = 10.0) -> str:
-        """The decode worker that reports a running request (load reports lag by ~0.5 s)."""
+        """The decode worker that reports a running request (load reports lag by ~0.5 s; see
+        `wait_decoders_idle`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             busy = [w for w, h in self.health().items() if h["role"] != "prefill" and h["running"]]

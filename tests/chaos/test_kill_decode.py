@@ -31,6 +31,7 @@ def test_decode_worker_killed_mid_stream_migrates(cluster):
     cluster.ensure_all()
     want = baselines(cluster.url)
     migrations = metric(cluster.url, "pdserve_migrations_total")
+    cluster.wait_decoders_idle()  # the baselines' load reports must not name the victim
     victim, other = [], {}
 
     def run_other():

@@ -22,6 +22,7 @@ def stalled(cluster):
     dead, then SIGCONT it. Yields (worker id, stream outcome, uninterrupted outcome)."""
     cluster.ensure_all()
     want = complete(cluster.url, GREEDY)
+    cluster.wait_decoders_idle()  # its worker's load report must not name the victim
     victim = []
 
     def on_chunk(n: int) -> None:

@@ -34,16 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import msgspec
 
+from pdserve.bench.compare import ServerProcess, ServerSpec, default_serve_cmd
 from pdserve.bench.metrics import SLO, RequestRecord, summarize
 from pdserve.bench.workload import generate_requests, named_workload
 from pdserve.sim.calibration import load_profile, save_overhead
@@ -62,12 +61,6 @@ from pdserve.sim.simulator import simulate
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 CORES = 2  # `pdserve serve` gives each worker an equal share of them
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def seed_of(args, rate: float) -> int:
@@ -169,26 +162,14 @@ def measured(out: Path, mode: str, rate: float, parts: int, slo: SLO) -> tuple[d
     return summarize(records, slo, duration), counts
 
 
-def serve(dep: Deployment, port: int, log: Path, steps_dir: Path) -> subprocess.Popen:
-    mode = dep.mode
-    cmd = [*PDSERVE, "serve", "--mode", mode, "--port", str(port), "--step-log", str(steps_dir)]
-    if mode == "colocated":
-        cmd += ["--colocated-workers", str(dep.replicas)]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdserve serve --mode {mode} exited; see {log}")
-        try:
-            # /health answers 200 only once a decode-capable worker is up (/v1/models earlier:
-            # the first request then got a 503 "no worker is ready yet")
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.terminate()
-    raise RuntimeError(f"pdserve serve --mode {mode} not ready after 600 s; see {log}")
+def server(dep: Deployment, out: Path, steps_dir: Path) -> ServerProcess:
+    """`with server(..) as url:` `pdserve serve --mode MODE` (co-located: `dep.replicas`
+    workers) logging its steps to `steps_dir`, its output in OUT/serve-MODE.log."""
+    extra = ["--step-log", str(steps_dir)]
+    if dep.mode == "colocated":
+        extra += ["--colocated-workers", str(dep.replicas)]
+    spec = ServerSpec(default_serve_cmd(), dep.mode, extra=tuple(extra), startup_timeout_s=600)
+    return ServerProcess(spec, out / f"serve-{dep.mode}.log")
 
 
 def compare_rows(mode: str, rate: float, pred: dict, real: dict) -> list[str]:
@@ -218,15 +199,12 @@ def run_mode(dep: Deployment, args, out: Path, rates: list[float]) -> None:
     its own parts do."""
     mode, threads = dep.mode, threads_per_worker(dep)
     profile = ensure_profile(out, threads)
-    port = free_port()
     steps_dir = out / f"steps-{mode}"
     shutil.rmtree(steps_dir, ignore_errors=True)
-    proc = serve(dep, port, out / f"serve-{mode}.log", steps_dir)
-    url = f"http://127.0.0.1:{port}/v1"
     timeline: dict = {"runs": {str(rate): [] for rate in rates}, "workers": dep.replicas,
                       "threads": threads}  # fmt: skip
     sizes = {rate: part_sizes(requests_at(args, rate), args.parts) for rate in rates}
-    try:
+    with server(dep, out, steps_dir) as url:
         start = time.time()
         groups = measure_probes(url, probe_groups())
         timeline["probes"] = (start, time.time())
@@ -242,9 +220,6 @@ def run_mode(dep: Deployment, args, out: Path, rates: list[float]) -> None:
                 measure(mode, args, rate, out, url, part, sizes[rate][part])
                 timeline["runs"][str(rate)].append((start, time.time()))
                 (out / f"timeline-{mode}.json").write_text(json.dumps(timeline))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def analyze_mode(mode: str, args, out: Path) -> list[dict]:

@@ -62,6 +62,8 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    weights: str = "auto"  # auto | bf16 | int8 | int4: see model/quant.py
+    enforce_eager: bool = False  # True: no compiled decode step (debugging)
     role: str = "both"
     block_size: int = 16
     kv_cache_gb: float | None = None
@@ -82,6 +84,8 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
+        if self.weights not in ("auto", "bf16", "int8", "int4"):
+            raise ValueError(f"weights must be auto, bf16, int8 or int4, got {self.weights!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.chunk_size is not None and self.chunk_size < 1:

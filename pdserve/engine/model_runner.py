@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -10,6 +11,8 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from pdserve.model import gguf_file, quant
+from pdserve.model.fused import FusedDecode
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import ModelFiles
 
@@ -49,6 +52,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.model = LlamaModel(files.config, files.weights, self.dtype, self.device)
+        self.weights = self._quantize(files)
         self.num_blocks = self._num_blocks()
         mc = self.model_config
         shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
@@ -60,6 +64,30 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
         ]
         self.kv_caches = list(zip(self.k_caches, self.v_caches, strict=True))
+        self.fused = self._fused_decode()
+
+    def _fused_decode(self) -> FusedDecode | None:
+        """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""
+        if self.config.enforce_eager or self.device.type != "cpu":
+            return None
+        try:
+            return FusedDecode(self.model, self.kv_caches)
+        except Exception as exc:  # no compiler, or it failed: serve eagerly, and say why
+            log.warning("the fused decode step could not be built, decoding eagerly (slower): "
+                        "%s; install gcc/g++ and ninja, or pass --enforce-eager", exc)  # fmt: skip
+            return None
+
+    def _quantize(self, files: ModelFiles) -> str:
+        """Apply `config.weights` to the model; returns the format chosen (auto resolved)."""
+        fmt, mc = self.config.weights, self.model_config
+        quant.check_format(fmt, self.device, math.gcd(mc.hidden_size, mc.intermediate_size))
+        gguf = files.path is not None and files.path.suffix == ".gguf"
+        wants_blocks = gguf and fmt in ("auto", "int4") and self.device.type == "cpu"
+        blocks = gguf_file.read_int4_blocks(files.path, mc) if wants_blocks else {}
+        fmt = quant.resolve_format(fmt, self.device, blocks)
+        quant.quantize_model(self.model, fmt, blocks)
+        log.info("weights: %s", fmt)
+        return fmt
 
     @property
     def block_bytes(self) -> int:
@@ -135,6 +163,9 @@ class ModelRunner:
     ) -> tuple[list[int], torch.Tensor | None]:
         """Runs one step. Returns (indices into batch.seqs that get a token, their logits).
         `before_layer(i)` / `layer_hook(i)` run before / after layer i (KV loads / streaming)."""
+        if self.fused is not None and layer_hook is None and before_layer is None:
+            if all(n == 1 for n in batch.num_new_tokens):
+                return list(range(len(batch.seqs))), self._run_fused(batch)
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         meta.layer_hook, meta.before_layer = layer_hook, before_layer
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -142,6 +173,22 @@ class ModelRunner:
             return [], None
         rows = torch.tensor([r for _, r in sample_rows], device=self.device)
         return [i for i, _ in sample_rows], self.model.logits(hidden[rows]).cpu()
+
+
+    def _run_fused(self, batch: ScheduledBatch) -> torch.Tensor:
+        """A decode-only step (one token per sequence) through the fused step: logits (B, V)."""
+        bs, seqs = self.block_size, batch.seqs
+        pos = [s.num_computed_tokens for s in seqs]
+        width = max(p // bs for p in pos) + 1
+        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)]
+        return self.fused(
+            torch.tensor([s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]),
+            torch.tensor(pos),
+            torch.tensor(slots),
+            torch.tensor(tables),
+            torch.tensor([p + 1 for p in pos]),
+        )
 
 
 def gpu_kv_budget(free: int, total: int, fraction: float) -> float:

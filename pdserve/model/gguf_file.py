@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.config import ModelConfig, RopeScaling
+from pdserve.model.quant import Int4Blocks
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0")
 
@@ -119,6 +120,43 @@ def read_tensors(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
         elif name.endswith("k_proj.weight"):
             w = _unpermute(w, config.num_kv_heads)
         out[name] = w
+    return out
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(rows, blocks, 16) packed bytes -> (rows, blocks * 32) values in [0, 16): a block's low
+    nibbles are its elements 0-15, its high nibbles 16-31 (ggml's layout)."""
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (rows, blocks, 32)
+    return q.reshape(qs.shape[0], -1)
+
+
+def _int4_blocks(data: np.ndarray, qtype: str, rows: int) -> Int4Blocks:
+    """A Q4_0 / Q4_1 tensor's raw bytes (rows, bytes per row) as Int4Blocks, unexpanded."""
+    head = 4 if qtype == "Q4_1" else 2  # fp16 d (and fp16 m for Q4_1) before 16 bytes of nibbles
+    blocks = data.reshape(rows, -1, head + 16)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, blocks)
+    if qtype == "Q4_1":  # w = d * q + m = d * (q - 8) + (m + 8 d)
+        zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
+    else:  # Q4_0: w = d * (q - 8)
+        zero = np.zeros_like(d)
+    return Int4Blocks(_nibbles(blocks[..., head:]), d, zero)
+
+
+def read_int4_blocks(path: Path, config: ModelConfig) -> dict[str, Int4Blocks]:
+    """The linear weights stored as Q4_0 / Q4_1, in HF naming, as their own 4-bit blocks (q/k
+    rows un-permuted like `read_tensors`); other tensors are left out."""
+    out: dict[str, Int4Blocks] = {}
+    for t in _reader(path).tensors:
+        name = _hf_name(t.name)
+        if name is None or t.tensor_type.name not in ("Q4_0", "Q4_1") or "layers" not in name:
+            continue
+        rows = int(t.shape[1])
+        b = _int4_blocks(np.asarray(t.data), t.tensor_type.name, rows)
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+        n_head = next((n for k, n in heads.items() if k in name), None)
+        if n_head is not None:
+            b = Int4Blocks(*(_unpermute(a, n_head) for a in b))
+        out[name] = b
     return out
 
 

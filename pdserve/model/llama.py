@@ -1,7 +1,8 @@
 """Llama-family decoder: RMSNorm, RoPE (with Llama-3 scaling), GQA attention, SwiGLU MLP.
 
-Weights are plain tensors with q/k/v and gate/up fused into one matmul each. The KV cache and
-batch layout live outside (`attention.py`); this file only computes.
+Linear layers are `Dense` callables with q/k/v and gate/up fused into one matmul each; weight
+formats (`quant.py`) replace them after the model is built. The KV cache and batch layout live
+outside (`attention.py`); this file only computes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from pdserve.config import ModelConfig, RopeScaling
 from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.quant import Dense
 
 
 def rope_inv_freq(
@@ -42,10 +44,11 @@ class Layer(nn.Module):
         p = f"model.layers.{i}."
         self.attn_norm = w[p + "input_layernorm.weight"]
         self.mlp_norm = w[p + "post_attention_layernorm.weight"]
-        self.qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-        self.o = w[p + "self_attn.o_proj.weight"]
-        self.gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        self.down = w[p + "mlp.down_proj.weight"]
+        self.qkv = Dense(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        self.o = Dense(w[p + "self_attn.o_proj.weight"])
+        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        self.gate_up = Dense(gate_up)
+        self.down = Dense(w[p + "mlp.down_proj.weight"])
         self.cfg = cfg
 
 
@@ -56,7 +59,7 @@ class LlamaModel(nn.Module):
         w = {k: torch.from_numpy(v).to(device=device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = Dense(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
         freqs = weights.get("rope_freqs")
         inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freqs).to(device)
@@ -82,14 +85,14 @@ class LlamaModel(nn.Module):
     def _attention(self, layer: Layer, x, cos, sin, kv, meta: AttentionMetadata):
         cfg = self.cfg
         t, d = x.shape[0], cfg.head_dim
-        qkv = F.linear(x, layer.qkv)
+        qkv = layer.qkv(x)
         n_qk = cfg.num_heads + cfg.num_kv_heads
         # RoPE over the q and k heads at once: one pass of each op instead of two (prefill).
         qk = self._rope(qkv[:, : n_qk * d].view(t, n_qk, d), cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # (T, n_heads, d), (T, n_kv, d)
         v = qkv[:, n_qk * d :].view(t, cfg.num_kv_heads, d)
         o = paged_attention(q, k, v, kv[0], kv[1], meta)
-        return F.linear(o.reshape(t, cfg.num_heads * d), layer.o)
+        return layer.o(o.reshape(t, cfg.num_heads * d))
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states (T, hidden) for a flat batch; writes every token's K/V into kv_caches,
@@ -103,11 +106,11 @@ class LlamaModel(nn.Module):
             x = x + self._attention(
                 layer, self._rms(x, layer.attn_norm), cos, sin, kv_caches[i], meta
             )
-            gate, up = F.linear(self._rms(x, layer.mlp_norm), layer.gate_up).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(self._rms(x, layer.mlp_norm)).chunk(2, -1)
+            x = x + layer.down(F.silu(gate) * up)
             if meta.layer_hook is not None:
                 meta.layer_hook(i)
         return self._rms(x, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

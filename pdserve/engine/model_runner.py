@@ -11,10 +11,10 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
-from pdserve.model import gguf_file, quant
+from pdserve.model import quant
 from pdserve.model.fused import FusedDecode
 from pdserve.model.llama import LlamaModel
-from pdserve.model.loader import ModelFiles
+from pdserve.model.loader import ModelFiles, load_int4_blocks
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,6 +70,9 @@ class ModelRunner:
         """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""
         if self.config.enforce_eager or self.device.type != "cpu":
             return None
+        if self.dtype not in (torch.float32, torch.bfloat16) or self.model_config.head_dim % 16:
+            log.info("decoding eagerly: the fused step takes float32/bfloat16, head_dim % 16 == 0")
+            return None
         try:
             return FusedDecode(self.model, self.kv_caches)
         except Exception as exc:  # no compiler, or it failed: serve eagerly, and say why
@@ -81,9 +84,8 @@ class ModelRunner:
         """Apply `config.weights` to the model; returns the format chosen (auto resolved)."""
         fmt, mc = self.config.weights, self.model_config
         quant.check_format(fmt, self.device, math.gcd(mc.hidden_size, mc.intermediate_size))
-        gguf = files.path is not None and files.path.suffix == ".gguf"
-        wants_blocks = gguf and fmt in ("auto", "int4") and self.device.type == "cpu"
-        blocks = gguf_file.read_int4_blocks(files.path, mc) if wants_blocks else {}
+        wants_blocks = fmt in ("auto", "int4") and self.device.type == "cpu"
+        blocks = load_int4_blocks(files) if wants_blocks else {}
         fmt = quant.resolve_format(fmt, self.device, blocks)
         quant.quantize_model(self.model, fmt, blocks)
         log.info("weights: %s", fmt)
@@ -165,7 +167,7 @@ class ModelRunner:
         `before_layer(i)` / `layer_hook(i)` run before / after layer i (KV loads / streaming)."""
         if self.fused is not None and layer_hook is None and before_layer is None:
             if all(n == 1 for n in batch.num_new_tokens):
-                return list(range(len(batch.seqs))), self._run_fused(batch)
+                return self._run_fused(batch)
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         meta.layer_hook, meta.before_layer = layer_hook, before_layer
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -175,20 +177,25 @@ class ModelRunner:
         return [i for i, _ in sample_rows], self.model.logits(hidden[rows]).cpu()
 
 
-    def _run_fused(self, batch: ScheduledBatch) -> torch.Tensor:
-        """A decode-only step (one token per sequence) through the fused step: logits (B, V)."""
+    def _run_fused(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
+        """A step of one token per sequence through the fused step; as `run`. (A token of a
+        prompt chunked one token at a time computes alike; it just samples nothing.)"""
         bs, seqs = self.block_size, batch.seqs
         pos = [s.num_computed_tokens for s in seqs]
         width = max(p // bs for p in pos) + 1
         tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)]
-        return self.fused(
+        logits = self.fused(
             torch.tensor([s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]),
             torch.tensor(pos),
             torch.tensor(slots),
             torch.tensor(tables),
             torch.tensor([p + 1 for p in pos]),
         )
+        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
+        if not rows:
+            return [], None
+        return rows, logits if len(rows) == len(seqs) else logits[rows]
 
 
 def gpu_kv_budget(free: int, total: int, fraction: float) -> float:

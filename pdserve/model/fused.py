@@ -78,8 +78,10 @@ class FusedDecode:
             model.cos,
             model.sin,
             [[layer.attn_norm, layer.mlp_norm] for layer in model.layers],
-            [[linear(getattr(layer, a)) for a in ("qkv", "o", "gate_up", "down")]
-             for layer in model.layers],  # fmt: skip
+            [
+                [linear(getattr(layer, a)) for a in ("qkv", "o", "gate_up", "down")]
+                for layer in model.layers
+            ],  # fmt: skip
             model.norm,
             linear(model.lm_head),
             [k for k, _ in kv_caches],

@@ -12,6 +12,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.model import quant
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from pdserve.model import fused as fused_module
 from pdserve.model.fused import FusedDecode
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import ModelFiles, load_int4_blocks
@@ -64,21 +65,26 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
         ]
         self.kv_caches = list(zip(self.k_caches, self.v_caches, strict=True))
+        self.decode_path = "eager"  # says which decode step runs, and why (worker's ready line)
         self.fused = self._fused_decode()
 
     def _fused_decode(self) -> FusedDecode | None:
         """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""
         if self.config.enforce_eager or self.device.type != "cpu":
+            self.decode_path = "eager (--enforce-eager)" if self.config.enforce_eager else "eager"
             return None
         if self.dtype not in (torch.float32, torch.bfloat16) or self.model_config.head_dim % 16:
-            log.info("decoding eagerly: the fused step takes float32/bfloat16, head_dim % 16 == 0")
+            self.decode_path = "eager (the fused step needs float32/bfloat16, head_dim % 16 == 0)"
             return None
         try:
-            return FusedDecode(self.model, self.kv_caches)
+            fused = FusedDecode(self.model, self.kv_caches)
         except Exception as exc:  # no compiler, or it failed: serve eagerly, and say why
             log.warning("the fused decode step could not be built, decoding eagerly (slower): "
                         "%s; install gcc/g++ and ninja, or pass --enforce-eager", exc)  # fmt: skip
+            self.decode_path = "eager (the fused step failed to build: see the log)"
             return None
+        self.decode_path = f"fused ({fused_module.load_note})"
+        return fused
 
     def _quantize(self, files: ModelFiles) -> str:
         """Apply `config.weights` to the model; returns the format chosen (auto resolved)."""

@@ -392,7 +392,9 @@ class Worker:
         self.register()
         self.publish_load()
         threading.Thread(target=self.heartbeat_loop, daemon=True).start()
-        print(f"worker {self.config.worker_id} ({self.role}) ready", flush=True)
+        runner = self.engine.runner
+        print(f"worker {self.config.worker_id} ({self.role}) ready: weights {runner.weights}, "
+              f"decode {runner.decode_path}", flush=True)  # fmt: skip
         next_beat = 0.0
         while self.running:
             busy = self.engine.has_work()

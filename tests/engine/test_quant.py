@@ -17,7 +17,7 @@ def dequantize(b: Int4Blocks) -> np.ndarray:
     return (b.q.astype(np.float32) - 8) * np.repeat(b.scale, 32, 1) + np.repeat(b.zero, 32, 1)
 
 
-def test_int4_kernel_computes_the_blocks_weights_exactly_and_switches_to_dense_above_32_rows():
+def test_int4_kernel_computes_the_blocks_weights_exactly_and_switches_to_dense_above_16_rows():
     rng = np.random.default_rng(0)
     n, k = 48, 96
     blocks = Int4Blocks(
@@ -27,10 +27,10 @@ def test_int4_kernel_computes_the_blocks_weights_exactly_and_switches_to_dense_a
     )
     w = torch.from_numpy(dequantize(blocks))
     lin = Int4Linear(w, blocks)
-    for rows in (1, 5, 32):
+    for rows in (1, 5, quant.MAX_ROWS["int4"]):
         x = torch.randn(rows, k)
         assert torch.allclose(lin(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
-    x = torch.randn(33, k)
+    x = torch.randn(quant.MAX_ROWS["int4"] + 1, k)
     assert torch.equal(lin(x), F.linear(x, w))  # above MAX_ROWS: the dense weight itself
 
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = ROOT.parent / "shared" / "tools" / "build-llama-cpp.sh"
-DEFAULT_DIR = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "pdserve" / "llama.cpp"))
+DEFAULT_DIR = Path(
+    os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache" / "pdserve" / "llama.cpp")
+)
 TOOLS = ("llama-bench", "llama-server", "llama-perplexity")
 
 

@@ -128,7 +128,9 @@ def main() -> int:
     base = rows["bf16"]["ppl"]
     print(f"\n{len(tokens)} tokens of held text, {min(args.chunks, len(tokens) // args.ctx)} "
           f"chunks of {args.ctx}; greedy: {len(PROMPTS)} prompts x {args.max_tokens} tokens\n")  # fmt: skip
-    print("| weights | perplexity | vs bf16 | bar | greedy = bf16 (prompts) | mean agreeing prefix |")
+    print(
+        "| weights | perplexity | vs bf16 | bar | greedy = bf16 (prompts) | mean agreeing prefix |"
+    )
     print("|---|---|---|---|---|---|")
     for fmt, r in rows.items():
         bar = {"bf16": "-", "int8": "<= +1 %", "int4": "<= +3 %"}[fmt]

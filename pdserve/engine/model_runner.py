@@ -73,8 +73,13 @@ class ModelRunner:
         if self.config.enforce_eager or self.device.type != "cpu":
             self.decode_path = "eager (--enforce-eager)" if self.config.enforce_eager else "eager"
             return None
-        if self.dtype not in (torch.float32, torch.bfloat16) or self.model_config.head_dim % 16:
-            self.decode_path = "eager (the fused step needs float32/bfloat16, head_dim % 16 == 0)"
+        mc = self.model_config
+        shapes = (
+            mc.head_dim in (16, 32, 64, 128) and not (mc.hidden_size | mc.intermediate_size) % 16
+        )
+        if self.dtype not in (torch.float32, torch.bfloat16) or not shapes:
+            self.decode_path = ("eager (the fused step takes float32/bfloat16, head_dim 16, 32, "
+                                "64 or 128, hidden and intermediate sizes multiples of 16)")  # fmt: skip
             return None
         try:
             fused = FusedDecode(self.model, self.kv_caches)

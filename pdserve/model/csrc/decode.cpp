@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -68,6 +70,9 @@ typedef int32_t i32v __attribute__((vector_size(64)));
 typedef float f8v __attribute__((vector_size(32)));
 typedef float f4v __attribute__((vector_size(16)));
 
+#if defined(__AVX512F__)
+inline float hsum(f16v v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
+#else
 inline float hsum(f16v v) {  // halving: two vector adds, then four scalars
   f8v lo, hi;
   std::memcpy(&lo, &v, sizeof lo);
@@ -79,6 +84,7 @@ inline float hsum(f16v v) {  // halving: two vector adds, then four scalars
   f4v s4 = a + b;
   return (s4[0] + s4[1]) + (s4[2] + s4[3]);
 }
+#endif
 
 // 16 values rounded to T's precision (round to nearest even, as a cast to bf16; scores and
 // probabilities are finite, so no NaN case).
@@ -95,10 +101,22 @@ inline f16v round_vec(f16v v) {
   }
 }
 
-// exp of 16 floats (Cephes' expf polynomial, ~1 ulp), for x <= 0 as in a softmax.
+// 16 floats stored as T (bf16: rounded to nearest even, as round_vec).
+inline void store16(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
+
+inline void store16(c10::BFloat16* p, f16v v) {
+  u32v b;
+  std::memcpy(&b, &v, sizeof b);
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  u16v h = __builtin_convertvector(b, u16v);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// exp of 16 floats (Cephes' expf polynomial, ~1 ulp), x clamped to [-87.3, 88].
 inline f16v exp_vec(f16v x) {
-  const f16v lo = f16v{} - 87.3f;
+  const f16v lo = f16v{} - 87.3f, hi = f16v{} + 88.f;
   x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
   f16v fx = x * 1.44269504088896341f;
   i32v n = __builtin_convertvector(fx, i32v);  // toward zero; make it a floor
   f16v nf = __builtin_convertvector(n, f16v);
@@ -118,18 +136,16 @@ inline f16v exp_vec(f16v x) {
   return y * scale;
 }
 
-// out[r] = w * (x[r] / rms(x[r])), in float, rounded as eager: T(T(x * inv) * w).
+// out[r] = w * (x[r] / rms(x[r])), in float, rounded as eager: T(T(x * inv) * w). n % 16 == 0.
 template <typename T>
 void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * n;
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-    float inv = 1.f / std::sqrt(ss / n + eps);
-    for (int64_t i = 0; i < n; ++i) {
-      float y = static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inv));
-      out[r * n + i] = round_to<T>(y * static_cast<float>(w[i]));
-    }
+    f16v ss = f16v{};
+    for (int64_t i = 0; i < n; i += 16) ss += load16(xr + i) * load16(xr + i);
+    const float inv = 1.f / std::sqrt(hsum(ss) / n + eps);
+    for (int64_t i = 0; i < n; i += 16)
+      store16(out + r * n + i, round_vec<T>(load16(xr + i) * inv) * load16(w + i));
   }
 }
 
@@ -181,6 +197,47 @@ struct Batch {
   int64_t width;
 };
 
+// One kv head's rows of one sequence: token t at base(t) + (t % bs) * stride.
+template <typename T>
+struct KV {
+  const T* k;
+  const T* v;
+  const int64_t* table;  // the sequence's block ids
+  int64_t bs, stride, offset, ctx;
+
+  const T* row(const T* cache, int64_t t) const {
+    return cache + (table[t / bs] * bs + t % bs) * stride + offset;
+  }
+};
+
+// One query (roped, float) against its sequence's keys and values: scores, softmax, the
+// weighted sum of values into dst. CH = head_dim / 16, a constant, so that the query and the
+// accumulators live in registers.
+template <typename T, int CH>
+void attend_one(const float* qf, const KV<T>& kv, float* scores, float scale, T* dst) {
+  f16v q[CH], acc[CH];
+  for (int c = 0; c < CH; ++c) q[c] = load16(qf + 16 * c);
+  for (int64_t t0 = 0; t0 < kv.ctx; t0 += kv.bs) {  // block by block: no division per token
+    const T* k = kv.row(kv.k, t0);
+    for (int64_t t = t0; t < std::min(kv.ctx, t0 + kv.bs); ++t, k += kv.stride) {
+      f16v s = q[0] * load16(k);
+      for (int c = 1; c < CH; ++c) s += q[c] * load16(k + 16 * c);
+      scores[t] = hsum(s);
+    }
+  }
+  softmax<T>(scores, kv.ctx, scale);
+  for (int c = 0; c < CH; ++c) acc[c] = f16v{};
+  for (int64_t t0 = 0; t0 < kv.ctx; t0 += kv.bs) {
+    const T* v = kv.row(kv.v, t0);
+    for (int64_t t = t0; t < std::min(kv.ctx, t0 + kv.bs); ++t, v += kv.stride) {
+      const float pt = scores[t];
+      for (int c = 0; c < CH; ++c) acc[c] += pt * load16(v + 16 * c);
+    }
+  }
+  for (int c = 0; c < CH; ++c)
+    for (int i = 0; i < 16; ++i) dst[16 * c + i] = round_to<T>(acc[c][i]);
+}
+
 // RoPE on q and k, k/v written into the caches at the token's slot, then each query attends to
 // its sequence's blocks. qkv (B, (nh + 2 nkv) d) -> out (B, nh d).
 template <typename T>
@@ -210,71 +267,51 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
     }
   }
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  const int64_t chunks = d / 16;  // head_dim is a multiple of 16 (checked in Python)
   const int64_t stride = nkv * d;  // between one token's rows of a kv head in a block
-  // One work item per (sequence, kv head): its GQA group's queries share each K/V row load.
+  // One work item per (sequence, kv head): its GQA group's queries read the same K/V rows,
+  // which stay in cache between them.
   at::parallel_for(0, B * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(d), scores;
-    std::vector<f16v> q(group * chunks), acc(group * chunks), row(chunks);
     for (int64_t item = begin; item < end; ++item) {
       int64_t b = item / nkv, h = item % nkv, ctx = bt.lens[b], p = bt.positions[b];
-      const int64_t* table = bt.tables + b * bt.width;
-      for (int64_t g = 0; g < group; ++g) {
-        rope_head<T>(src + b * row_len + (h * group + g) * d, cos + p * d, sin + p * d,
-                     qf.data(), d);
-        for (int64_t c = 0; c < chunks; ++c) q[g * chunks + c] = load16(qf.data() + 16 * c);
-      }
       const int64_t padded = (ctx + 15) / 16 * 16;
-      scores.resize(group * padded);
-      for (int64_t t0 = 0; t0 < ctx; t0 += bs) {  // scores, rounded as eager's matmul output
-        const T* base = kcp + table[t0 / bs] * bs * stride + h * d;
-        for (int64_t t = t0; t < std::min(ctx, t0 + bs); ++t) {
-          const T* kr = base + (t - t0) * stride;
-          for (int64_t c = 0; c < chunks; ++c) row[c] = load16(kr + 16 * c);
-          for (int64_t g = 0; g < group; ++g) {
-            const f16v* qg = q.data() + g * chunks;
-            f16v s = qg[0] * row[0];
-            for (int64_t c = 1; c < chunks; ++c) s += qg[c] * row[c];
-            scores[g * padded + t] = hsum(s);
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) softmax<T>(scores.data() + g * padded, ctx, scale);
-      std::fill(acc.begin(), acc.end(), f16v{});
-      for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-        const T* base = vcp + table[t0 / bs] * bs * stride + h * d;
-        for (int64_t t = t0; t < std::min(ctx, t0 + bs); ++t) {
-          const T* vr = base + (t - t0) * stride;
-          for (int64_t c = 0; c < chunks; ++c) row[c] = load16(vr + 16 * c);
-          for (int64_t g = 0; g < group; ++g)
-            for (int64_t c = 0; c < chunks; ++c) acc[g * chunks + c] += scores[g * padded + t] * row[c];
-        }
-      }
+      scores.resize(padded);
       for (int64_t g = 0; g < group; ++g) {
-        T* dst = o + b * nh * d + (h * group + g) * d;
-        for (int64_t c = 0; c < chunks; ++c)
-          for (int64_t i = 0; i < 16; ++i) dst[16 * c + i] = round_to<T>(acc[g * chunks + c][i]);
+        int64_t qh = h * group + g;
+        rope_head<T>(src + b * row_len + qh * d, cos + p * d, sin + p * d, qf.data(), d);
+        KV<T> kv{kcp, vcp, bt.tables + b * bt.width, bs, stride, h * d, ctx};
+        T* dst = o + (b * nh + qh) * d;
+        switch (d) {  // the head size as a constant: q, the row and acc stay in registers
+          case 16: attend_one<T, 1>(qf.data(), kv, scores.data(), scale, dst); break;
+          case 32: attend_one<T, 2>(qf.data(), kv, scores.data(), scale, dst); break;
+          case 64: attend_one<T, 4>(qf.data(), kv, scores.data(), scale, dst); break;
+          case 128: attend_one<T, 8>(qf.data(), kv, scores.data(), scale, dst); break;
+          default: TORCH_CHECK(false, "fused decode: head_dim must be 16, 32, 64 or 128");
+        }
       }
     }
   });
 }
 
-// x += delta, rounded as eager's bf16 add.
+// x += delta, rounded as eager's add. n % 16 == 0.
 template <typename T>
 void add_into(T* x, const T* delta, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    x[i] = round_to<T>(static_cast<float>(x[i]) + static_cast<float>(delta[i]));
+  for (int64_t i = 0; i < n; i += 16) store16(x + i, load16(x + i) + load16(delta + i));
 }
 
-// gate_up (B, 2f) -> silu(gate) * up (B, f), rounded as eager: T(T(silu(g)) * u).
+// gate_up (B, 2f) -> silu(gate) * up (B, f), rounded as eager: T(T(silu(g)) * u). f % 16 == 0;
+// 16 values a chunk, the chunks shared between the threads (a big batch has ~10^5 values).
 template <typename T>
 void silu_mul(const T* gu, T* out, int64_t rows, int64_t f) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < f; ++i) {
-      float g = static_cast<float>(gu[r * 2 * f + i]);
-      float s = static_cast<float>(round_to<T>(g / (1.f + std::exp(-g))));
-      out[r * f + i] = round_to<T>(s * static_cast<float>(gu[r * 2 * f + f + i]));
+  const int64_t per_row = f / 16;
+  at::parallel_for(0, rows * per_row, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t r = j / per_row, i = (j % per_row) * 16;
+      const f16v g = load16(gu + r * 2 * f + i), u = load16(gu + r * 2 * f + f + i);
+      const f16v s = round_vec<T>(g / (1.f + exp_vec(f16v{} - g)));
+      store16(out + r * f + i, s * u);
     }
+  });
 }
 
 class DecodeModel {

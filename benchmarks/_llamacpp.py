@@ -36,8 +36,9 @@ def find_bin(build: bool = True) -> Path | None:
     if not BUILD_SCRIPT.exists():
         raise SystemExit(f"llama.cpp not found and {BUILD_SCRIPT} is missing: set LLAMA_CPP_BIN")
     print(f"building llama.cpp into {DEFAULT_DIR} (~5 min on 2 cores) ...", flush=True)
-    out = subprocess.run(["bash", str(BUILD_SCRIPT), str(DEFAULT_DIR)], capture_output=True,
-                         text=True, check=False)  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), str(DEFAULT_DIR)], capture_output=True, text=True, check=False
+    )
     if out.returncode != 0:
         raise SystemExit(f"building llama.cpp failed:\n{out.stderr[-3000:]}")
     return Path(out.stdout.strip().splitlines()[-1])

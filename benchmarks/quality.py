@@ -43,9 +43,9 @@ PROMPTS = [
 
 def chunk_nll(llm, ids: list[int]) -> tuple[float, int]:
     """Summed negative log-likelihood of ids[n/2 + 1:] given what precedes, and its count."""
+    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.scheduler import ScheduledBatch
     from pdserve.engine.sequence import Sequence
-    from pdserve.engine.sampling_params import SamplingParams
 
     runner, bm = llm.engine.runner, llm.engine.block_manager
     seq = Sequence("ppl", ids, SamplingParams(max_tokens=1))
@@ -83,8 +83,10 @@ def greedy(llm, max_tokens: int) -> list[list[int]]:
 
 def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[int, float]:
     """(prompts whose tokens all match, mean length of the matching prefix)."""
-    prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r))
-              for o, r in zip(ours, ref, strict=True)]  # fmt: skip
+    prefix = [
+        next((i for i, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), len(r))
+        for o, r in zip(ours, ref, strict=True)
+    ]
     return sum(p == len(r) for p, r in zip(prefix, ref, strict=True)), sum(prefix) / len(prefix)
 
 
@@ -92,8 +94,19 @@ def llama_cpp_ppl(model: Path, threads: int, ctx: int, chunks: int) -> float | N
     from _llamacpp import find_bin
 
     binary = find_bin() / "llama-perplexity"
-    cmd = [str(binary), "-m", str(model), "-t", str(threads), "-f", str(TEXT), "-c", str(ctx),
-           "--chunks", str(chunks)]  # fmt: skip
+    cmd = [
+        str(binary),
+        "-m",
+        str(model),
+        "-t",
+        str(threads),
+        "-f",
+        str(TEXT),
+        "-c",
+        str(ctx),
+        "--chunks",
+        str(chunks),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
     return float(found.group(1)) if found else None
@@ -126,22 +139,31 @@ def main() -> int:
         del llm
     ref = None if args.no_llama_cpp else llama_cpp_ppl(path, args.threads, args.ctx, args.chunks)
     base = rows["bf16"]["ppl"]
-    print(f"\n{len(tokens)} tokens of held text, {min(args.chunks, len(tokens) // args.ctx)} "
-          f"chunks of {args.ctx}; greedy: {len(PROMPTS)} prompts x {args.max_tokens} tokens\n")  # fmt: skip
+    print(
+        f"\n{len(tokens)} tokens of held text, {min(args.chunks, len(tokens) // args.ctx)} "
+        f"chunks of {args.ctx}; greedy: {len(PROMPTS)} prompts x {args.max_tokens} tokens\n"
+    )
     print(
         "| weights | perplexity | vs bf16 | bar | greedy = bf16 (prompts) | mean agreeing prefix |"
     )
     print("|---|---|---|---|---|---|")
     for fmt, r in rows.items():
         bar = {"bf16": "-", "int8": "<= +1 %", "int4": "<= +3 %"}[fmt]
-        print(f"| {fmt} | {r['ppl']:.4f} | {100 * (r['ppl'] / base - 1):+.2f} % | {bar} | "
-              f"{r['greedy_identical']}/{len(PROMPTS)} | {r['greedy_prefix']:.1f} tokens |")  # fmt: skip
+        print(
+            f"| {fmt} | {r['ppl']:.4f} | {100 * (r['ppl'] / base - 1):+.2f} % | {bar} | "
+            f"{r['greedy_identical']}/{len(PROMPTS)} | {r['greedy_prefix']:.1f} tokens |"
+        )
     if ref is not None:
-        print(f"| llama.cpp (the GGUF's Q4_1, its own kernels) | {ref:.4f} | "
-              f"{100 * (ref / base - 1):+.2f} % | reference | - | - |")  # fmt: skip
+        print(
+            f"| llama.cpp (the GGUF's Q4_1, its own kernels) | {ref:.4f} | "
+            f"{100 * (ref / base - 1):+.2f} % | reference | - | - |"
+        )
     if args.out:
-        args.out.write_text(json.dumps({"formats": rows, "llama_cpp_ppl": ref, "args": vars(args)},
-                                       default=str, indent=2))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {"formats": rows, "llama_cpp_ppl": ref, "args": vars(args)}, default=str, indent=2
+            )
+        )
     return 0
 
 

@@ -35,8 +35,21 @@ SERVED = {"concurrency": (1, 16), "requests": {1: 16, 16: 64}, "prompt": 256, "o
 
 
 def llama_bench(binary: Path, model: Path, threads: int, repeats: int) -> dict[str, float]:
-    cmd = [str(binary / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "512,2048",
-           "-n", "128", "-r", str(repeats), "-o", "json"]  # fmt: skip
+    cmd = [
+        str(binary / "llama-bench"),
+        "-m",
+        str(model),
+        "-t",
+        str(threads),
+        "-p",
+        "512,2048",
+        "-n",
+        "128",
+        "-r",
+        str(repeats),
+        "-o",
+        "json",
+    ]
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     out = {}
     for r in rows:
@@ -93,14 +106,33 @@ def worker_peak_rss_mib(root_pid: int) -> list[float]:
 
 def bench(url: str, concurrency: int, out_dir: Path) -> dict:
     n = SERVED["requests"][concurrency]
-    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url, "--prompt-tokens",
-           str(SERVED["prompt"]), "--output-tokens", str(SERVED["output"]), "--concurrency",
-           str(concurrency), "--num-requests", str(n), "--no-progress", "--out", str(out_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "bench",
+        "--url",
+        url,
+        "--prompt-tokens",
+        str(SERVED["prompt"]),
+        "--output-tokens",
+        str(SERVED["output"]),
+        "--concurrency",
+        str(concurrency),
+        "--num-requests",
+        str(n),
+        "--no-progress",
+        "--out",
+        str(out_dir),
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
     agg = json.loads((out_dir / "results.json").read_text())["runs"][0]["aggregates"]
-    return {"tok_s": agg["output_token_throughput"], "itl_p50_ms": agg["itl_s"]["p50"] * 1e3,
-            "ttft_p50_ms": agg["ttft_s"]["p50"] * 1e3, "errors": agg["num_requests"]
-            - agg["status"].get("ok", 0)}  # fmt: skip
+    return {
+        "tok_s": agg["output_token_throughput"],
+        "itl_p50_ms": agg["itl_s"]["p50"] * 1e3,
+        "ttft_p50_ms": agg["ttft_s"]["p50"] * 1e3,
+        "errors": agg["num_requests"] - agg["status"].get("ok", 0),
+    }
 
 
 @contextlib.contextmanager
@@ -137,13 +169,40 @@ def served(binary: Path, model: Path, threads: int, tmp: Path) -> dict[str, dict
 
     results = {}
     systems = {
-        "llama-server -np 16": [str(binary / "llama-server"), "-m", str(model), "-t",
-                                str(threads), "-c", "32768", "-np", "16", "--host", "127.0.0.1"],
-        "pdserve colocated": [sys.executable, "-m", "pdserve.cli", "serve", "--mode",
-                              "colocated", "--host", "127.0.0.1"],
-        "pdserve disagg (1 P + 1 D core)": [sys.executable, "-m", "pdserve.cli", "serve",
-                                            "--mode", "disagg", "--host", "127.0.0.1"],
-    }  # fmt: skip
+        "llama-server -np 16": [
+            str(binary / "llama-server"),
+            "-m",
+            str(model),
+            "-t",
+            str(threads),
+            "-c",
+            "32768",
+            "-np",
+            "16",
+            "--host",
+            "127.0.0.1",
+        ],
+        "pdserve colocated": [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--mode",
+            "colocated",
+            "--host",
+            "127.0.0.1",
+        ],
+        "pdserve disagg (1 P + 1 D core)": [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--mode",
+            "disagg",
+            "--host",
+            "127.0.0.1",
+        ],
+    }
     for name, argv in systems.items():
         port = free_port()
         log = tmp / f"{name.split()[1]}.log"
@@ -178,8 +237,11 @@ def main() -> int:
     }
     print("| figure | llama.cpp | " + " | ".join(f"pdserve {k}" for k in ours) + " | ratio |")
     print("|---|---|" + "---|" * len(ours) + "---|")
-    for key, label in (("pp512", "prefill 512"), ("pp2048", "prefill 2,048"),
-                       ("tg128", "decode, batch 1 (tg128)")):  # fmt: skip
+    for key, label in (
+        ("pp512", "prefill 512"),
+        ("pp2048", "prefill 2,048"),
+        ("tg128", "decode, batch 1 (tg128)"),
+    ):
         cells = " | ".join(f"{o[key]:.1f} tok/s" for o in ours.values())
         ratio = ours["auto, fused"][key] / llama[key]
         print(f"| {label} | {llama[key]:.1f} tok/s | {cells} | {ratio:.2f}x |")
@@ -195,15 +257,21 @@ def main() -> int:
 
 def served_table(res: dict[str, dict]) -> str:
     base = res["llama-server -np 16"]
-    lines = ["", f"Served, {SERVED['prompt']}-token prompts / {SERVED['output']} out, closed loop:",
-             "| server | c=1 tok/s | c=1 ITL p50 | c=1 TTFT p50 | c=16 tok/s | c=16 vs llama | "
-             "peak RSS per worker |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "",
+        f"Served, {SERVED['prompt']}-token prompts / {SERVED['output']} out, closed loop:",
+        "| server | c=1 tok/s | c=1 ITL p50 | c=1 TTFT p50 | c=16 tok/s | c=16 vs llama | "
+        "peak RSS per worker |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, row in res.items():
         one, many = row[1], row[16]
         rss = ", ".join(f"{r:.0f} MiB" for r in row.get("worker_peak_rss_mib", [])) or "-"
-        lines.append(f"| {name} | {one['tok_s']:.1f} | {one['itl_p50_ms']:.1f} ms | "
-                     f"{one['ttft_p50_ms']:.0f} ms | {many['tok_s']:.1f} | "
-                     f"{many['tok_s'] / base[16]['tok_s']:.2f}x | {rss} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {one['tok_s']:.1f} | {one['itl_p50_ms']:.1f} ms | "
+            f"{one['ttft_p50_ms']:.0f} ms | {many['tok_s']:.1f} | "
+            f"{many['tok_s'] / base[16]['tok_s']:.2f}x | {rss} |"
+        )
     return "\n".join(lines)
 
 

@@ -58,9 +58,13 @@ def make_engine_config(**overrides) -> EngineConfig:
     # Unquantized weights: every batching variant must give the same tokens, and a quantized
     # linear picks its kernel by batch size (tests/engine/test_quant.py covers the formats).
     base = dict(
-        dtype="float32", device="cpu", weights="bf16", kv_cache_gb=0.001, block_size=4,
+        dtype="float32",
+        device="cpu",
+        weights="bf16",
+        kv_cache_gb=0.001,
+        block_size=4,
         max_num_seqs=8,
-    )  # fmt: skip
+    )
     return EngineConfig(**{**base, **overrides})
 
 

@@ -10,9 +10,9 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.model import fused as fused_module
 from pdserve.model import quant
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
-from pdserve.model import fused as fused_module
 from pdserve.model.fused import FusedDecode
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import ModelFiles, load_int4_blocks
@@ -78,14 +78,19 @@ class ModelRunner:
             mc.head_dim in (16, 32, 64, 128) and not (mc.hidden_size | mc.intermediate_size) % 16
         )
         if self.dtype not in (torch.float32, torch.bfloat16) or not shapes:
-            self.decode_path = ("eager (the fused step takes float32/bfloat16, head_dim 16, 32, "
-                                "64 or 128, hidden and intermediate sizes multiples of 16)")  # fmt: skip
+            self.decode_path = (
+                "eager (the fused step takes float32/bfloat16, head_dim 16, 32, 64 or 128, "
+                "hidden and intermediate sizes multiples of 16)"
+            )
             return None
         try:
             fused = FusedDecode(self.model, self.kv_caches)
         except Exception as exc:  # no compiler, or it failed: serve eagerly, and say why
-            log.warning("the fused decode step could not be built, decoding eagerly (slower): "
-                        "%s; install gcc/g++ and ninja, or pass --enforce-eager", exc)  # fmt: skip
+            log.warning(
+                "the fused decode step could not be built, decoding eagerly (slower): "
+                "%s; install gcc/g++ and ninja, or pass --enforce-eager",
+                exc,
+            )
             self.decode_path = "eager (the fused step failed to build: see the log)"
             return None
         self.decode_path = f"fused ({fused_module.load_note})"

@@ -82,7 +82,7 @@ class FusedDecode:
             [
                 [linear(getattr(layer, a)) for a in ("qkv", "o", "gate_up", "down")]
                 for layer in model.layers
-            ],  # fmt: skip
+            ],
             model.norm,
             linear(model.lm_head),
             [k for k, _ in kv_caches],

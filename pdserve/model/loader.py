@@ -179,8 +179,11 @@ def load_int4_blocks(files: ModelFiles) -> dict[str, Int4Blocks]:
         except Exception:  # torn or stale cache file: rebuild it
             cached.unlink(missing_ok=True)
     blocks = gguf_file.read_int4_blocks(files.path, files.config)
-    flat = {f"{n}.{f}": np.ascontiguousarray(a) for n, b in blocks.items()
-            for f, a in zip(Int4Blocks._fields, b, strict=True)}  # fmt: skip
+    flat = {
+        f"{n}.{f}": np.ascontiguousarray(a)
+        for n, b in blocks.items()
+        for f, a in zip(Int4Blocks._fields, b, strict=True)
+    }
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(f".tmp{os.getpid()}")
     save_file(flat, str(tmp))

@@ -393,8 +393,11 @@ class Worker:
         self.publish_load()
         threading.Thread(target=self.heartbeat_loop, daemon=True).start()
         runner = self.engine.runner
-        print(f"worker {self.config.worker_id} ({self.role}) ready: weights {runner.weights}, "
-              f"decode {runner.decode_path}", flush=True)  # fmt: skip
+        print(
+            f"worker {self.config.worker_id} ({self.role}) ready: weights {runner.weights}, "
+            f"decode {runner.decode_path}",
+            flush=True,
+        )
         next_beat = 0.0
         while self.running:
             busy = self.engine.has_work()

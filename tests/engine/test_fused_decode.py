@@ -3,7 +3,7 @@ same K/V written, on batches of sequences with different context lengths and blo
 
 import pytest
 import torch
-from factories import make_engine, make_sequence, run_to_completion
+from factories import make_engine, make_model_files, make_sequence, run_to_completion
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
@@ -25,8 +25,17 @@ def decode_batch(engine, prompts):
     return ScheduledBatch(seqs, [1] * len(seqs))
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
-def test_fused_step_equals_eager_logits_and_kv(files, dtype, tol):
+@pytest.mark.parametrize(
+    "dtype,tol,shape",
+    [
+        ("float32", 1e-4, {}),  # head_dim 16, GQA groups of 2 (a group in one pass)
+        ("bfloat16", 0.1, {}),
+        ("float32", 1e-4, dict(num_heads=8, num_kv_heads=1, hidden_size=256)),  # 8: per query
+        ("float32", 1e-4, dict(num_heads=4, num_kv_heads=4, hidden_size=256)),  # 64, no GQA
+    ],
+)
+def test_fused_step_equals_eager_logits_and_kv(files, dtype, tol, shape):
+    files = make_model_files(seed=1, **shape) if shape else files
     fused = make_engine(files, dtype=dtype)
     eager = make_engine(files, dtype=dtype, enforce_eager=True)
     assert fused.runner.fused is not None and eager.runner.fused is None

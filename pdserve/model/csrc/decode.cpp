@@ -210,32 +210,57 @@ struct KV {
   }
 };
 
-// One query (roped, float) against its sequence's keys and values: scores, softmax, the
-// weighted sum of values into dst. CH = head_dim / 16, a constant, so that the query and the
-// accumulators live in registers.
-template <typename T, int CH>
-void attend_one(const float* qf, const KV<T>& kv, float* scores, float scale, T* dst) {
-  f16v q[CH], acc[CH];
-  for (int c = 0; c < CH; ++c) q[c] = load16(qf + 16 * c);
+// The G queries of one kv head (roped, float, G * d) against their sequence's keys and values:
+// scores, softmax, the weighted sum of values into dst (G * d). CH = head_dim / 16 and G are
+// constants, so the queries and accumulators live in registers and each K/V row is loaded and
+// widened once for the whole group.
+template <typename T, int CH, int G>
+void attend_group(const float* qf, const KV<T>& kv, float* scores, int64_t padded, float scale,
+                  T* dst) {
+  f16v q[G][CH], acc[G][CH], row[CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) q[g][c] = load16(qf + g * CH * 16 + 16 * c);
   for (int64_t t0 = 0; t0 < kv.ctx; t0 += kv.bs) {  // block by block: no division per token
     const T* k = kv.row(kv.k, t0);
     for (int64_t t = t0; t < std::min(kv.ctx, t0 + kv.bs); ++t, k += kv.stride) {
-      f16v s = q[0] * load16(k);
-      for (int c = 1; c < CH; ++c) s += q[c] * load16(k + 16 * c);
-      scores[t] = hsum(s);
+      for (int c = 0; c < CH; ++c) row[c] = load16(k + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        f16v s = q[g][0] * row[0];
+        for (int c = 1; c < CH; ++c) s += q[g][c] * row[c];
+        scores[g * padded + t] = hsum(s);
+      }
     }
   }
-  softmax<T>(scores, kv.ctx, scale);
-  for (int c = 0; c < CH; ++c) acc[c] = f16v{};
+  for (int g = 0; g < G; ++g) softmax<T>(scores + g * padded, kv.ctx, scale);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) acc[g][c] = f16v{};
   for (int64_t t0 = 0; t0 < kv.ctx; t0 += kv.bs) {
     const T* v = kv.row(kv.v, t0);
     for (int64_t t = t0; t < std::min(kv.ctx, t0 + kv.bs); ++t, v += kv.stride) {
-      const float pt = scores[t];
-      for (int c = 0; c < CH; ++c) acc[c] += pt * load16(v + 16 * c);
+      for (int c = 0; c < CH; ++c) row[c] = load16(v + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const float pt = scores[g * padded + t];
+        for (int c = 0; c < CH; ++c) acc[g][c] += pt * row[c];
+      }
     }
   }
-  for (int c = 0; c < CH; ++c)
-    for (int i = 0; i < 16; ++i) dst[16 * c + i] = round_to<T>(acc[c][i]);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) store16(dst + g * CH * 16 + 16 * c, acc[g][c]);
+}
+
+// attend_group for any group size: the common ones as one pass, others one query at a time.
+template <typename T, int CH>
+void attend_heads(int64_t group, const float* qf, const KV<T>& kv, float* scores,
+                  int64_t padded, float scale, T* dst) {
+  switch (group) {
+    case 1: return attend_group<T, CH, 1>(qf, kv, scores, padded, scale, dst);
+    case 2: return attend_group<T, CH, 2>(qf, kv, scores, padded, scale, dst);
+    case 3: return attend_group<T, CH, 3>(qf, kv, scores, padded, scale, dst);
+    case 4: return attend_group<T, CH, 4>(qf, kv, scores, padded, scale, dst);
+    default:
+      for (int64_t g = 0; g < group; ++g)
+        attend_group<T, CH, 1>(qf + g * CH * 16, kv, scores, padded, scale, dst + g * CH * 16);
+  }
 }
 
 // RoPE on q and k, k/v written into the caches at the token's slot, then each query attends to
@@ -271,23 +296,23 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
   // One work item per (sequence, kv head): its GQA group's queries read the same K/V rows,
   // which stay in cache between them.
   at::parallel_for(0, B * nkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(d), scores;
+    std::vector<float> qf(group * d), scores;
     for (int64_t item = begin; item < end; ++item) {
       int64_t b = item / nkv, h = item % nkv, ctx = bt.lens[b], p = bt.positions[b];
       const int64_t padded = (ctx + 15) / 16 * 16;
-      scores.resize(padded);
-      for (int64_t g = 0; g < group; ++g) {
-        int64_t qh = h * group + g;
-        rope_head<T>(src + b * row_len + qh * d, cos + p * d, sin + p * d, qf.data(), d);
-        KV<T> kv{kcp, vcp, bt.tables + b * bt.width, bs, stride, h * d, ctx};
-        T* dst = o + (b * nh + qh) * d;
-        switch (d) {  // the head size as a constant: q, the row and acc stay in registers
-          case 16: attend_one<T, 1>(qf.data(), kv, scores.data(), scale, dst); break;
-          case 32: attend_one<T, 2>(qf.data(), kv, scores.data(), scale, dst); break;
-          case 64: attend_one<T, 4>(qf.data(), kv, scores.data(), scale, dst); break;
-          case 128: attend_one<T, 8>(qf.data(), kv, scores.data(), scale, dst); break;
-          default: TORCH_CHECK(false, "fused decode: head_dim must be 16, 32, 64 or 128");
-        }
+      scores.resize(group * padded);
+      for (int64_t g = 0; g < group; ++g)  // the group's query heads are adjacent
+        rope_head<T>(src + b * row_len + (h * group + g) * d, cos + p * d, sin + p * d,
+                     qf.data() + g * d, d);
+      KV<T> kv{kcp, vcp, bt.tables + b * bt.width, bs, stride, h * d, ctx};
+      T* dst = o + (b * nh + h * group) * d;
+      float* sc = scores.data();
+      switch (d) {  // the head size as a constant
+        case 16: attend_heads<T, 1>(group, qf.data(), kv, sc, padded, scale, dst); break;
+        case 32: attend_heads<T, 2>(group, qf.data(), kv, sc, padded, scale, dst); break;
+        case 64: attend_heads<T, 4>(group, qf.data(), kv, sc, padded, scale, dst); break;
+        case 128: attend_heads<T, 8>(group, qf.data(), kv, sc, padded, scale, dst); break;
+        default: TORCH_CHECK(false, "fused decode: head_dim must be 16, 32, 64 or 128");
       }
     }
   });

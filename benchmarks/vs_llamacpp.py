@@ -168,49 +168,30 @@ def served(binary: Path, model: Path, threads: int, tmp: Path) -> dict[str, dict
     from pdserve.bench.compare import free_port
 
     results = {}
+    serve = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1"]
+    llama = [str(binary / "llama-server"), "-m", str(model), "-t", str(threads), "-c", "32768"]
     systems = {
-        "llama-server -np 16": [
-            str(binary / "llama-server"),
-            "-m",
-            str(model),
-            "-t",
-            str(threads),
-            "-c",
-            "32768",
-            "-np",
-            "16",
-            "--host",
-            "127.0.0.1",
-        ],
-        "pdserve colocated": [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
+        "llama-server -np 16": [*llama, "-np", "16", "--host", "127.0.0.1"],
+        "pdserve colocated": [*serve, "--mode", "colocated"],
+        "pdserve disagg (1 P + 1 D core)": [*serve, "--mode", "disagg"],
+        "pdserve colocated, before (--weights bf16 --enforce-eager)": [
+            *serve,
             "--mode",
             "colocated",
-            "--host",
-            "127.0.0.1",
-        ],
-        "pdserve disagg (1 P + 1 D core)": [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
-            "--mode",
-            "disagg",
-            "--host",
-            "127.0.0.1",
+            "--weights",
+            "bf16",
+            "--enforce-eager",
         ],
     }
     for name, argv in systems.items():
         port = free_port()
-        log = tmp / f"{name.split()[1]}.log"
+        tag = "-".join(name.split()[:3]).strip(",()")
+        log = tmp / f"{tag}.log"
         with started([*argv, "--port", str(port)], port, log) as proc:
             url = f"http://127.0.0.1:{port}/v1"
             row = {}
             for c in SERVED["concurrency"]:
-                row[c] = bench(url, c, tmp / f"{name.split()[1]}-c{c}")
+                row[c] = bench(url, c, tmp / f"{tag}-c{c}")
                 print(f"  {name}, concurrency {c}: {row[c]}", flush=True)
             if name.startswith("pdserve"):
                 row["worker_peak_rss_mib"] = worker_peak_rss_mib(proc.pid)

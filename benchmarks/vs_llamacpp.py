@@ -106,25 +106,12 @@ def worker_peak_rss_mib(root_pid: int) -> list[float]:
 
 def bench(url: str, concurrency: int, out_dir: Path) -> dict:
     n = SERVED["requests"][concurrency]
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "bench",
-        "--url",
-        url,
-        "--prompt-tokens",
-        str(SERVED["prompt"]),
-        "--output-tokens",
-        str(SERVED["output"]),
-        "--concurrency",
-        str(concurrency),
-        "--num-requests",
-        str(n),
-        "--no-progress",
-        "--out",
-        str(out_dir),
-    ]
+    load = (
+        f"--prompt-tokens {SERVED['prompt']} --output-tokens {SERVED['output']} "
+        f"--concurrency {concurrency} --num-requests {n} --no-progress"
+    )
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url, *load.split()]
+    cmd += ["--out", str(out_dir)]
     subprocess.run(cmd, check=True, capture_output=True)
     agg = json.loads((out_dir / "results.json").read_text())["runs"][0]["aggregates"]
     return {

@@ -142,10 +142,22 @@ def prefill_roof(m: Machine, s: Shape, dtype: str, tokens: int, seconds: float) 
 
 
 def decode_roof(
-    m: Machine, s: Shape, dtype: str, kv_dtype: str, batch: int, context: float, step_s: float
+    m: Machine,
+    s: Shape,
+    dtype: str,
+    kv_dtype: str,
+    batch: int,
+    context: float,
+    step_s: float,
+    weight_bytes: int | None = None,
 ) -> Roof:
-    """Roofline of one decode step of `step_s` seconds (`context`: mean keys per sequence)."""
-    nbytes = decode_bytes(s, dtype_bytes(dtype), dtype_bytes(kv_dtype), batch, context) / step_s
+    """Roofline of one decode step of `step_s` seconds (`context`: mean keys per sequence).
+    `weight_bytes`: what the step's weights really take (quantized formats), if not `dtype`'s
+    size per parameter."""
+    per_param = (
+        dtype_bytes(dtype) if weight_bytes is None else weight_bytes / s.weight_params_read_per_step
+    )
+    nbytes = decode_bytes(s, per_param, dtype_bytes(kv_dtype), batch, context) / step_s
     flops = decode_flops(s, batch, context) / step_s
     return Roof(flops, nbytes, flops / m.matmul_peak[dtype], nbytes / m.mem_bw)
 
@@ -169,7 +181,7 @@ def _pct(x: float | None) -> str:
 def table(results: list[Result], peak_mib: dict[str, float]) -> str:
     """One row per result; `peak_mib` keyed by "system dtype-label"."""
     head = (
-        f"{'system':<13}{'dtype':<18}{'workload':<17}{'tokens/s':>10}{'median':>11}"
+        f"{'system':<13}{'dtype':<26}{'workload':<17}{'tokens/s':>10}{'median':>11}"
         f"{'GFLOP/s':>9}{'GB/s':>7}{'%peak':>8}{'%bw':>8}{'%roof':>8}  peak MiB"
     )
     lines = [head, "-" * len(head)]
@@ -180,7 +192,7 @@ def table(results: list[Result], peak_mib: dict[str, float]) -> str:
         bw = "-" if r.roof.bytes_per_s is None else f"{r.roof.bytes_per_s / 1e9:.1f}"
         mem = peak_mib[f"{r.system} {r.dtype}"]
         lines.append(
-            f"{r.system:<13}{r.dtype:<18}{what:<17}{r.tokens_per_s:>10.1f}{sec:>9.3f}{unit:<2}"
+            f"{r.system:<13}{r.dtype:<26}{what:<17}{r.tokens_per_s:>10.1f}{sec:>9.3f}{unit:<2}"
             f"{r.roof.flops_per_s / 1e9:>9.1f}{bw:>7}{_pct(r.roof.compute_fraction):>8}"
             f"{_pct(r.roof.memory_fraction):>8}{_pct(r.roof.bound_fraction):>8}  {mem:8.0f}"
         )
@@ -223,7 +235,7 @@ def ratio_lines(rs: list[Ratio]) -> str:
         verdict = "" if not r.target else ("  meets" if r.ratio >= r.target else "  MISSES")
         target = f" (target >= {r.target}x)" if r.target else ""
         lines.append(
-            f"{r.what:<32} {r.ours:<18} vs {r.theirs:<18} {r.ratio:6.2f}x{target}{verdict}"
+            f"{r.what:<32} {r.ours:<26} vs {r.theirs:<26} {r.ratio:6.2f}x{target}{verdict}"
         )
     return "\n".join(lines)
 

@@ -42,6 +42,22 @@ class Prompts:
         return [(self.count * 7919 + 31 * i * i + 17 * i) % self.vocab + 8 for i in range(n)]
 
 
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights a small-batch decode step reads: each linear in the format its
+    small-batch kernel uses (int4 packed + scales, int8 + scales, or dense), and the norms."""
+
+    def size(lin) -> int:
+        parts = {"int4": ("packed", "scales_zeros"), "int8": ("q", "scales")}
+        tensors = [getattr(lin, a) for a in parts.get(lin.format, ("weight",))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    linears = [getattr(layer, a) for layer in model.layers for a in ("qkv", "o", "gate_up", "down")]
+    norms = [model.norm] + [n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm)]
+    return sum(map(size, [*linears, model.lm_head])) + sum(
+        n.numel() * n.element_size() for n in norms
+    )
+
+
 class Ours:
     """pdserve's engine, driven step by step through `llm.engine`."""
 
@@ -49,14 +65,23 @@ class Ours:
 
     def __init__(
         self, dtype: str, threads: int | None, kv_cache_gb: float | None, device: str = "cpu",
-        model: str | None = None,
+        model: str | None = None, weights: str = "auto", enforce_eager: bool = False,
     ):  # fmt: skip
         from pdserve import LLM
 
         self.llm = LLM(model=model, dtype=dtype, device=device, num_threads=threads,
-                       kv_cache_gb=kv_cache_gb)  # fmt: skip
-        self.dtype = str(self.llm.engine.runner.dtype).removeprefix("torch.")
-        self.label = f"{dtype}->{self.dtype}" if dtype == "auto" else dtype
+                       kv_cache_gb=kv_cache_gb, weights=weights,
+                       enforce_eager=enforce_eager)  # fmt: skip
+        runner = self.llm.engine.runner
+        self.dtype = str(runner.dtype).removeprefix("torch.")
+        label = f"{dtype}->{self.dtype}" if dtype == "auto" else dtype
+        eager = "" if runner.fused else " eager"
+        self.label = label if runner.weights == "bf16" else f"{label} {runner.weights}{eager}"
+        from pdserve.model.quant import MAX_ROWS
+
+        # What a small step's weights take; above the format's row limit the dense copy runs.
+        self.weight_bytes = decode_weight_bytes(runner.model)
+        self.quant_rows = MAX_ROWS.get(runner.weights, 0)
 
     def prefill(self, ids: list[int]) -> float:
         from pdserve import SamplingParams
@@ -186,7 +211,16 @@ class Bench:
             roof, rate = rl.prefill_roof(m, shape, s.dtype, tokens, sec), tokens / sec
         else:  # our KV cache and transformers' are both kept in the model's dtype
             roof, rate = (
-                rl.decode_roof(m, shape, s.dtype, s.dtype, batch, mean_ctx, sec),
+                rl.decode_roof(
+                    m,
+                    shape,
+                    s.dtype,
+                    s.dtype,
+                    batch,
+                    mean_ctx,
+                    sec,
+                    getattr(s, "weight_bytes", None),
+                ),  # fmt: skip
                 batch / sec,
             )
         return rl.Result(s.system, s.label, workload, batch, tokens, sec, samples, rate, roof)
@@ -207,7 +241,11 @@ def run(args) -> dict:
     systems, load_mib = [], {}
     for make, dtype in [(Ours, d) for d in args.dtypes] + [(Theirs, d) for d in args.hf_dtypes]:
         before = rl.reset_peak_rss()
-        system = Ours(dtype, args.threads, args.kv_cache_gb) if make is Ours else Theirs(dtype)
+        system = (
+            Ours(dtype, args.threads, args.kv_cache_gb, weights=args.weights,
+                 enforce_eager=args.enforce_eager)
+            if make is Ours else Theirs(dtype)
+        )  # fmt: skip
         load_mib[f"{system.system} {system.label}"] = rl.rss_mib() - before
         systems.append(system)
     shape = rl.Shape.of(systems[0].llm.model_config)  # --dtypes is never empty
@@ -243,7 +281,8 @@ def profile(args) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    ours = Ours(args.dtypes[0], args.threads, args.kv_cache_gb)
+    ours = Ours(args.dtypes[0], args.threads, args.kv_cache_gb, weights=args.weights,
+                enforce_eager=args.enforce_eager)  # fmt: skip
     prompts, eng = Prompts(ours.llm.model_config.vocab_size), ours.llm.engine
     ours.start_decode([prompts.make(args.context) for _ in range(16)], 40)
     work = {  # decode: only steady steps of the 16 sequences started above (40 tokens each)
@@ -292,6 +331,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prompt tokens of each sequence before decoding (default 128)")
     add("--decode-steps", type=int, default=64, metavar="N",
         help="timed decode steps per run (default 64)")
+    add("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+        help="our weight format (default auto: int4 for the bundled Q4_1 GGUF)")
+    add("--enforce-eager", action="store_true",
+        help="our decode steps through the eager model, not the fused decode step")
     add("--kv-cache-gb", type=float, default=None, metavar="GB",
         help="our KV cache size (default: the engine's own default)")
     add("--out", type=Path, default=None, metavar="FILE", help="also write the results as JSON")

@@ -26,6 +26,8 @@ from pathlib import Path
 import _roofline as rl  # sibling module: this script runs as a file, not a package
 import torch
 
+from pdserve.config import WEIGHT_FORMATS
+
 PREFILL_TOKENS = (512, 2048)
 DECODE_BATCHES = (1, 8, 16, 32)
 HF_DECODE_BATCHES = (1, 16)
@@ -43,13 +45,11 @@ class Prompts:
 
 
 def decode_weight_bytes(model) -> int:
-    """Bytes of weights a small-batch decode step reads: each linear in the format its
-    small-batch kernel uses (int4 packed + scales, int8 + scales, or dense), and the norms."""
+    """Bytes of weights a small-batch decode step reads: each linear's quantized tensors (its
+    dense weight when it has none), and the norms."""
 
     def size(lin) -> int:
-        parts = {"int4": ("packed", "scales_zeros"), "int8": ("q", "scales")}
-        tensors = [getattr(lin, a) for a in parts.get(lin.format, ("weight",))]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in lin.packed or (lin.weight,))
 
     linears = [getattr(layer, a) for layer in model.layers for a in ("qkv", "o", "gate_up", "down")]
     norms = [model.norm] + [n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm)]
@@ -331,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prompt tokens of each sequence before decoding (default 128)")
     add("--decode-steps", type=int, default=64, metavar="N",
         help="timed decode steps per run (default 64)")
-    add("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+    add("--weights", default="auto", choices=WEIGHT_FORMATS,
         help="our weight format (default auto: int4 for the bundled Q4_1 GGUF)")
     add("--enforce-eager", action="store_true",
         help="our decode steps through the eager model, not the fused decode step")

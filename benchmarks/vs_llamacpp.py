@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shlex
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import httpx  # noqa: E402
 from _llamacpp import find_bin  # noqa: E402
 
 SERVED = {"concurrency": (1, 16), "requests": {1: 16, 16: 64}, "prompt": 256, "output": 128}
@@ -122,66 +120,28 @@ def bench(url: str, concurrency: int, out_dir: Path) -> dict:
     }
 
 
-@contextlib.contextmanager
-def started(argv: list[str], port: int, log: Path, timeout_s: float = 600):
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"`{shlex.join(argv)}` exited; see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"`{shlex.join(argv)}` not healthy in {timeout_s} s; see {log}")
-            time.sleep(0.5)
-        yield proc
-    finally:
-        import os
-        import signal
-
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def served(binary: Path, model: Path, threads: int, tmp: Path) -> dict[str, dict]:
-    from pdserve.bench.compare import free_port
+    from pdserve.bench.compare import CommandSpec, ServerProcess, ServerSpec, default_serve_cmd
 
-    results = {}
-    serve = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1"]
-    llama = [str(binary / "llama-server"), "-m", str(model), "-t", str(threads), "-c", "32768"]
+    llama = (str(binary / "llama-server"), "-m", str(model), "-t", str(threads), "-c", "32768")
+    before = ("--weights", "bf16", "--enforce-eager")
     systems = {
-        "llama-server -np 16": [*llama, "-np", "16", "--host", "127.0.0.1"],
-        "pdserve colocated": [*serve, "--mode", "colocated"],
-        "pdserve disagg (1 P + 1 D core)": [*serve, "--mode", "disagg"],
-        "pdserve colocated, before (--weights bf16 --enforce-eager)": [
-            *serve,
-            "--mode",
-            "colocated",
-            "--weights",
-            "bf16",
-            "--enforce-eager",
-        ],
+        "llama-server -np 16": CommandSpec((*llama, "-np", "16")),
+        "pdserve colocated": ServerSpec(default_serve_cmd(), "colocated"),
+        "pdserve disagg (1 P + 1 D core)": ServerSpec(default_serve_cmd(), "disagg"),
+        "pdserve colocated, before (--weights bf16 --enforce-eager)": ServerSpec(
+            default_serve_cmd(), "colocated", extra=before
+        ),
     }
-    for name, argv in systems.items():
-        port = free_port()
-        tag = "-".join(name.split()[:3]).strip(",()")
-        log = tmp / f"{tag}.log"
-        with started([*argv, "--port", str(port)], port, log) as proc:
-            url = f"http://127.0.0.1:{port}/v1"
-            row = {}
+    results = {}
+    for i, (name, spec) in enumerate(systems.items()):
+        server = ServerProcess(spec, tmp / f"server-{i}.log")
+        with server as url:
+            row = {c: bench(url, c, tmp / f"server-{i}-c{c}") for c in SERVED["concurrency"]}
             for c in SERVED["concurrency"]:
-                row[c] = bench(url, c, tmp / f"{tag}-c{c}")
                 print(f"  {name}, concurrency {c}: {row[c]}", flush=True)
             if name.startswith("pdserve"):
-                row["worker_peak_rss_mib"] = worker_peak_rss_mib(proc.pid)
+                row["worker_peak_rss_mib"] = worker_peak_rss_mib(server.proc.pid)
         results[name] = row
     return results
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROLES = ("both", "prefill", "decode")
+WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")  # see model/quant.py
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
-        if self.weights not in ("auto", "bf16", "int8", "int4"):
+        if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be auto, bf16, int8 or int4, got {self.weights!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

@@ -63,10 +63,22 @@ class ServerSpec:
         return [*base, *self.extra, "--host", "127.0.0.1", "--port", str(port)]
 
 
+@dataclass(frozen=True)
+class CommandSpec:
+    """Any OpenAI-compatible server by its whole command (llama.cpp's llama-server, say):
+    host and port are appended; it must answer GET /health with 200 once ready."""
+
+    command: tuple[str, ...]
+    startup_timeout_s: float = 300.0
+
+    def argv(self, port: int) -> list[str]:
+        return [*self.command, "--host", "127.0.0.1", "--port", str(port)]
+
+
 class ServerProcess:
     """`with ServerProcess(spec, log_path) as url:` a started, healthy server at `url` (/v1)."""
 
-    def __init__(self, spec: ServerSpec, log_path: Path) -> None:
+    def __init__(self, spec: ServerSpec | CommandSpec, log_path: Path) -> None:
         self.spec = spec
         self.log_path = log_path
         self.port = free_port()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.config import WEIGHT_FORMATS
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by `generate`, `worker` and `serve`."""
@@ -23,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weights",
         default="auto",
-        choices=["auto", "bf16", "int8", "int4"],
+        choices=WEIGHT_FORMATS,
         help="weight format of the linear layers: bf16 = unquantized, in --dtype; int8 = one "
         "scale per row; int4 = groups of 32 (a GGUF's Q4_0/Q4_1 blocks are used as they are). "
         "Quantized layers are used for decode steps of few sequences, the unquantized copy "

@@ -10,7 +10,6 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.model import fused as fused_module
 from pdserve.model import quant
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from pdserve.model.fused import FusedDecode
@@ -65,24 +64,24 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
         ]
         self.kv_caches = list(zip(self.k_caches, self.v_caches, strict=True))
-        self.decode_path = "eager"  # says which decode step runs, and why (worker's ready line)
-        self.fused = self._fused_decode()
+        # decode_path says which decode step runs, and why (the worker's ready line)
+        self.fused, self.decode_path = self._fused_decode()
 
-    def _fused_decode(self) -> FusedDecode | None:
+    def _fused_decode(self) -> tuple[FusedDecode | None, str]:
         """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""
-        if self.config.enforce_eager or self.device.type != "cpu":
-            self.decode_path = "eager (--enforce-eager)" if self.config.enforce_eager else "eager"
-            return None
+        if self.config.enforce_eager:
+            return None, "eager (--enforce-eager)"
+        if self.device.type != "cpu":
+            return None, "eager"
         mc = self.model_config
         shapes = (
             mc.head_dim in (16, 32, 64, 128) and not (mc.hidden_size | mc.intermediate_size) % 16
         )
         if self.dtype not in (torch.float32, torch.bfloat16) or not shapes:
-            self.decode_path = (
+            return None, (
                 "eager (the fused step takes float32/bfloat16, head_dim 16, 32, 64 or 128, "
                 "hidden and intermediate sizes multiples of 16)"
             )
-            return None
         try:
             fused = FusedDecode(self.model, self.kv_caches)
         except Exception as exc:  # no compiler, or it failed: serve eagerly, and say why
@@ -91,10 +90,8 @@ class ModelRunner:
                 "%s; install gcc/g++ and ninja, or pass --enforce-eager",
                 exc,
             )
-            self.decode_path = "eager (the fused step failed to build: see the log)"
-            return None
-        self.decode_path = f"fused ({fused_module.load_note})"
-        return fused
+            return None, "eager (the fused step failed to build: see the log)"
+        return fused, f"fused ({fused.load_note})"
 
     def _quantize(self, files: ModelFiles) -> str:
         """Apply `config.weights` to the model; returns the format chosen (auto resolved)."""
@@ -198,7 +195,7 @@ class ModelRunner:
         bs, seqs = self.block_size, batch.seqs
         pos = [s.num_computed_tokens for s in seqs]
         width = max(p // bs for p in pos) + 1
-        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        tables = [t + [0] * (width - len(t)) for t in (s.block_table[:width] for s in seqs)]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)]
         logits = self.fused(
             torch.tensor([s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]),

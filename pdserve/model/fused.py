@@ -78,6 +78,7 @@ class FusedDecode:
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         ext = load_extension()
+        self.load_note = load_note  # how long this process took to build or load it
 
         def linear(lin):
             return ext.Linear(*lin.kernel_spec())

@@ -145,50 +145,49 @@ def load_model_config(model: str | None) -> tuple[Path, ModelConfig]:
     return path, _gguf_config_cached(path) if path.is_file() else _hf_config(path)
 
 
-def _gguf_weights_cached(path: Path, config: ModelConfig, fp: str) -> dict[str, np.ndarray]:
-    """Dequantizing GGUF takes seconds per process; keep a float32 safetensors copy once made."""
+def _cached_arrays(cached: Path, make) -> dict[str, np.ndarray]:
+    """`make()`'s arrays, kept in the safetensors file `cached` once made (a torn or stale
+    file is rebuilt; written atomically, so concurrent workers never read half a file)."""
     from safetensors.numpy import load_file, save_file
 
-    cached = envs.cache_dir() / "weights" / f"{fp}.safetensors"
     if cached.exists():
         try:
             return load_file(str(cached))
         except Exception:  # torn or stale cache file: rebuild it
             cached.unlink(missing_ok=True)
-    weights = gguf_file.read_tensors(path, config)
+    arrays = make()
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    save_file(weights, str(tmp))
-    os.replace(tmp, cached)  # atomic: concurrent workers never read a half-written file
-    return weights
+    save_file(arrays, str(tmp))
+    os.replace(tmp, cached)
+    return arrays
+
+
+def _gguf_weights_cached(path: Path, config: ModelConfig, fp: str) -> dict[str, np.ndarray]:
+    """Dequantizing GGUF takes seconds per process; keep a float32 safetensors copy once made."""
+    cached = envs.cache_dir() / "weights" / f"{fp}.safetensors"
+    return _cached_arrays(cached, lambda: gguf_file.read_tensors(path, config))
 
 
 def load_int4_blocks(files: ModelFiles) -> dict[str, Int4Blocks]:
     """The GGUF file's Q4_0/Q4_1 linear weights as their own 4-bit blocks (`--weights int4`),
     cached like the float weights: reading them from the file takes seconds."""
-    from safetensors.numpy import load_file, save_file
-
     if files.path is None or files.path.suffix != ".gguf":
         return {}
-    cached = envs.cache_dir() / "weights" / f"{files.fingerprint}.int4.safetensors"
-    if cached.exists():
-        try:
-            flat = load_file(str(cached))
-            names = {k.rsplit(".", 1)[0] for k in flat}
-            return {n: Int4Blocks(*(flat[f"{n}.{f}"] for f in Int4Blocks._fields)) for n in names}
-        except Exception:  # torn or stale cache file: rebuild it
-            cached.unlink(missing_ok=True)
-    blocks = gguf_file.read_int4_blocks(files.path, files.config)
-    flat = {
-        f"{n}.{f}": np.ascontiguousarray(a)
-        for n, b in blocks.items()
-        for f, a in zip(Int4Blocks._fields, b, strict=True)
-    }
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    save_file(flat, str(tmp))
-    os.replace(tmp, cached)
-    return blocks
+
+    def read() -> dict[str, np.ndarray]:  # flat: "<weight name>.<field>" -> array
+        blocks = gguf_file.read_int4_blocks(files.path, files.config)
+        return {
+            f"{n}.{f}": np.ascontiguousarray(a)
+            for n, b in blocks.items()
+            for f, a in zip(Int4Blocks._fields, b, strict=True)
+        }
+
+    flat = _cached_arrays(
+        envs.cache_dir() / "weights" / f"{files.fingerprint}.int4.safetensors", read
+    )
+    names = {k.rsplit(".", 1)[0] for k in flat}
+    return {n: Int4Blocks(*(flat[f"{n}.{f}"] for f in Int4Blocks._fields)) for n in names}
 
 
 def load_model_files(model: str | None) -> ModelFiles:

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32  # int4 group width: GGUF's block width, and gpt-fast's default
-WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")
 # Rows above which the dense weight is faster than the quantized kernel (see the docstring).
 MAX_ROWS = {"int4": 16, "int8": 8}
 
@@ -52,6 +51,7 @@ class Dense:
     """y = x @ weight.T in the model's dtype."""
 
     format = "bf16"
+    kind = 0  # the fused decode step's `Linear` kind (csrc/decode.cpp): 0 dense, 1 int4, 2 int8
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight  # (N, K)
@@ -59,34 +59,52 @@ class Dense:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
+    @property
+    def max_rows(self) -> int:
+        """Rows up to which the quantized kernel runs; the dense weight above."""
+        return MAX_ROWS.get(self.format, 0)
+
+    @property
+    def packed(self) -> tuple[torch.Tensor, ...]:
+        """The quantized kernel's tensors (none for a dense linear)."""
+        return ()
+
     def kernel_spec(self) -> tuple[int, int, list[torch.Tensor]]:
-        """(kind, max_rows, tensors) for the fused decode step's `Linear` (csrc/decode.cpp):
-        kind 0 dense [w], 1 int4 [w, packed, scales_zeros], 2 int8 [w, q, scales]."""
-        return 0, 0, [self.weight]
+        """(kind, max_rows, [weight, *packed]) for the fused decode step's `Linear`."""
+        return self.kind, self.max_rows, [self.weight, *self.packed]
 
 
-class Int4Linear(Dense):
-    format = "int4"
+class _Quantized(Dense):
+    """A quantized kernel for inputs of up to `max_rows` rows, the dense weight above."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight) if x.shape[0] > self.max_rows else self._mm(x)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Linear(_Quantized):
+    format, kind = "int4", 1
 
     def __init__(self, weight: torch.Tensor, blocks: Int4Blocks | None = None):
         super().__init__(weight)
         blocks = blocks if blocks is not None else int4_blocks(weight)
         q = torch.from_numpy(np.ascontiguousarray(blocks.q)).to(torch.int32)
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.q4 = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         sz = np.stack([blocks.scale, blocks.zero], -1).transpose(1, 0, 2)  # (K // 32, N, 2)
         self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(weight.dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS["int4"]:
-            return F.linear(x, self.weight)
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+    @property
+    def packed(self) -> tuple[torch.Tensor, ...]:
+        return self.q4, self.scales_zeros
 
-    def kernel_spec(self) -> tuple[int, int, list[torch.Tensor]]:
-        return 1, MAX_ROWS["int4"], [self.weight, self.packed, self.scales_zeros]
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.q4, GROUP, self.scales_zeros)
 
 
-class Int8Linear(Dense):
-    format = "int8"
+class Int8Linear(_Quantized):
+    format, kind = "int8", 2
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
@@ -95,13 +113,12 @@ class Int8Linear(Dense):
         self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.scales = scale.to(weight.dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS["int8"]:
-            return F.linear(x, self.weight)
-        return torch._weight_int8pack_mm(x, self.q, self.scales)
+    @property
+    def packed(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.scales
 
-    def kernel_spec(self) -> tuple[int, int, list[torch.Tensor]]:
-        return 2, MAX_ROWS["int8"], [self.weight, self.q, self.scales]
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q, self.scales)
 
 
 def int4_blocks(weight: torch.Tensor) -> Int4Blocks:
@@ -115,9 +132,8 @@ def int4_blocks(weight: torch.Tensor) -> Int4Blocks:
 
 
 def check_format(fmt: str, device: torch.device, in_features: int) -> None:
-    """Raise ValueError saying what to do when `fmt` cannot run here."""
-    if fmt not in WEIGHT_FORMATS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {fmt!r}")
+    """Raise ValueError saying what to do when `fmt` (one of config.WEIGHT_FORMATS) cannot
+    run here."""
     if fmt in ("int4", "int8") and device.type != "cpu":
         raise ValueError(
             f"--weights {fmt} runs on CPU only (its kernels are torch's CPU ones); on "

@@ -13,7 +13,7 @@ import sys
 
 COMMAND_MODULES = (
     "pdserve.engine.cli",  # generate
-    "pdserve.serving.cli",  # serve, router, worker
+    "pdserve.launch.cli",  # serve, router, worker
     "pdserve.bench.cli",  # bench, bench compare
     "pdserve.sim.cli",  # kv-size, profile, simulate, plan
     "pdserve.kv_store.cli",  # store

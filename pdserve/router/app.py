@@ -20,7 +20,7 @@ from pdserve.router import protocol as p
 from pdserve.router.core import Overloaded, RouterCore
 from pdserve.router.state import RequestState
 from pdserve.router.stop import StopChecker
-from pdserve.serving import messages as m
+from pdserve.protocol import messages as m
 
 log = logging.getLogger("pdserve.router")
 

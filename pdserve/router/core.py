@@ -24,8 +24,8 @@ from pdserve.engine.block_hash import block_hashes
 from pdserve.kv_transfer.base import KVLayoutMismatch
 from pdserve.router import metrics
 from pdserve.router.state import RequestState, WorkerInfo
-from pdserve.serving import messages as m
-from pdserve.serving.channel import Codec
+from pdserve.protocol import messages as m
+from pdserve.protocol.channel import Codec
 
 log = logging.getLogger("pdserve.router")
 

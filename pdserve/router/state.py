@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from pdserve.serving import messages as m
+from pdserve.protocol import messages as m
 
 
 @dataclass

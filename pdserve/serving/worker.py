@@ -25,8 +25,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.kv_store.client import StoreClient
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
-from pdserve.serving import messages as m
-from pdserve.serving.channel import Codec, require_secret_for, resolve_secret
+from pdserve.protocol import messages as m
+from pdserve.protocol.channel import Codec, require_secret_for, resolve_secret
 from pdserve.serving.kv_staging import HostStaging
 from pdserve.serving.store_link import StoreLink, split_index_events
 

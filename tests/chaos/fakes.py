@@ -14,8 +14,8 @@ import time
 import zmq
 
 from pdserve.kv_transfer.base import KVLayout
-from pdserve.serving import messages as m
-from pdserve.serving.channel import Codec
+from pdserve.protocol import messages as m
+from pdserve.protocol.channel import Codec
 
 
 def real_layout(dtype: str = "float32", block_size: int = 16) -> KVLayout:

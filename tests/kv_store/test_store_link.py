@@ -14,7 +14,7 @@ from pdserve.kv_store.client import StoreClient
 from pdserve.kv_transfer.memory import layout_of
 from pdserve.router.core import RouterConfig, RouterCore
 from pdserve.router.state import WorkerInfo
-from pdserve.serving import messages as m
+from pdserve.protocol import messages as m
 from pdserve.serving.store_link import StoreLink, split_index_events
 
 from .helpers import both_transports, make_config

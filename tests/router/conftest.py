@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.router.core import RouterConfig, RouterCore
 from pdserve.router.state import RequestState, WorkerInfo
-from pdserve.serving import messages as m
+from pdserve.protocol import messages as m
 
 
 def load(prefill_tok_s: float = 0.0, decode_step_s: float = 0.0) -> m.Load:

@@ -13,8 +13,8 @@ import pytest
 from chaos.fakes import FakePrefill
 
 from pdserve.kv_transfer.base import KVLayout
-from pdserve.serving import messages as m
-from pdserve.serving.channel import Codec, require_secret_for
+from pdserve.protocol import messages as m
+from pdserve.protocol.channel import Codec, require_secret_for
 
 from .conftest import SECRET
 

@@ -24,7 +24,7 @@ def test_bad_flags_exit_2_with_a_message(flags, message):
 
 
 def test_several_gpus_give_each_worker_its_own():
-    from pdserve.serving.launcher import gpu_per_worker
+    from pdserve.launch.local import gpu_per_worker
 
     assert gpu_per_worker("auto", 2, gpus=2) == ["cuda:0", "cuda:1"]  # 1 P + 1 D
     assert gpu_per_worker("cuda", 3, gpus=2) == ["cuda:0", "cuda:1", "cuda:0"]
@@ -38,7 +38,7 @@ def test_several_gpus_give_each_worker_its_own():
     ("env", "gpus"), [("0,1", 2), ("3", 1), ("", 0), ("-1", 0), (" 2 , 5 ,", 2)]
 )
 def test_visible_gpus_follows_cuda_visible_devices(monkeypatch, env, gpus):
-    from pdserve.serving.launcher import visible_gpus
+    from pdserve.launch.local import visible_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
     assert visible_gpus() == gpus

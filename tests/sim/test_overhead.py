@@ -161,7 +161,7 @@ def test_served_deployment_follows_the_real_defaults():
 
     from pdserve.config import EngineConfig
     from pdserve.router.core import RouterConfig
-    from pdserve.serving.cli import register
+    from pdserve.launch.cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

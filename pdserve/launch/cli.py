@@ -103,7 +103,7 @@ def _make_frontend(args):
     from pdserve.router.app import Frontend
     from pdserve.router.core import RouterConfig, RouterCore
     from pdserve.router.metrics import register_workers
-    from pdserve.serving.channel import require_secret_for, resolve_secret
+    from pdserve.protocol.channel import require_secret_for, resolve_secret
 
     for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot)):
         if value is not None and not value > 0:
@@ -132,7 +132,7 @@ def _make_frontend(args):
 
 def _router(args) -> int:
     from pdserve.router.app import build_app
-    from pdserve.serving.launcher import serve_forever
+    from pdserve.launch.local import serve_forever
 
     frontend = _make_frontend(args)
 
@@ -161,7 +161,7 @@ def _engine_argv(args) -> list[str]:
 def _serve(args) -> int:
     from pdserve.config import EngineConfig
     from pdserve.router.app import build_app
-    from pdserve.serving.launcher import (
+    from pdserve.launch.local import (
         ServePlan,
         WorkerProcs,
         drain_worker_output,
@@ -243,7 +243,7 @@ def _serve(args) -> int:
 
 
 def _worker(args) -> int:
-    from pdserve.serving.launcher import pin_cpus, run_worker
+    from pdserve.launch.local import pin_cpus, run_worker
     from pdserve.serving.worker import WorkerConfig
 
     n = pin_cpus(args.cpus)

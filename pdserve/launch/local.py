@@ -1,4 +1,4 @@
-"""Process entry points: `pdserve router`, `pdserve worker`, and `pdserve serve` (both at once)."""
+"""The local launcher: worker and KV store subprocesses pinned to cores, uvicorn for the router."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import logging
 import msgspec
 
 from pdserve.kv_transfer import wire
-from pdserve.serving.messages import MAX_MESSAGE_BYTES, Message
+from pdserve.protocol.messages import MAX_MESSAGE_BYTES, Message
 
 log = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()

@@ -101,13 +101,11 @@ def _router_args(p: argparse.ArgumentParser) -> None:
 def _make_frontend(args):
     from pdserve.model.loader import load_model_config, load_tokenizer
     from pdserve.router.app import Frontend
-    from pdserve.router.core import RouterConfig, RouterCore
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.core import RouterCore
     from pdserve.router.metrics import register_workers
     from pdserve.protocol.channel import require_secret_for, resolve_secret
 
-    for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
     secret = resolve_secret()
     require_secret_for(args.control_host, secret)
     path, _ = load_model_config(args.model)

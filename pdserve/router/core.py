@@ -14,7 +14,6 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
 from functools import partial
 
 import zmq
@@ -23,6 +22,7 @@ import zmq.asyncio
 from pdserve.engine.block_hash import block_hashes
 from pdserve.kv_transfer.base import KVLayoutMismatch
 from pdserve.router import metrics
+from pdserve.router.config import RouterConfig
 from pdserve.router.state import RequestState, WorkerInfo
 from pdserve.protocol import messages as m
 from pdserve.protocol.channel import Codec
@@ -48,23 +48,6 @@ class Overloaded(Exception):
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    control_host: str = "127.0.0.1"
-    control_port: int = 0
-    mode: str = "disagg"  # disagg | colocated
-    local_prefill_threshold: int = 256  # uncached prompt tokens below this prefill on D ...
-    short_prefills_to_idle_pool: bool = True  # ... unless the prefill pool has nothing queued
-    lease_s: float = 120.0
-    heartbeat_timeout_s: float = 5.0
-    block_size: int = 16
-    max_inflight: int = 256  # admission control: beyond this, 429
-    # SLO-aware admission (None = off): refuse a request whose estimated TTFT, or whose decode
-    # worker's measured time per output token, already misses the target.
-    slo_ttft_s: float | None = None
-    slo_tpot_s: float | None = None
 
 
 class RouterCore:

@@ -12,7 +12,8 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_store.client import StoreClient
 from pdserve.kv_transfer.memory import layout_of
-from pdserve.router.core import RouterConfig, RouterCore
+from pdserve.router.config import RouterConfig
+from pdserve.router.core import RouterCore
 from pdserve.router.state import WorkerInfo
 from pdserve.protocol import messages as m
 from pdserve.serving.store_link import StoreLink, split_index_events

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.core import RouterConfig, RouterCore
+from pdserve.router.config import RouterConfig
+from pdserve.router.core import RouterCore
 from pdserve.router.state import RequestState, WorkerInfo
 from pdserve.protocol import messages as m
 

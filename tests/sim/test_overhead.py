@@ -160,7 +160,7 @@ def test_served_deployment_follows_the_real_defaults():
     import argparse
 
     from pdserve.config import EngineConfig
-    from pdserve.router.core import RouterConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.launch.cli import register
 
     parser = argparse.ArgumentParser()

@@ -7,7 +7,9 @@ kvsize.py      `pdserve kv-size` output
 latency.py     roofline per forward pass with fitted efficiencies (LatencyModel)
 profile.py     timing the real engine and fitting the efficiencies
 calibration.py this machine's FLOP/s, bandwidths, and the profile JSON file
-deployment.py  what is simulated: Cluster (hardware + model), Deployment (instances)
+deployment.py  what is simulated: Cluster (hardware, model, ServingOverhead), Deployment
+overhead.py    the serving path's overhead, fitted to probe requests against a real server
+served.py      the engine's efficiencies refitted to the steps a served engine logged
 instance.py    one simulated engine instance: scheduling, decode stretches
 fabric.py      KV transfer flows with shared bandwidth and layer-wise overlap
 simulator.py   the discrete-event loop; bench-shaped records and aggregates

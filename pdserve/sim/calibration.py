@@ -18,11 +18,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pdserve.sim.deployment import Cluster
+from pdserve.sim.deployment import Cluster, ServingOverhead
 from pdserve.sim.hardware import Accelerator, Link
 from pdserve.sim.latency import Efficiency
 from pdserve.sim.models import ModelSpec
-from pdserve.sim.overhead import OverheadFit, ServingOverhead
+from pdserve.sim.overhead import OverheadFit
 from pdserve.sim.profile import PROFILE_VERSION, Fit, Point
 
 

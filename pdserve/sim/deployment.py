@@ -9,9 +9,22 @@ from dataclasses import dataclass, field, replace
 from pdserve.sim.hardware import Accelerator, Link
 from pdserve.sim.latency import Efficiency, LatencyModel
 from pdserve.sim.models import ModelSpec
-from pdserve.sim.overhead import ServingOverhead
 
 MODES = ("colocated", "disagg")
+
+
+@dataclass(frozen=True)
+class ServingOverhead:
+    """Seconds the serving path adds per request (to TTFT), per engine step and per sequence
+    in each step. Part of a `Cluster`; `pdserve.sim.overhead` fits it to a real server."""
+
+    request_s: float = 0.0
+    step_s: float = 0.0
+    seq_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.request_s, self.step_s, self.seq_s) < 0:
+            raise ValueError(f"serving overheads must be >= 0 seconds, got {self}")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ router (tokenization, placement, detokenization), ZeroMQ hops to and from the wo
 (disaggregated: router -> D -> router -> P -> router -> D) and bench's client; every engine
 step shares its worker's loop with messages and heartbeat snapshots, and every streamed token
 costs detokenization, an SSE event and the client's parsing, on the same cores as the engine.
-Three numbers per mode describe that, all >= 0:
+Three numbers per mode describe that, all >= 0 (`ServingOverhead`, in deployment.py: a
+`Cluster` holds one per mode):
 
 * `request_s`, once per request: in the simulator a request reaches an instance this long
   after it was sent (its TTFT still counts from the send);
@@ -27,30 +28,18 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 from pdserve.bench.metrics import SLO, RequestRecord
 from pdserve.bench.workload import RequestSpec
+from pdserve.sim.deployment import ServingOverhead
+from pdserve.sim.simulator import simulate
 
 PROBE_PROMPTS = (32, 128, 224)  # tokens; below the router's 256-token local threshold
 PROBE_OUTPUT = 32  # tokens: 31 inter-token gaps per request
 PROBE_SIZES = (1, 4, 1, 8)  # requests sent together; lone ones twice, for request_s
 PROBE_REPEATS = 3
-
-
-@dataclass(frozen=True)
-class ServingOverhead:
-    """Seconds the serving path adds per request (to TTFT), per engine step and per sequence
-    in each step."""
-
-    request_s: float = 0.0
-    step_s: float = 0.0
-    seq_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if min(self.request_s, self.step_s, self.seq_s) < 0:
-            raise ValueError(f"serving overheads must be >= 0 seconds, got {self}")
 
 
 class OverheadFit(NamedTuple):
@@ -205,8 +194,6 @@ def _with(cluster, mode: str, overhead: ServingOverhead):
 
 def _predicted(cluster, dep, groups) -> dict[int, RequestRecord]:
     """Simulated records, by index, of each group arriving together at an idle deployment."""
-    from pdserve.sim.simulator import simulate
-
     out = {}
     for g in groups:
         specs = [RequestSpec(r.index, 0.0, r.klass, r.prompt_tokens, r.output_tokens) for r in g]

@@ -15,7 +15,7 @@ those steps, so the simulator runs at the speed the engine actually had while se
   engine, whose other thread then spins at the barrier), and streams wait for those too;
 * `step_gaps` measures the worker's loop between two decode steps (receiving messages,
   sending tokens, heartbeats): the serving overhead per step and per sequence, as
-  `pdserve.sim.overhead.ServingOverhead` carries it.
+  `pdserve.sim.deployment.ServingOverhead` carries it.
 """
 
 from __future__ import annotations

@@ -10,13 +10,12 @@ from pdserve.bench.metrics import SLO
 from pdserve.bench.workload import RequestSpec
 from pdserve.sim.calibration import load_profile, profile_document, save_overhead
 from pdserve.sim.commands import cluster_of
-from pdserve.sim.deployment import Cluster, Deployment
+from pdserve.sim.deployment import Cluster, Deployment, ServingOverhead
 from pdserve.sim.hardware import Accelerator, get_link
 from pdserve.sim.latency import Batch, Efficiency, stretch_time
 from pdserve.sim.models import ModelSpec
 from pdserve.sim.overhead import (
     OverheadFit,
-    ServingOverhead,
     describe_overhead,
     fit_overhead,
     interference_rounds,
@@ -160,8 +159,8 @@ def test_served_deployment_follows_the_real_defaults():
     import argparse
 
     from pdserve.config import EngineConfig
-    from pdserve.router.config import RouterConfig
     from pdserve.launch.cli import register
+    from pdserve.router.config import RouterConfig
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

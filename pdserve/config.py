@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROLES = ("both", "prefill", "decode")
 WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")  # see model/quant.py
@@ -75,8 +75,6 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
-    seed: int = 0
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -16,20 +16,10 @@ def model_path() -> str | None:
     return os.environ.get("PDSERVE_MODEL") or None
 
 
-def secret() -> bytes | None:
-    """`PDSERVE_SECRET`: shared secret for internal channels bound to non-loopback addresses."""
-    value = os.environ.get("PDSERVE_SECRET")
-    return value.encode() if value else None
-
-
 def step_log_dir() -> Path | None:
     """`PDSERVE_STEP_LOG`: a directory where every engine logs its steps (see `StepLog`)."""
     value = os.environ.get("PDSERVE_STEP_LOG")
     return Path(value) if value else None
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def kv_staging() -> bool:

@@ -33,7 +33,6 @@ class Register(msgspec.Struct, tag=True):
     kv_endpoint: str | None  # where a decode worker receives KV
     total_blocks: int
     max_model_len: int
-    metrics_port: int | None = None
     pid: int = 0
     has_store: bool = False  # loads prefixes from / offloads blocks to a KV store
 

@@ -1,28 +1,69 @@
-"""The one typed place where pdserve reads environment variables."""
+"""The one typed place where pdserve reads environment variables.
+
+Each variable is read by one function here. The names are constants too, for the few places
+that set a variable for a child process or a library (`pdserve serve --step-log` sets
+`STEP_LOG` for its workers) or name it in a message.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+API_KEY = "PDSERVE_API_KEY"
+CACHE_DIR = "PDSERVE_CACHE_DIR"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+KV_STAGING = "PDSERVE_KV_STAGING"
+MODEL = "PDSERVE_MODEL"
+NIXL_LOG_LEVEL = "NIXL_LOG_LEVEL"
+SECRET = "PDSERVE_SECRET"
+SECRET_FILE = "PDSERVE_SECRET_FILE"
+STEP_LOG = "PDSERVE_STEP_LOG"
+
 
 def cache_dir() -> Path:
     """Where derived artefacts (e.g. a tokenizer extracted from a GGUF file) are cached."""
-    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+    return Path(os.environ.get(CACHE_DIR, Path.home() / ".cache" / "pdserve"))
 
 
 def model_path() -> str | None:
     """`PDSERVE_MODEL`: default model path when `--model` is not given (bundled model if unset)."""
-    return os.environ.get("PDSERVE_MODEL") or None
+    return os.environ.get(MODEL) or None
+
+
+def api_key() -> str | None:
+    """`PDSERVE_API_KEY`: the router's default `--api-key` (None: no key required). Set but
+    empty, it is the empty key, as `--api-key ''` would be."""
+    return os.environ.get(API_KEY)
+
+
+def secret_text() -> str | None:
+    """`PDSERVE_SECRET`: the shared secret of internal channels, as given (None: unset).
+    `kv_transfer.wire.secret_from_env` checks it and prefers it to `secret_file()`."""
+    return os.environ.get(SECRET)
+
+
+def secret_file() -> str | None:
+    """`PDSERVE_SECRET_FILE`: the path of a file that holds the shared secret (None: unset)."""
+    return os.environ.get(SECRET_FILE)
 
 
 def step_log_dir() -> Path | None:
     """`PDSERVE_STEP_LOG`: a directory where every engine logs its steps (see `StepLog`)."""
-    value = os.environ.get("PDSERVE_STEP_LOG")
+    value = os.environ.get(STEP_LOG)
     return Path(value) if value else None
 
 
 def kv_staging() -> bool:
     """`PDSERVE_KV_STAGING=1`: stage KV transfers through host blocks even for a CPU cache (as a
     GPU cache always is); the tests use it to run the GPU path's bookkeeping on CPU."""
-    return os.environ.get("PDSERVE_KV_STAGING", "").lower() in ("1", "true", "yes")
+    return os.environ.get(KV_STAGING, "").lower() in ("1", "true", "yes")
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """`CUDA_VISIBLE_DEVICES` as its list of device ids, blanks dropped (None: unset, so every
+    GPU is visible; empty or starting with "-1": none is)."""
+    value = os.environ.get(CUDA_VISIBLE_DEVICES)
+    if value is None:
+        return None
+    return [d.strip() for d in value.split(",") if d.strip()]

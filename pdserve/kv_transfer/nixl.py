@@ -27,6 +27,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
+from pdserve import envs
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.memory import paired_runs
 from pdserve.kv_transfer.send_queue import Job
@@ -47,7 +48,7 @@ _SPIN_S = 1e-3  # poll without sleeping this long: most layer READs finish withi
 
 def _nixl_api():
     """(nixl_agent, nixl_agent_config) from whichever NIXL wheel is installed."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent at INFO otherwise
+    os.environ.setdefault(envs.NIXL_LOG_LEVEL, "WARN")  # NIXL logs every agent at INFO otherwise
     for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:
             api = __import__(module, fromlist=["nixl_agent"])

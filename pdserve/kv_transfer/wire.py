@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import os
 import secrets
 import socket
 import struct
@@ -28,17 +27,16 @@ from typing import TypeVar
 
 import msgspec
 
+from pdserve import envs
 from pdserve.kv_transfer.base import KVLayout
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024
 MIN_SECRET_BYTES = 16
-SECRET_ENV = "PDSERVE_SECRET"
-SECRET_FILE_ENV = "PDSERVE_SECRET_FILE"
 HOW_TO_SET_SECRET = (
     f"set the same shared secret (at least {MIN_SECRET_BYTES} bytes) on every worker: "
-    f"export {SECRET_ENV}=$(openssl rand -hex 32), or put it in a file readable only by the "
-    f"service user and export {SECRET_FILE_ENV}=/path/to/file"
+    f"export {envs.SECRET}=$(openssl rand -hex 32), or put it in a file readable only by the "
+    f"service user and export {envs.SECRET_FILE}=/path/to/file"
 )
 _LEN = struct.Struct("!I")
 T = TypeVar("T")
@@ -96,8 +94,7 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 def secret_from_env() -> bytes | None:
     """The shared secret from $PDSERVE_SECRET or the file named by $PDSERVE_SECRET_FILE."""
-    value = os.environ.get(SECRET_ENV)
-    path = os.environ.get(SECRET_FILE_ENV)
+    value, path = envs.secret_text(), envs.secret_file()
     if value is None and path is None:
         return None
     if value is not None:
@@ -107,7 +104,7 @@ def secret_from_env() -> bytes | None:
             with open(path, "rb") as f:  # type: ignore[arg-type]
                 secret = f.read().strip()
         except OSError as exc:
-            raise ValueError(f"cannot read {SECRET_FILE_ENV}={path}: {exc.strerror}") from exc
+            raise ValueError(f"cannot read {envs.SECRET_FILE}={path}: {exc.strerror}") from exc
     check_secret(secret)
     return secret
 

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from pdserve import envs
 from pdserve.engine.cli import add_engine_args, engine_config_from_args
 from pdserve.kv_transfer.registry import TRANSPORTS
 
@@ -90,7 +91,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY"),
+        default=envs.api_key(),
         help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY, else none)",
     )
     p.add_argument(
@@ -100,11 +101,11 @@ def _router_args(p: argparse.ArgumentParser) -> None:
 
 def _make_frontend(args):
     from pdserve.model.loader import load_model_config, load_tokenizer
+    from pdserve.protocol.channel import require_secret_for, resolve_secret
     from pdserve.router.app import Frontend
     from pdserve.router.config import RouterConfig
     from pdserve.router.core import RouterCore
     from pdserve.router.metrics import register_workers
-    from pdserve.protocol.channel import require_secret_for, resolve_secret
 
     secret = resolve_secret()
     require_secret_for(args.control_host, secret)
@@ -129,8 +130,8 @@ def _make_frontend(args):
 
 
 def _router(args) -> int:
-    from pdserve.router.app import build_app
     from pdserve.launch.local import serve_forever
+    from pdserve.router.app import build_app
 
     frontend = _make_frontend(args)
 
@@ -158,7 +159,6 @@ def _engine_argv(args) -> list[str]:
 
 def _serve(args) -> int:
     from pdserve.config import EngineConfig
-    from pdserve.router.app import build_app
     from pdserve.launch.local import (
         ServePlan,
         WorkerProcs,
@@ -168,6 +168,7 @@ def _serve(args) -> int:
         visible_gpus,
         wait_ready,
     )
+    from pdserve.router.app import build_app
 
     max_seqs = args.max_num_seqs or EngineConfig.max_num_seqs  # the engine's default
     if args.decode_chunk_size and not args.decode_chunk_size >= max_seqs:
@@ -176,7 +177,7 @@ def _serve(args) -> int:
             f"running stream needs one of its tokens in each step, got {args.decode_chunk_size}"
         )
     if args.step_log:  # the workers inherit it (pdserve.envs.step_log_dir)
-        os.environ["PDSERVE_STEP_LOG"] = str(Path(args.step_log).resolve())
+        os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
     frontend = _make_frontend(args)

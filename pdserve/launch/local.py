@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve import envs
+
 log = logging.getLogger("pdserve.serve")
 
 
@@ -67,9 +69,8 @@ class ServePlan:
 def visible_gpus() -> int:
     """How many CUDA GPUs a worker would see, found without importing torch (the router stays
     light): `CUDA_VISIBLE_DEVICES` when set, else the NVIDIA driver's entries in /proc."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        ids = [d.strip() for d in env.split(",") if d.strip()]
+    ids = envs.cuda_visible_devices()
+    if ids is not None:
         return 0 if not ids or ids[0] == "-1" else len(ids)
     gpus = Path("/proc/driver/nvidia/gpus")
     return sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0

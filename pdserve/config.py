@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROLES = ("both", "prefill", "decode")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")  # see model/quant.py
+# `pdserve serve --decode-chunk-size`: the token budget per step of a disaggregated decode
+# worker's own prefills (`EngineConfig.chunk_size` of its engine); sim's `Deployment.served`
+# models the same.
+DECODE_CHUNK_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )

@@ -4,27 +4,30 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.config import WEIGHT_FORMATS
+from pdserve.config import DTYPES, WEIGHT_FORMATS, EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by `generate`, `worker` and `serve`."""
     p.add_argument(
         "--model",
-        default=None,
+        default=EngineConfig.model,
         help="GGUF file or Hugging Face folder "
         "(default: $PDSERVE_MODEL, else the bundled SmolLM2-135M-Instruct)",
     )
     p.add_argument(
         "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        default=EngineConfig.dtype,
+        choices=DTYPES,
         help="auto = bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32",
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if present)")
+    p.add_argument(
+        "--device", default=EngineConfig.device, help="cpu, cuda, cuda:N (default: cuda if present)"
+    )
     p.add_argument(
         "--weights",
-        default="auto",
+        default=EngineConfig.weights,
         choices=WEIGHT_FORMATS,
         help="weight format of the linear layers: bf16 = unquantized, in --dtype; int8 = one "
         "scale per row; int4 = groups of 32 (a GGUF's Q4_0/Q4_1 blocks are used as they are). "
@@ -41,28 +44,44 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-gb",
         type=float,
-        default=None,
+        default=EngineConfig.kv_cache_gb,
         help="KV cache size (default: 1 GiB on CPU; on a GPU a quarter of its total memory, at "
         "most 90%% of what is free)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help=f"tokens per KV block (default {EngineConfig.block_size})",
+    )
     p.add_argument(
         "--chunk-size",
         type=int,
-        default=None,
+        default=EngineConfig.chunk_size,
         help="chunked prefill: per-step token budget (default: off, whole prompts)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="max sequences in a batch")
     p.add_argument(
-        "--max-model-len", type=int, default=None, help="context window (default: the model's)"
+        "--max-num-seqs",
+        type=int,
+        default=EngineConfig.max_num_seqs,
+        help="max sequences in a batch",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=EngineConfig.max_model_len,
+        help="context window (default: the model's)",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=EngineConfig.num_threads,
+        help="torch threads (default: torch's)",
+    )
 
 
-def engine_config_from_args(args: argparse.Namespace, **overrides):
-    from pdserve.config import EngineConfig
-
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -82,7 +101,6 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
 
 def _generate(args: argparse.Namespace) -> int:
     from pdserve.engine.llm import LLM
-    from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -110,10 +128,14 @@ def register(sub) -> None:
     )
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument(
+        "--temperature", type=float, default=SamplingParams.temperature, help="0 = greedy (default)"
+    )
+    p.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    p.add_argument("--top-k", type=int, default=SamplingParams.top_k)
+    p.add_argument(
+        "--seed", type=int, default=SamplingParams.seed, help="makes sampling reproducible"
+    )
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="no chat template: complete PROMPT as is")
     add_engine_args(p)

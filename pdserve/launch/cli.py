@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 
 from pdserve import envs
+from pdserve.config import DECODE_CHUNK_SIZE, EngineConfig
 from pdserve.engine.cli import add_engine_args, engine_config_from_args
 from pdserve.kv_transfer.registry import TRANSPORTS
+from pdserve.router.config import MODES, RouterConfig
 
 ENGINE_FLAGS = (
     "model",
@@ -23,29 +25,34 @@ ENGINE_FLAGS = (
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
+    """The router's flags; their defaults are `RouterConfig`'s (its class attributes)."""
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
     p.add_argument(
         "--control-host",
-        default="127.0.0.1",
+        default=RouterConfig.control_host,
         help="bind address of the worker control socket; non-loopback needs PDSERVE_SECRET",
     )
     p.add_argument(
-        "--control-port", type=int, default=0, help="control socket port (default: any free)"
+        "--control-port",
+        type=int,
+        default=RouterConfig.control_port,
+        help="control socket port (default: any free)",
     )
     p.add_argument(
         "--mode",
-        choices=["disagg", "colocated"],
-        default="disagg",
+        choices=MODES,
+        default=RouterConfig.mode,
         help="disagg: prefill and decode pools; colocated: one engine does both",
     )
     p.add_argument(
         "--local-prefill-threshold",
         type=int,
-        default=256,
+        default=RouterConfig.local_prefill_threshold,
         help="conditional disaggregation: prompts whose uncached part is shorter than this "
         "many tokens are prefilled on the decode worker while the prefill pool is busy "
-        "(default 256); an idle pool takes them, so decoding streams are not paused",
+        f"(default {RouterConfig.local_prefill_threshold}); an idle pool takes them, so decoding "
+        "streams are not paused",
     )
     p.add_argument(
         "--keep-short-prefills-local",
@@ -57,24 +64,27 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lease-s",
         type=float,
-        default=120.0,
-        help="KV lease deadline on decode workers (default 120 s). A dead prefill worker is "
-        "detected by heartbeats much sooner; the lease is the backstop for lost messages and "
-        "long prefill queues",
+        default=RouterConfig.lease_s,
+        help=f"KV lease deadline on decode workers (default {RouterConfig.lease_s:g} s). A dead "
+        "prefill worker is detected by heartbeats much sooner; the lease is the backstop for "
+        "lost messages and long prefill queues",
     )
     p.add_argument(
-        "--heartbeat-timeout-s", type=float, default=5.0, help="silence before a worker is dead"
+        "--heartbeat-timeout-s",
+        type=float,
+        default=RouterConfig.heartbeat_timeout_s,
+        help="silence before a worker is dead",
     )
     p.add_argument(
         "--max-inflight",
         type=int,
-        default=256,
+        default=RouterConfig.max_inflight,
         help="admission control: requests in flight before new ones get 429 with Retry-After",
     )
     p.add_argument(
         "--slo-ttft",
         type=float,
-        default=None,
+        default=RouterConfig.slo_ttft_s,
         metavar="SECONDS",
         help="SLO-aware admission: answer 429 (with Retry-After) to a new request when the "
         "prompt tokens already queued for prefill, at the workers' measured prefill speed, "
@@ -83,7 +93,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--slo-tpot",
         type=float,
-        default=None,
+        default=RouterConfig.slo_tpot_s,
         metavar="SECONDS",
         help="SLO-aware admission: answer 429 when the chosen decode worker's measured time "
         "per output token already exceeds this (default: off). Admitted requests are never "
@@ -99,18 +109,9 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _make_frontend(args):
-    from pdserve.model.loader import load_model_config, load_tokenizer
-    from pdserve.protocol.channel import require_secret_for, resolve_secret
-    from pdserve.router.app import Frontend
-    from pdserve.router.config import RouterConfig
-    from pdserve.router.core import RouterCore
-    from pdserve.router.metrics import register_workers
-
-    secret = resolve_secret()
-    require_secret_for(args.control_host, secret)
-    path, _ = load_model_config(args.model)
-    config = RouterConfig(
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The router's settings from the flags `_router_args` (and the engine's --block-size) add."""
+    return RouterConfig(
         control_host=args.control_host,
         control_port=args.control_port,
         mode=args.mode,
@@ -123,7 +124,19 @@ def _make_frontend(args):
         slo_ttft_s=args.slo_ttft,
         slo_tpot_s=args.slo_tpot,
     )
-    core = RouterCore(config, secret)
+
+
+def _make_frontend(args):
+    from pdserve.model.loader import load_model_config, load_tokenizer
+    from pdserve.protocol.channel import require_secret_for, resolve_secret
+    from pdserve.router.app import Frontend
+    from pdserve.router.core import RouterCore
+    from pdserve.router.metrics import register_workers
+
+    secret = resolve_secret()
+    require_secret_for(args.control_host, secret)
+    path, _ = load_model_config(args.model)
+    core = RouterCore(router_config_from_args(args), secret)
     register_workers(core)
     name = args.model_name or path.name.removesuffix(".gguf")
     return Frontend(core, load_tokenizer(args.model), name, api_key=args.api_key)
@@ -158,7 +171,6 @@ def _engine_argv(args) -> list[str]:
 
 
 def _serve(args) -> int:
-    from pdserve.config import EngineConfig
     from pdserve.launch.local import (
         ServePlan,
         WorkerProcs,
@@ -287,13 +299,13 @@ def register(sub) -> None:
     p.add_argument(
         "--decode-chunk-size",
         type=int,
-        default=64,
+        default=DECODE_CHUNK_SIZE,
         metavar="N",
         help="disagg mode: a decode worker computes the prompts it keeps (short ones while the "
         "prefill pool is busy, warm suffixes, migrated streams) at most N tokens per step, its "
         "running streams' tokens included, so those streams keep flowing; with no stream "
-        "running it computes them whole (default 64; 0 = always whole prompts in one step). "
-        "Co-located workers use --chunk-size",
+        f"running it computes them whole (default {DECODE_CHUNK_SIZE}; 0 = always whole prompts "
+        "in one step). Co-located workers use --chunk-size",
     )
     p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS, help="KV transfer backend")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)

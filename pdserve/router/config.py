@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.config import EngineConfig
+
 MODES = ("disagg", "colocated")
 
 
@@ -16,7 +18,7 @@ class RouterConfig:
     short_prefills_to_idle_pool: bool = True  # ... unless the prefill pool has nothing queued
     lease_s: float = 120.0
     heartbeat_timeout_s: float = 5.0
-    block_size: int = 16
+    block_size: int = EngineConfig.block_size  # the workers' (--block-size): prefix hashes match
     max_inflight: int = 256  # admission control: beyond this, 429
     # SLO-aware admission (None = off): refuse a request whose estimated TTFT, or whose decode
     # worker's measured time per output token, already misses the target.

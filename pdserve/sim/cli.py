@@ -1,11 +1,15 @@
 """`pdserve kv-size | profile | simulate | plan`: the planner's commands.
 
-Registering imports argparse only; handlers (in `pdserve.sim.commands`) import what they need.
+Registering imports argparse and the defaults of the configs the flags fill (no numpy);
+handlers (in `pdserve.sim.commands`) import what they need.
 """
 
 from __future__ import annotations
 
 import argparse
+
+from pdserve.router.config import RouterConfig
+from pdserve.sim.deployment import MODES, Deployment
 
 
 def _handler(name: str):
@@ -66,7 +70,7 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
                    "(per request, per step) against an idle `pdserve serve` at URL (e.g. "
                    "http://127.0.0.1:8000/v1); --threads should match its workers' cores "
                    "(on 2 cores: 2 co-located, 1 disaggregated)")  # fmt: skip
-    p.add_argument("--serving-mode", choices=("colocated", "disagg"), default="colocated",
+    p.add_argument("--serving-mode", choices=MODES, default="colocated",
                    help="the --mode that server runs (default colocated)")  # fmt: skip
     p.add_argument("--from-steps", metavar="DIR", help="instead of timing the engine, refit the "
                    "profile at --out (made by `pdserve profile` earlier) to the steps a served "
@@ -119,25 +123,37 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
     _add_cluster_args(p)
     _add_workload_args(p, (2.0, 0.1))
     p.add_argument("--num-requests", type=int, default=1000, help="requests (default 1000)")
-    d = p.add_argument_group("deployment")
-    d.add_argument("--mode", choices=("colocated", "disagg"), default="colocated")
-    d.add_argument("--tp", type=int, default=1, help="co-located: TP degree per instance")
-    d.add_argument("--replicas", type=int, default=1, help="co-located: instances")
-    d.add_argument("--chunk", type=int, help="chunked prefill: tokens per step (default off)")
-    d.add_argument("--prefill-tp", type=int, default=1, help="disagg: TP per prefill instance")
-    d.add_argument("--num-prefill", type=int, default=1, help="disagg: prefill instances")
-    d.add_argument("--decode-tp", type=int, default=1, help="disagg: TP per decode instance")
-    d.add_argument("--num-decode", type=int, default=1, help="disagg: decode instances")
-    d.add_argument("--local-prefill-threshold", type=int, default=0, help="disagg: prompts "
-                   "shorter than this prefill on the decode instance, as pdserve's router does "
-                   "(its default is 256; default here 0 = always remote)")  # fmt: skip
-    d.add_argument("--max-num-seqs", type=int, default=256, help="sequences per instance")
-    d.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per step "
-                   "without chunking (whole prompts always fit)")  # fmt: skip
+    _add_deployment_args(p.add_argument_group("deployment"))
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="DIR", help="write DIR/results.json (bench's shape)")
     o.add_argument("--json", action="store_true", help="print the aggregates as JSON")
     p.set_defaults(func=_handler("simulate"))
+
+
+def _add_deployment_args(d: argparse._ArgumentGroup) -> None:
+    """A flag for each `Deployment` field (same name), defaulting to the field's default."""
+    router_threshold = RouterConfig.local_prefill_threshold
+    local = Deployment.local_prefill_threshold
+    d.add_argument("--mode", choices=MODES, default=Deployment.mode)
+    for name, text in (
+        ("tp", "co-located: TP degree per instance"),
+        ("replicas", "co-located: instances"),
+        ("chunk", "chunked prefill: tokens per step (default off)"),
+        ("prefill_tp", "disagg: TP per prefill instance"),
+        ("num_prefill", "disagg: prefill instances"),
+        ("decode_tp", "disagg: TP per decode instance"),
+        ("num_decode", "disagg: decode instances"),
+        (
+            "local_prefill_threshold",
+            "disagg: prompts shorter than this prefill on the decode instance, as pdserve's "
+            f"router does (its default is {router_threshold}; default here {local} = always "
+            "remote)",
+        ),
+        ("max_num_seqs", "sequences per instance"),
+        ("max_batched_tokens", "tokens per step without chunking (whole prompts always fit)"),
+    ):
+        flag = "--" + name.replace("_", "-")
+        d.add_argument(flag, type=int, default=getattr(Deployment, name), help=text)
 
 
 def _register_plan(subparsers: argparse._SubParsersAction) -> None:

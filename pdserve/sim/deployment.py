@@ -6,11 +6,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from pdserve.config import DECODE_CHUNK_SIZE, EngineConfig
+from pdserve.router.config import RouterConfig
 from pdserve.sim.hardware import Accelerator, Link
 from pdserve.sim.latency import Efficiency, LatencyModel
 from pdserve.sim.models import ModelSpec
 
 MODES = ("colocated", "disagg")
+# A served engine's token budget per step without chunking: the scheduler's
+# max(max_num_batched_tokens, max_model_len), so that a whole prompt fits; 8192 is the bundled
+# SmolLM2-135M's context.
+SERVED_STEP_TOKENS = max(EngineConfig.max_num_batched_tokens, 8192)
 
 
 @dataclass(frozen=True)
@@ -99,13 +105,20 @@ class Deployment:
         co-located (--colocated-workers), or one prefill and one decode worker with the
         router's conditional disaggregation (short prompts on the decode worker while the
         prefill pool is busy; an idle pool takes them) and the decode worker's own prefills in
-        steps of 64 tokens (--decode-chunk-size). The engine's defaults: 64 sequences; whole
-        prompts up to the bundled model's 8k context."""
-        engine = {"max_num_seqs": 64, "max_batched_tokens": 8192}
+        steps of `DECODE_CHUNK_SIZE` tokens (--decode-chunk-size). The engine's defaults:
+        `EngineConfig.max_num_seqs` sequences; whole prompts up to the bundled model's 8k
+        context (`SERVED_STEP_TOKENS`)."""
+        engine = {
+            "max_num_seqs": EngineConfig.max_num_seqs,
+            "max_batched_tokens": SERVED_STEP_TOKENS,
+        }
         if mode != "disagg":
             return cls(mode, replicas=replicas, **engine)
-        router = {"local_prefill_threshold": 256, "short_prefills_to_idle_pool": True}
-        return cls(mode, **router, decode_chunk=64, **engine)
+        router = {
+            "local_prefill_threshold": RouterConfig.local_prefill_threshold,
+            "short_prefills_to_idle_pool": RouterConfig.short_prefills_to_idle_pool,
+        }
+        return cls(mode, **router, decode_chunk=DECODE_CHUNK_SIZE, **engine)
 
     @property
     def num_gpus(self) -> int:

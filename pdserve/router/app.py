@@ -15,12 +15,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.model.tokenizer import IncrementalDecoder, Tokenizer
+from pdserve.protocol import messages as m
 from pdserve.router import metrics
 from pdserve.router import protocol as p
-from pdserve.router.core import Overloaded, RouterCore
+from pdserve.router.admission import Overloaded
+from pdserve.router.core import RouterCore
+from pdserve.router.placement import NoWorker
 from pdserve.router.state import RequestState
 from pdserve.router.stop import StopChecker
-from pdserve.protocol import messages as m
 
 log = logging.getLogger("pdserve.router")
 
@@ -111,7 +113,7 @@ class Frontend:
                 code="overloaded",
                 headers={"Retry-After": str(exc.retry_after_s)},
             ) from None
-        except LookupError:
+        except NoWorker:
             metrics.REJECTED.labels("no_worker").inc()
             raise p.APIError(
                 503, "no decode worker is available; retry shortly", headers={"Retry-After": "2"}

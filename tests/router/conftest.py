@@ -1,13 +1,14 @@
-"""RouterCore without workers: WorkerInfo and RequestState are set up by hand."""
+"""RouterCore without workers or sockets: WorkerInfo and RequestState are set up by hand, and
+what the core sends is recorded."""
 
 from __future__ import annotations
 
 import pytest
 
+from pdserve.protocol import messages as m
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.state import RequestState, WorkerInfo
-from pdserve.protocol import messages as m
 
 
 def load(prefill_tok_s: float = 0.0, decode_step_s: float = 0.0) -> m.Load:
@@ -33,16 +34,31 @@ def pending(core: RouterCore, rid: str, tokens: int, remote: bool, decode_id: st
     return state
 
 
+class Recorder:
+    """A control channel that keeps what the core sends, as (worker id, message)."""
+
+    endpoint = "tcp://127.0.0.1:1"
+
+    def __init__(self):
+        self.sent: list[tuple[str, object]] = []
+
+    def send(self, worker_id: str, msg) -> bool:
+        self.sent.append((worker_id, msg))
+        return True
+
+    def take(self) -> list[tuple[str, object]]:
+        out, self.sent = self.sent, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
 @pytest.fixture
 def core():
-    """core(**RouterConfig fields) -> a RouterCore whose socket is closed after the test."""
-    cores = []
+    """core(**RouterConfig fields) -> a RouterCore sending into a Recorder (`core.channel`)."""
 
     def make(**config) -> RouterCore:
-        c = RouterCore(RouterConfig(**config))
-        cores.append(c)
-        return c
+        return RouterCore(RouterConfig(**config), channel=Recorder())
 
-    yield make
-    for c in cores:
-        c.sock.close()
+    return make

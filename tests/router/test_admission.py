@@ -7,7 +7,7 @@ from factories import make_engine, run_to_completion
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_perf import StepPerf
-from pdserve.router.core import Overloaded
+from pdserve.router.admission import Overloaded, check_slo
 
 from .conftest import load, pending, worker
 
@@ -15,13 +15,13 @@ from .conftest import load, pending, worker
 def test_ttft_estimate_refuses_with_retry_after(core):
     c = core(slo_ttft_s=1.0)
     d = c.workers["d"] = worker("d", "both", load(prefill_tok_s=100.0))
-    c._admit_within_slo(d, remote=False, uncached=50)  # nothing queued: admitted
+    check_slo(c.config, c.view(), d, remote=False, uncached=50)  # nothing queued: admitted
     pending(c, "r0", 80, remote=False, decode_id="d")
-    c._admit_within_slo(d, remote=False, uncached=0)  # 0.8 s: within 80 % of the SLO
+    check_slo(c.config, c.view(), d, remote=False, uncached=0)  # 0.8 s: within 80 % of the SLO
     with pytest.raises(Overloaded):
-        c._admit_within_slo(d, remote=False, uncached=20)  # 1.0 s: no headroom left
+        check_slo(c.config, c.view(), d, remote=False, uncached=20)  # 1.0 s: no headroom left
     with pytest.raises(Overloaded) as exc:
-        c._admit_within_slo(d, remote=False, uncached=300)  # (80 + 300) / 100 = 3.8 s
+        check_slo(c.config, c.view(), d, remote=False, uncached=300)  # (80 + 300) / 100 = 3.8 s
     assert exc.value.reason == "slo_ttft"
     assert exc.value.retry_after_s == 3  # ceil(3.8 - 0.8 x 1.0)
     assert "3.80 s" in str(exc.value) and "80 prompt tokens queued" in str(exc.value)
@@ -30,7 +30,9 @@ def test_ttft_estimate_refuses_with_retry_after(core):
 def test_a_lone_request_is_never_refused_for_its_own_size(core):
     c = core(slo_ttft_s=0.1, slo_tpot_s=0.01)
     d = c.workers["d"] = worker("d", "both", load(prefill_tok_s=10.0, decode_step_s=5.0))
-    c._admit_within_slo(d, remote=False, uncached=10_000)  # 1000 s alone, but nothing ahead
+    check_slo(
+        c.config, c.view(), d, remote=False, uncached=10_000
+    )  # 1000 s alone, but nothing ahead
 
 
 def test_remote_prefill_uses_the_prefill_pools_backlog_and_speed(core):
@@ -40,39 +42,41 @@ def test_remote_prefill_uses_the_prefill_pools_backlog_and_speed(core):
     c.workers["p1"] = worker("p1", "prefill", load(prefill_tok_s=300.0))
     pending(c, "local", 5000, remote=False, decode_id="d")  # D's own queue: not the pool's
     pending(c, "r0", 600, remote=True, decode_id="d")
-    assert c.pending_prefill_tokens(remote=True, decode_id="d") == 600
-    c._admit_within_slo(d, remote=True, uncached=360)  # 960 / 600 tok/s = 1.6 s = 0.8 x SLO
+    assert c.view().queued(remote=True, decode_id="d") == 600
+    check_slo(
+        c.config, c.view(), d, remote=True, uncached=360
+    )  # 960 / 600 tok/s = 1.6 s = 0.8 x SLO
     with pytest.raises(Overloaded):
-        c._admit_within_slo(d, remote=True, uncached=700)
+        check_slo(c.config, c.view(), d, remote=True, uncached=700)
     c.requests["r0"].tokens.append(7)  # its first token arrived: no longer waiting
-    c._admit_within_slo(d, remote=True, uncached=700)
+    check_slo(c.config, c.view(), d, remote=True, uncached=700)
 
 
 def test_tpot_refuses_only_a_busy_decodeworker(core):
     c = core(slo_tpot_s=0.1)
     d = c.workers["d"] = worker("d", "decode", load(decode_step_s=0.25))
-    c._admit_within_slo(d, remote=False, uncached=10)  # idle: its old figure is stale
+    check_slo(c.config, c.view(), d, remote=False, uncached=10)  # idle: its old figure is stale
     pending(c, "r0", 10, remote=False, decode_id="d")
     with pytest.raises(Overloaded) as exc:
-        c._admit_within_slo(d, remote=False, uncached=10)
+        check_slo(c.config, c.view(), d, remote=False, uncached=10)
     assert exc.value.reason == "slo_tpot" and "250 ms" in str(exc.value)
     assert exc.value.retry_after_s == 2
     d.load = load(decode_step_s=0.08)  # within the SLO, but without room for another stream
     with pytest.raises(Overloaded):
-        c._admit_within_slo(d, remote=False, uncached=10)
+        check_slo(c.config, c.view(), d, remote=False, uncached=10)
     d.load = load(decode_step_s=0.07)
-    c._admit_within_slo(d, remote=False, uncached=10)
+    check_slo(c.config, c.view(), d, remote=False, uncached=10)
 
 
 def test_off_by_default_and_unmeasured_workers_admit(core):
     c = core()
     d = c.workers["d"] = worker("d", "both", load(prefill_tok_s=1.0, decode_step_s=9.0))
     pending(c, "r0", 10_000, remote=False, decode_id="d")
-    c._admit_within_slo(d, remote=False, uncached=10_000)
+    check_slo(c.config, c.view(), d, remote=False, uncached=10_000)
     c2 = core(slo_ttft_s=0.5, slo_tpot_s=0.05)
     d2 = c2.workers["d"] = worker("d", "both", None)  # no heartbeat yet
     pending(c2, "r0", 10_000, remote=False, decode_id="d")
-    c2._admit_within_slo(d2, remote=False, uncached=10_000)
+    check_slo(c2.config, c2.view(), d2, remote=False, uncached=10_000)
 
 
 def test_step_perf_moving_averages():

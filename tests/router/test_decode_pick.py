@@ -3,7 +3,10 @@ first token there (queued local prefills + its own uncached ones), then the fewe
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.engine.block_hash import block_hashes
+from pdserve.router.placement import NoWorker, pick_decode
 
 from .conftest import load, pending, worker
 
@@ -27,27 +30,27 @@ def test_a_queued_prefill_outweighs_fewer_requests_in_flight(core):
     pending(c, "doc", 4000, remote=False, decode_id="a")  # a is prefilling a document
     _decoding(c, "s1", "b")
     _decoding(c, "s2", "b")  # b has more in flight but nothing to prefill
-    assert c._pick_decode(PROMPT).worker_id == "b"
+    assert pick_decode(c.view(), PROMPT, 16).worker_id == "b"
 
 
 def test_with_nothing_queued_the_fewest_in_flight_wins(core):
     c = _colocated(core)
     _decoding(c, "s1", "a")
-    assert c._pick_decode(PROMPT).worker_id == "b"
+    assert pick_decode(c.view(), PROMPT, 16).worker_id == "b"
     _decoding(c, "s2", "b")
     _decoding(c, "s3", "b")
-    assert c._pick_decode(PROMPT).worker_id == "a"
+    assert pick_decode(c.view(), PROMPT, 16).worker_id == "a"
 
 
 def test_a_cached_prefix_wins_unless_its_worker_has_more_queued_than_it_saves(core):
     c = _colocated(core)
     c.workers["a"].cached = set(block_hashes(PROMPT, c.config.block_size))  # 192 tokens cached
     _decoding(c, "s1", "a")  # more in flight on a: the cache still decides
-    assert c._pick_decode(PROMPT).worker_id == "a"
+    assert pick_decode(c.view(), PROMPT, 16).worker_id == "a"
     pending(c, "q", 150, remote=False, decode_id="a")  # 150 queued + 8 uncached < 200 on b
-    assert c._pick_decode(PROMPT).worker_id == "a"
+    assert pick_decode(c.view(), PROMPT, 16).worker_id == "a"
     pending(c, "q2", 100, remote=False, decode_id="a")  # 258 > 200
-    assert c._pick_decode(PROMPT).worker_id == "b"
+    assert pick_decode(c.view(), PROMPT, 16).worker_id == "b"
 
 
 def test_remote_prefills_do_not_count_against_a_decode_worker(core):
@@ -58,4 +61,14 @@ def test_remote_prefills_do_not_count_against_a_decode_worker(core):
     pending(c, "doc", 4000, remote=True, decode_id="d0")  # prefilled by the pool
     _decoding(c, "s1", "d1")
     _decoding(c, "s2", "d1")
-    assert c._pick_decode(PROMPT).worker_id == "d0"  # fewer in flight
+    assert pick_decode(c.view(), PROMPT, 16).worker_id == "d0"  # fewer in flight
+
+
+def test_dead_workers_and_prefill_workers_never_decode(core):
+    c = _colocated(core)
+    c.workers["a"].alive = False
+    assert pick_decode(c.view(), PROMPT, 16).worker_id == "b"
+    c.workers["b"].alive = False
+    c.workers["p"] = worker("p", "prefill", load())
+    with pytest.raises(NoWorker):
+        pick_decode(c.view(), PROMPT, 16)

@@ -10,10 +10,10 @@ free queue, never both; the hash index points only at blocks carrying that hash.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.block_hash import hash_block
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.sequence import Sequence
 
 
@@ -27,7 +27,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        connector: KVConnector | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block: raise --kv-cache-gb")
         self.block_size = block_size
@@ -37,9 +43,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.events: list[tuple[str, int]] = []  # ("stored"|"removed", hash), drained by workers
-        # Called with a cached block about to be reused, while its KV is still intact (a worker
-        # copies it out for the KV store). Must not raise and must not touch the block manager.
-        self.on_evict: Callable[[Block], None] | None = None
+        self.connector = connector or KVConnector()  # told of each eviction (KVConnector.on_evict)
         self.hits = self.queries = 0  # prefix-cache hit rate, in tokens
 
     @property
@@ -50,8 +54,7 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)  # least recently freed first
         block = self.blocks[block_id]
         if block.hash is not None:  # evict it from the prefix cache
-            if self.on_evict is not None:
-                self.on_evict(block)
+            self.connector.on_evict(block)
             del self.hash_to_block[block.hash]
             self.events.append(("removed", block.hash))
             block.hash, block.parent, block.token_ids = None, None, ()

@@ -9,7 +9,6 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -17,10 +16,11 @@ import torch
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_perf import StepLog, StepPerf
 from pdserve.model.loader import ModelFiles, load_model_files, load_tokenizer
@@ -66,7 +66,12 @@ class LLMEngine:
         self.step_log = StepLog.for_engine(envs.step_log_dir(), config.role)
         self._tokenizer = None
         self.eos_ids = set(mc.eos_token_ids)
-        self.hold_finished = False  # set by workers that offload finished blocks to a KV store
+        self.connector = KVConnector()  # moves no KV until a worker connects one
+
+    def connect(self, connector: KVConnector) -> None:
+        """Move KV through `connector` from now on (see KVConnector for when it is called).
+        A worker connects after `warm_up`, so the warm-up request moves no KV."""
+        self.connector = self.scheduler.connector = self.block_manager.connector = connector
 
     @property
     def tokenizer(self):
@@ -146,7 +151,7 @@ class LLMEngine:
         return True
 
     def release(self, request_id: str) -> None:
-        """Prefill role: the KV of a finished request has been sent; free its blocks."""
+        """The connector has sent the KV of a finished request it held: free its blocks."""
         self.scheduler.release_held(request_id)
 
     def warm_up(self, prompt_tokens: int = 128, decode_steps: int = 3) -> None:
@@ -159,17 +164,15 @@ class LLMEngine:
         seq = self.add_request(ids, params, request_id="__warm_up__")
         while self.has_work():
             self.step()
-        self.release(seq.request_id)  # a prefill-role engine holds finished blocks
+        self.release(seq.request_id)  # in case a connector held its blocks
         self.block_manager.drain_events()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(
-        self, layer_hook: Callable[[ScheduledBatch, int], None] | None = None
-    ) -> list[StepOutput]:
-        """One iteration: schedule, run the model, sample, and finish what is done.
-        `layer_hook(batch, layer)` runs after each layer's forward pass (KV streaming)."""
+    def step(self) -> list[StepOutput]:
+        """One iteration: schedule, run the model, sample, and finish what is done. The
+        connector's `after_layer(batch, layer)` runs after each layer when it wants them."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
@@ -178,7 +181,12 @@ class LLMEngine:
         prefill_tokens = sum(n for n, p in zip(batch.num_new_tokens, prefilling, strict=True) if p)
         decode_seqs = prefilling.count(False)
         computed = [s.num_computed_tokens for s in batch.seqs] if self.step_log else []
-        hook = None if layer_hook is None else (lambda layer: layer_hook(batch, layer))
+        hook = None
+        if self.connector.wants_layers(batch):
+
+            def hook(layer: int) -> None:
+                self.connector.after_layer(batch, layer)
+
         loading = [s for s in batch.seqs if s.prefix_load is not None]
         before = None
         if loading:  # the model waits for each layer of the loaded prefixes before using it
@@ -239,9 +247,8 @@ class LLMEngine:
         seq.token_ids.append(token)
         reason = self._stop_reason(seq, token)
         if reason is not None:
-            # A prefill worker keeps the blocks until their KV is on the decode worker; with a
-            # KV store, every worker keeps them until the store has read them.
-            keep = self.config.role == "prefill" or self.hold_finished
+            # e.g. a prefill worker keeps the blocks until their KV is on the decode worker
+            keep = self.connector.request_finished(seq)
             self.scheduler.finish(seq, reason, keep_blocks=keep)
             self.requests.pop(seq.request_id, None)
         return StepOutput(seq, token, reason is not None)

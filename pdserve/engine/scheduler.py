@@ -11,10 +11,10 @@ are freed and it is recomputed later (its generated tokens are kept).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.sequence import SeqStatus, Sequence
 
 
@@ -36,6 +36,7 @@ class Scheduler:
         chunk_size: int | None,
         max_model_len: int,
         chunk_only_under_decodes: bool = False,
+        connector: KVConnector | None = None,
     ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -50,10 +51,8 @@ class Scheduler:
         self.transferring: dict[str, Sequence] = {}
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
-        # Called right after a sequence gets blocks: may fill more of its prefix (KV store).
-        # The flag says whether the fill may still be landing while the next step runs (it
-        # then sets seq.prefix_load, which the engine settles after that step).
-        self.on_allocate: Callable[[Sequence, bool], object] | None = None
+        # Told right after a sequence gets blocks: may fill more of its prefix (KVConnector).
+        self.connector = connector or KVConnector()
         self.num_preemptions = 0
 
     @property
@@ -80,8 +79,7 @@ class Scheduler:
         Returns False if blocks are short (the caller retries or prefills locally)."""
         if not self.bm.allocate(seq):
             return False
-        if self.on_allocate is not None:
-            self.on_allocate(seq, False)  # no step computes this prompt: load it before
+        self.connector.on_allocate(seq, False)  # no step computes this prompt: load it before
         seq.status = SeqStatus.TRANSFERRING
         self.transferring[seq.request_id] = seq
         return True
@@ -185,8 +183,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.bm.allocate(seq):
                 break
-            if self.on_allocate is not None:
-                self.on_allocate(seq, True)
+            self.connector.on_allocate(seq, True)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

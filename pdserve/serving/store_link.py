@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 from pdserve.engine.block_hash import block_hashes
 from pdserve.engine.block_manager import Block, BlockManager
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_store.client import LayerLoad, StoreClient
 from pdserve.kv_store.config import payload_bytes
@@ -40,9 +40,23 @@ log = logging.getLogger("pdserve.worker")
 KNOWN_CAPACITY = 1 << 16  # hashes remembered as held by the store (an LRU; a miss costs a copy)
 
 
-class StoreLink:
-    def __init__(self, client: StoreClient, max_copy_bytes: int = 64 << 20):
+class StoreLink(KVConnector):
+    """The engine's KV connector to the store. `overlap_loads`: a prefix may load under the
+    step that computes the rest (not on a prefill worker, which streams each layer on as soon
+    as it is computed). `offload_finished`: a finished request's blocks are offloaded, and held
+    until the store has read them (`poll`)."""
+
+    def __init__(
+        self,
+        client: StoreClient,
+        block_manager: BlockManager,
+        overlap_loads: bool = True,
+        offload_finished: bool = True,
+        max_copy_bytes: int = 64 << 20,
+    ):
         self.client = client
+        self.bm = block_manager
+        self.overlap_loads, self.offload_finished = overlap_loads, offload_finished
         self.block_size = client.layout.block_size
         self.max_copy_bytes = max_copy_bytes
         self.pending: dict[str, tuple] = {}  # request id -> (PutTicket, hashes)
@@ -56,17 +70,23 @@ class StoreLink:
         self.evicted_offloads = 0  # evicted blocks whose copies the store took
         self.load_s = 0.0
 
-    def attach(self, engine: LLMEngine) -> None:
-        """Load prefixes when the engine gives a sequence blocks (under the next step where the
-        engine allows it, except on a prefill worker); offload evicted blocks."""
-        bm = engine.block_manager
-        overlap = engine.config.role != "prefill"
-        engine.scheduler.on_allocate = lambda seq, under_step: self.load_prefix(
-            seq, bm, overlap and under_step
-        )
-        bm.on_evict = self.on_evict
+    @classmethod
+    def for_role(cls, client: StoreClient, block_manager: BlockManager, role: str) -> StoreLink:
+        """A prefill worker streams each layer on as soon as it is computed, so a prefix
+        loading under its step could be sent before it is known good: it loads before the
+        step instead; and its finished blocks go to a decode worker, not the store."""
+        decodes = role != "prefill"
+        return cls(client, block_manager, overlap_loads=decodes, offload_finished=decodes)
 
-    def load_prefix(self, seq: Sequence, bm: BlockManager, overlap: bool = False) -> int:
+    # -- KVConnector ---------------------------------------------------------------------
+    def on_allocate(self, seq: Sequence, under_step: bool) -> None:
+        self.load_prefix(seq, self.overlap_loads and under_step)
+
+    def request_finished(self, seq: Sequence) -> bool:
+        return self.offload_finished and self.offload(seq)
+
+    # -- loads and offloads ----------------------------------------------------------------
+    def load_prefix(self, seq: Sequence, overlap: bool = False) -> int:
         """Fill seq's blocks after its local prefix hits with blocks from the store. Never the
         block holding the last token (it must be computed to sample). Returns tokens loaded,
         or with `overlap` tokens being loaded: seq.prefix_load then says how many landed."""
@@ -92,7 +112,7 @@ class StoreLink:
         landed = self._landed(wanted, loaded, t)
         if landed:
             seq.num_cached_tokens = seq.num_computed_tokens = (start + landed) * bs
-            bm.register_computed(seq)  # now also a local prefix-cache entry
+            self.bm.register_computed(seq)  # now also a local prefix-cache entry
         return landed * bs
 
     def _landed(self, hashes: list[int], landed: int, started: float) -> int:
@@ -116,7 +136,7 @@ class StoreLink:
         return True
 
     def on_evict(self, block: Block) -> None:
-        """Block manager hook: `block` (cached, unreferenced) is about to be reused. Copy its KV
+        """KVConnector: `block` (cached, unreferenced) is about to be reused. Copy its KV
         out for the store unless that is known to be useless or costly right now. Never raises:
         the engine step must not fail for the store's sake."""
         if block.hash in self.known or self.client.backing_off:

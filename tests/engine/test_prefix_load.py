@@ -11,6 +11,7 @@ import pytest
 from factories import make_engine, make_model_files, run_to_completion
 
 from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -68,19 +69,32 @@ class CopyLoad:
         return self.good * 4
 
 
-def attach_loader(engine, source_engine, src_ids, good):
-    loads = []
+class CopyLoader(KVConnector):
+    """A connector that loads every new sequence's prefix from `source_engine` under the step."""
 
-    def on_allocate(seq, under_step):
+    def __init__(self, engine, source_engine, src_ids, good):
+        self.engine, self.source_engine, self.src_ids, self.good = (
+            engine,
+            source_engine,
+            src_ids,
+            good,
+        )
+        self.loads = []
+
+    def on_allocate(self, seq, under_step):
         assert under_step  # a scheduled admission: the load may run under the step
-        n = len(src_ids)
-        load = CopyLoad(source_engine, engine, src_ids, seq.block_table[:n], 0, good)
+        n = len(self.src_ids)
+        load = CopyLoad(self.source_engine, self.engine, self.src_ids, seq.block_table[:n], 0,
+                        self.good)  # fmt: skip
         seq.prefix_load = load
         seq.num_cached_tokens = seq.num_computed_tokens = n * 4
-        loads.append(load)
+        self.loads.append(load)
 
-    engine.scheduler.on_allocate = on_allocate
-    return loads
+
+def attach_loader(engine, source_engine, src_ids, good):
+    loader = CopyLoader(engine, source_engine, src_ids, good)
+    engine.connect(loader)
+    return loader.loads
 
 
 def test_the_model_waits_for_each_layer_of_a_prefix_loading_under_the_step(files, source):

@@ -12,10 +12,11 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_store.client import StoreClient
 from pdserve.kv_transfer.memory import layout_of
+from pdserve.protocol import messages as m
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
+from pdserve.router.placement import cached_blocks
 from pdserve.router.state import WorkerInfo
-from pdserve.protocol import messages as m
 from pdserve.serving.store_link import StoreLink, split_index_events
 
 from .helpers import both_transports, make_config
@@ -41,7 +42,8 @@ def reference(files):
 
 @pytest.fixture
 def linked(files, serve, tmp_path):
-    """linked(**store_kw) -> (engine with a 10-block cache, its StoreLink, the Served store)."""
+    """linked(**store_kw) -> (engine with a 10-block cache, its StoreLink, the Served store).
+    The link offloads evicted blocks only, unless given offload_finished=True."""
     made = []
 
     def factory(dram_blocks=64, ssd_blocks=0, endpoint=None, **link_kw):
@@ -54,8 +56,8 @@ def linked(files, serve, tmp_path):
             served = serve(layout, config=config)
             endpoint = served.server.endpoint
         client = StoreClient(endpoint, layout, engine.runner.k_caches, engine.runner.v_caches)
-        link = StoreLink(client, **link_kw)
-        link.attach(engine)
+        link = StoreLink(client, engine.block_manager, **{"offload_finished": False, **link_kw})
+        engine.connect(link)
         made.append(link)
         return engine, link, served
 
@@ -67,7 +69,7 @@ def linked(files, serve, tmp_path):
 def test_the_eviction_hook_sees_each_cached_block_intact_before_reuse():
     bm = BlockManager(num_blocks=4, block_size=2)
     seen = []
-    bm.on_evict = lambda b: seen.append((b.block_id, b.hash, b.parent, b.token_ids))
+    bm.connector.on_evict = lambda b: seen.append((b.block_id, b.hash, b.parent, b.token_ids))
     a = make_sequence([1, 2, 3, 4, 5], "a")  # blocks 0, 1, 2; blocks 0 and 1 full
     bm.allocate(a)
     a.num_computed_tokens = 5
@@ -84,7 +86,8 @@ def generate(engine, link: StoreLink, prompt: list[int]) -> list[int]:
     seq = engine.add_request(list(prompt), GREEDY)
     while engine.has_work():
         engine.step()
-        link.poll()
+        for rid in link.poll():
+            engine.release(rid)
     return seq.output_token_ids
 
 
@@ -118,14 +121,15 @@ def test_blocks_evicted_from_the_prefix_cache_are_loaded_back_from_the_store(lin
 def test_blocks_the_store_holds_are_not_copied_again(linked, reference):
     engine, link, _ = linked()
     copied = []
+    real_on_evict = link.on_evict
 
     def spy(block):
         n = len(link.copies)
-        link.on_evict(block)
+        real_on_evict(block)
         if len(link.copies) > n:
             copied.append(block.hash)
 
-    engine.block_manager.on_evict = spy
+    link.on_evict = spy  # the engine's connector is the link
     a_hashes = block_hashes(A + reference[tuple(A)][:3], 4)  # 6 full blocks were computed
     for p in (A, B):
         assert generate(engine, link, p) == reference[tuple(p)]
@@ -154,16 +158,16 @@ def test_the_routers_index_drops_what_the_store_evicts(linked, reference):
         worker.has_store = True
         router.workers["d0"] = worker
         held, removed = split_index_events(link.take_index_events())
-        router._on_Heartbeat("d0#hb", m.Heartbeat("d0", None, offloaded=held,
+        router.on_heartbeat("d0#hb", m.Heartbeat("d0", None, offloaded=held,
                                                   store_removed=removed))  # fmt: skip
         assert removed  # the store reported its evictions
         a_hashes = block_hashes(A, 4)
         assert not set(a_hashes) & router.store_index  # all of A's blocks were evicted
-        assert router._cached_blocks(worker, a_hashes) == 0
+        assert cached_blocks(router.view(), worker, a_hashes) == 0
         stored = {k.block_hash for tier in served.store.tier_keys() for k in tier}
         assert router.store_index == stored  # exactly what the store holds
     finally:
-        router.sock.close()
+        router.channel.close()
 
 
 @both_transports
@@ -194,19 +198,42 @@ def test_no_store_at_all_and_a_full_copy_budget_cost_nothing(linked, reference, 
 
 
 @pytest.mark.parametrize("role", ["both", "decode", "prefill"])
-def test_only_a_prefill_worker_loads_before_its_step(files, role):
+def test_only_a_prefill_worker_loads_before_its_step_and_keeps_finished_blocks_off_the_store(
+    files, role
+):
     """A prefill worker streams each layer on as soon as it is computed, so a prefix loading
     under its step could be sent before it is known good: it loads before the step instead."""
     engine = make_engine(files, kv_cache_gb=KV_GB, role=role)
     layout = layout_of(engine.fingerprint, engine.runner.k_caches)
-    link = StoreLink(StoreClient("tcp://127.0.0.1:9", layout, engine.runner.k_caches,
-                                 engine.runner.v_caches))  # fmt: skip
+    client = StoreClient("tcp://127.0.0.1:9", layout, engine.runner.k_caches,
+                         engine.runner.v_caches)  # fmt: skip
+    link = StoreLink.for_role(client, engine.block_manager, role)
     calls = []
-    link.load_prefix = lambda seq, bm, overlap=False: calls.append(overlap)
+    link.load_prefix = lambda seq, overlap=False: calls.append(overlap)
     try:
-        link.attach(engine)
-        engine.scheduler.on_allocate(make_sequence(A), True)  # a scheduled admission
-        engine.scheduler.on_allocate(make_sequence(A), False)  # blocks for a KV transfer
+        engine.connect(link)
+        engine.scheduler.connector.on_allocate(make_sequence(A), True)  # a scheduled admission
+        engine.scheduler.connector.on_allocate(make_sequence(A), False)  # for a KV transfer
         assert calls == [role != "prefill", False]
+        assert link.offload_finished == (role != "prefill")
     finally:
         link.close()
+
+
+@both_transports
+def test_a_finished_requests_blocks_are_held_until_the_store_has_read_them(linked, reference):
+    engine, link, served = linked(offload_finished=True)
+    bm = engine.block_manager
+    seq = engine.add_request(list(A), GREEDY)
+    while engine.has_work():
+        engine.step()
+    assert seq.output_token_ids == reference[tuple(A)]
+    assert seq.request_id in engine.scheduler.held  # the store has not read them yet
+    assert bm.num_free_blocks < bm.num_blocks
+    assert link.client.flush(10)
+    assert link.poll() == [seq.request_id]
+    engine.release(seq.request_id)
+    assert bm.num_free_blocks == bm.num_blocks
+    computed = (A + reference[tuple(A)])[:24]  # 25 tokens; the last sampled one is not computed
+    assert link.client.lookup(block_hashes(computed, 4)) == 6  # all six full blocks
+    engine.check_integrity()

@@ -1,0 +1,87 @@
+"""KVConnector: the one object through which KV moves in and out of an engine's cache.
+
+As vLLM v1's connector, it has a scheduler side, asked when blocks change hands, and a worker
+side, called around the model's layers. The engine calls it at exactly these points:
+
+scheduler side
+  on_allocate(seq, under_step)  seq just got blocks: fill more of its prefix from elsewhere
+                                (the KV store). With `under_step` the fill may still be landing
+                                while the next step runs: it then sets `seq.prefix_load`, which
+                                the model waits on layer by layer and the engine settles after
+                                that step. Without it (blocks for an incoming KV transfer), it
+                                must land before returning.
+  on_evict(block)               a cached, unreferenced block is about to be reused while its KV
+                                is still intact (copy it out). Must not raise, must not touch
+                                the block manager.
+  request_finished(seq) -> bool seq ended: True keeps its blocks held until `engine.release`
+                                (its KV is still being sent: a prefill push, a store offload).
+worker side
+  wants_layers(batch) -> bool   whether `after_layer` must run for this step (when no
+                                connector wants them, a decode step may take the fused path)
+  after_layer(batch, layer)     layer `layer`'s forward pass for `batch` has ended (push it).
+
+A worker gives its engine one connector (`LLMEngine.connect`): a prefill worker's push, a
+worker's KV store link, or several together (`MultiConnector`). An engine with none moves no KV.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.engine.block_manager import Block
+    from pdserve.engine.scheduler import ScheduledBatch
+    from pdserve.engine.sequence import Sequence
+
+
+class KVConnector:
+    """Moves no KV: each method is the no-op a connector overrides."""
+
+    def on_allocate(self, seq: Sequence, under_step: bool) -> None:
+        pass
+
+    def on_evict(self, block: Block) -> None:
+        pass
+
+    def request_finished(self, seq: Sequence) -> bool:
+        return False
+
+    def wants_layers(self, batch: ScheduledBatch) -> bool:
+        return False
+
+    def after_layer(self, batch: ScheduledBatch, layer: int) -> None:
+        pass
+
+
+class MultiConnector(KVConnector):
+    """Several connectors, each called in order. A finished request's blocks are held while any
+    of them holds it; they are freed at the first `engine.release`, so at most one of them may
+    hold a given request."""
+
+    def __init__(self, connectors: list[KVConnector]):
+        self.connectors = connectors
+
+    def on_allocate(self, seq: Sequence, under_step: bool) -> None:
+        for c in self.connectors:
+            c.on_allocate(seq, under_step)
+
+    def on_evict(self, block: Block) -> None:
+        for c in self.connectors:
+            c.on_evict(block)
+
+    def request_finished(self, seq: Sequence) -> bool:
+        return any([c.request_finished(seq) for c in self.connectors])  # each one hears of it
+
+    def wants_layers(self, batch: ScheduledBatch) -> bool:
+        return any(c.wants_layers(batch) for c in self.connectors)
+
+    def after_layer(self, batch: ScheduledBatch, layer: int) -> None:
+        for c in self.connectors:
+            c.after_layer(batch, layer)
+
+
+def combine(connectors: list[KVConnector]) -> KVConnector:
+    """One connector for all of `connectors` (none: a connector that moves nothing)."""
+    if not connectors:
+        return KVConnector()
+    return connectors[0] if len(connectors) == 1 else MultiConnector(connectors)

@@ -1,0 +1,153 @@
+"""The decode side of a worker (roles decode and both): requests the router admits, the KV
+leases of those prefilled elsewhere, and the tokens it streams back.
+
+Queues:  pending (no blocks yet) -> transferring (blocks under a lease, KV arriving)
+         -> running -> finished
+A remote-prefill request gets blocks as soon as the engine has them (oldest first) and the
+router is told where the KV must land (Placement); when the prefill worker reports every layer
+pushed (KVReady with the first token) it joins the running batch. A lease that expires, or KV
+that arrives incomplete, makes this worker prefill the prompt itself: slower, nothing lost. A
+request replayed here after its decode worker failed (migration) numbers its tokens after
+the ones the client already has.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from pdserve.engine.llm_engine import LLMEngine, StepOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import KVLayout
+from pdserve.kv_transfer.base import KVReceiver
+from pdserve.protocol import messages as m
+from pdserve.serving.kv_staging import HostStaging
+
+log = logging.getLogger("pdserve.worker")
+
+
+def to_sampling(p: m.Params, **overrides) -> SamplingParams:
+    return SamplingParams(**{**msgspec.structs.asdict(p), **overrides})
+
+
+class DecodeSide:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        layout: KVLayout,
+        send: Callable[[object], None],
+        worker_id: str,
+        receiver: KVReceiver | None = None,  # None: role both, every prompt prefilled here
+        staging: HostStaging | None = None,
+    ):
+        self.engine, self.layout, self.send, self.worker_id = engine, layout, send, worker_id
+        self.receiver, self.staging = receiver, staging
+        self.pending: list[m.Admit] = []  # waiting for free blocks, oldest first
+        self.leases: dict[str, float] = {}  # request -> deadline for its KV
+        self.index_offset: dict[str, int] = {}  # tokens streamed before this worker took over
+
+    @property
+    def request_ids(self) -> set[str]:
+        return {*self.leases, *(a.request_id for a in self.pending)}
+
+    def has_waiting(self) -> bool:
+        return bool(self.pending or self.leases)
+
+    def on_admit(self, msg: m.Admit) -> None:
+        self.index_offset[msg.request_id] = msg.skip_tokens
+        if msg.remote_prefill and self.receiver is not None:
+            self.pending.append(msg)
+            self.try_place()
+        else:
+            self.engine.add_request(msg.prompt, to_sampling(msg.params), msg.request_id)
+
+    def try_place(self) -> None:
+        """Give pending remote-prefill requests blocks, oldest first, and answer Placement."""
+        bs = self.layout.block_size
+        while self.pending:
+            admit = self.pending[0]
+            # the most host blocks it can need (its cached prefix is known once it has blocks)
+            if self.staging is not None and self.staging.num_free < -(-len(admit.prompt) // bs):
+                return
+            seq = self.engine.make_sequence(
+                admit.prompt, to_sampling(admit.params), admit.request_id
+            )
+            if not self.engine.add_transferring(seq):
+                return
+            self.pending.pop(0)
+            first = seq.num_cached_tokens // bs
+            dst = seq.block_table[first:]
+            if self.staging is not None:  # the KV lands in host blocks (checked free above)
+                dst = self.staging.take(seq.request_id, len(dst))
+            self.receiver.expect(seq.request_id, dst)
+            self.leases[seq.request_id] = time.monotonic() + admit.lease_s
+            placed = m.Placement(
+                seq.request_id,
+                seq.block_table[:first] + dst,
+                seq.num_cached_tokens,
+                self.receiver.endpoint,
+            )
+            self.send(placed)
+
+    def on_kv_ready(self, msg: m.KVReady) -> None:
+        """The prefill worker is done: join the batch if every layer landed intact, else
+        prefill the prompt here."""
+        rid = msg.request_id
+        if self.leases.pop(rid, None) is None:
+            return  # aborted, or its lease expired and it is computing locally
+        error = self.receiver.failed(rid)
+        landed = self.receiver.layers_landed(rid)
+        self.receiver.release(rid)
+        complete = msg.first_token is not None and not error and landed == self.layout.num_layers
+        if self.staging is not None:
+            if complete:
+                seq = self.engine.requests[rid]
+                first = seq.num_cached_tokens // self.layout.block_size
+                self.staging.to_device(rid, seq.block_table[first:])
+            self.staging.release(rid)
+        if not complete:
+            log.warning(
+                "KV of %s incomplete (%s, %d layers): prefilling locally", rid, error, landed
+            )
+            self.engine.resume_local(rid)
+            return
+        out = self.engine.start_decoding(rid, msg.first_token)
+        if out is not None:
+            self.emit([out])
+
+    def expire_leases(self, now: float) -> None:
+        for rid, deadline in list(self.leases.items()):
+            if now > deadline:
+                log.warning("lease of %s expired before its KV arrived: prefilling locally", rid)
+                del self.leases[rid]
+                self.receiver.release(rid)
+                if self.staging is not None:
+                    self.staging.release(rid)
+                self.engine.resume_local(rid)
+
+    def emit(self, outs: list[StepOutput]) -> None:
+        """Stream tokens to the router, numbered from the start of the client's output."""
+        items = []
+        for o in outs:
+            rid = o.seq.request_id
+            index = self.index_offset.get(rid, 0) + o.seq.num_output_tokens - 1
+            items.append(
+                m.TokenOut(rid, index, o.new_token, o.seq.finish_reason if o.finished else None)
+            )
+            if o.finished:
+                self.index_offset.pop(rid, None)
+        if items:
+            self.send(m.Tokens(self.worker_id, items))
+
+    def abort(self, rid: str) -> None:
+        """Forget rid here (the engine's own abort is the caller's)."""
+        self.pending = [a for a in self.pending if a.request_id != rid]
+        self.leases.pop(rid, None)
+        if self.receiver is not None:
+            self.receiver.release(rid)  # no byte lands in these blocks after this
+        if self.staging is not None:
+            self.staging.release(rid)
+        self.index_offset.pop(rid, None)

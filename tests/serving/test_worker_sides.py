@@ -1,0 +1,163 @@
+"""A worker's decode and prefill sides without processes or a router: a tiny model, the
+in-process KV connector, and the test relaying the messages the router would."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from factories import make_engine, make_model_files, run_to_completion
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import make_receiver, make_sender
+from pdserve.kv_transfer.memory import layout_of
+from pdserve.protocol import messages as m
+from pdserve.serving.decode_side import DecodeSide
+from pdserve.serving.prefill_side import PrefillSide
+
+PROMPT = list(range(3, 21))  # 18 tokens: 5 blocks of 4
+PARAMS = m.Params(max_tokens=5, ignore_eos=True)
+BLOCKS = 12  # of the decode worker: 4 tokens x 2 layers x K, V x 2 heads x 16 x float32 each
+KV_GB = BLOCKS * 4 * 2 * 2 * 2 * 16 * 4 / (1 << 30)
+
+
+@pytest.fixture(scope="module")
+def files():
+    return make_model_files(seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    engine = make_engine(files)
+    return run_to_completion(engine, [PROMPT], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+
+
+@pytest.fixture
+def pair(files):
+    """(decode side, its sent messages, prefill side, its sent messages)."""
+    d_engine = make_engine(files, role="decode", kv_cache_gb=KV_GB)
+    p_engine = make_engine(files, role="prefill")
+    assert d_engine.block_manager.num_blocks == BLOCKS
+    layout = layout_of(d_engine.fingerprint, d_engine.runner.k_caches)
+    receiver = make_receiver("inproc", layout, d_engine.runner.k_caches, d_engine.runner.v_caches)
+    receiver.start()
+    sender = make_sender("inproc", layout, p_engine.runner.k_caches, p_engine.runner.v_caches)
+    d_sent, p_sent = [], []
+    decode = DecodeSide(d_engine, layout, d_sent.append, "d0", receiver)
+    prefill = PrefillSide(p_engine, sender, p_sent.append, transfer_timeout_s=10)
+    p_engine.connect(prefill)
+    yield decode, d_sent, prefill, p_sent
+    receiver.close()
+    sender.close()
+
+
+def _prefill(prefill: PrefillSide, sent: list, placement: m.Placement) -> m.PrefillDone:
+    prefill.on_prefill(
+        m.Prefill(placement.request_id, PROMPT, PARAMS, placement.kv_endpoint,
+                  placement.block_ids, placement.num_cached_tokens)
+    )  # fmt: skip
+    engine = prefill.engine
+    while engine.has_work():
+        prefill.finish(engine.step())
+    [done] = sent
+    return done
+
+
+def _decode_all(decode: DecodeSide, sent: list) -> list[m.TokenOut]:
+    while decode.engine.has_work():
+        decode.emit(decode.engine.step())
+    return [item for msg in sent if isinstance(msg, m.Tokens) for item in msg.items]
+
+
+def _clean(engine) -> None:
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_remote_prefill_handoff_gives_the_offline_tokens_and_frees_every_block(pair, reference):
+    decode, d_sent, prefill, p_sent = pair
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
+    [placement] = d_sent
+    assert placement.request_id == "r0" and len(placement.block_ids) == 5
+    assert "r0" in decode.leases and decode.engine.stats()["transferring"] == 1
+    done = _prefill(prefill, p_sent, placement)
+    assert done.first_token == reference[0] and done.error is None and done.transfer_bytes > 0
+    _clean(prefill.engine)  # the prefill worker freed its blocks once the push was acknowledged
+    d_sent.clear()
+    decode.on_kv_ready(m.KVReady("r0", done.first_token))
+    items = _decode_all(decode, d_sent)
+    assert [i.index for i in items] == [0, 1, 2, 3, 4]
+    assert [i.token for i in items] == reference and items[-1].finish_reason == "length"
+    assert not decode.leases and not decode.index_offset
+    _clean(decode.engine)
+
+
+def test_kv_ready_without_a_first_token_prefills_locally_with_the_same_tokens(pair, reference):
+    decode, d_sent, _, _ = pair
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
+    decode.on_kv_ready(m.KVReady("r0", None))  # the prefill failed
+    assert not decode.leases
+    assert [i.token for i in _decode_all(decode, d_sent)] == reference
+    decode.on_kv_ready(m.KVReady("r0", 5))  # a late duplicate is ignored
+    _clean(decode.engine)
+
+
+def test_kv_ready_with_layers_missing_prefills_locally(pair, reference):
+    decode, d_sent, _, _ = pair
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
+    decode.on_kv_ready(m.KVReady("r0", 7))  # claims a token, but no layer ever landed
+    assert [i.token for i in _decode_all(decode, d_sent)] == reference
+    _clean(decode.engine)
+
+
+def test_an_expired_lease_prefills_locally(pair, reference):
+    decode, d_sent, _, _ = pair
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=30))
+    decode.expire_leases(time.monotonic() + 10)
+    assert "r0" in decode.leases  # not yet
+    decode.expire_leases(time.monotonic() + 31)
+    assert not decode.leases
+    assert [i.token for i in _decode_all(decode, d_sent)] == reference
+    decode.on_kv_ready(m.KVReady("r0", 7))  # the prefill worker's late answer: ignored
+    _clean(decode.engine)
+
+
+def test_placement_waits_for_free_blocks_oldest_first(pair):
+    decode, d_sent, _, _ = pair
+    bm = decode.engine.block_manager
+    hog = list(range(100, 100 + 4 * (bm.num_blocks - 3)))  # leaves 3 blocks: too few for 5
+    assert bm.num_blocks == BLOCKS
+    decode.on_admit(m.Admit("hog", hog, m.Params(max_tokens=1), remote_prefill=True))
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True))
+    decode.on_admit(m.Admit("r1", PROMPT, PARAMS, remote_prefill=True))
+    assert [p.request_id for p in d_sent] == ["hog"]
+    assert [a.request_id for a in decode.pending] == ["r0", "r1"]
+    decode.abort("hog")
+    decode.engine.abort("hog")
+    decode.try_place()
+    assert [p.request_id for p in d_sent] == ["hog", "r0", "r1"] and not decode.pending
+    for rid in ("r0", "r1"):
+        decode.abort(rid)
+        decode.engine.abort(rid)
+    _clean(decode.engine)
+
+
+def test_a_migrated_request_numbers_its_tokens_after_those_already_streamed(pair, reference):
+    decode, d_sent, _, _ = pair
+    replay = PROMPT + reference[:2]  # the client has the first two tokens
+    params = m.Params(max_tokens=3, ignore_eos=True)
+    decode.on_admit(m.Admit("r0", replay, params, remote_prefill=False, skip_tokens=2))
+    items = _decode_all(decode, d_sent)
+    assert [i.index for i in items] == [2, 3, 4]
+    assert [i.token for i in items] == reference[2:]
+    _clean(decode.engine)
+
+
+def test_an_aborted_push_frees_the_prefill_workers_blocks(pair):
+    _, _, prefill, p_sent = pair
+    prefill.on_prefill(m.Prefill("r0", PROMPT, PARAMS, "inproc://nowhere", list(range(5)), 0))
+    assert prefill.request_ids == {"r0"}
+    prefill.abort("r0")
+    prefill.engine.abort("r0")
+    assert not prefill.request_ids and not prefill.engine.has_work() and not p_sent
+    _clean(prefill.engine)

@@ -6,10 +6,12 @@ import time
 
 import pytest
 import torch
+from waiting import wait_until
 
 from pdserve.kv_transfer.inproc import FaultPlan
 
 IDS = [4, 7, 2]
+SPARE = 40  # a destination block no test transfer uses
 
 
 @pytest.fixture
@@ -17,6 +19,23 @@ def pair(make_pair):
     p = make_pair("inproc")
     p.receiver.expect("t", IDS)
     return p
+
+
+def drain(pair) -> None:
+    """Wait until the sender has handled every layer queued so far (moved it, or skipped it as
+    part of a failed transfer): the channel sends in order, so once a fault-free layer queued
+    behind them is acknowledged, none of them can still land."""
+    pair.sender.faults = FaultPlan()
+    pair.receiver.expect("drain", [SPARE])
+    pair.send_all("drain", [0], [SPARE], layers=[0])
+    assert pair.sender.wait("drain", 5).ok
+
+
+def layers_being_sent(pair, transfer_id: str) -> int:
+    """Layers of `transfer_id` a channel thread is moving now (read from the sender's tracker:
+    the sender has no public way to say)."""
+    progress = pair.sender._tracker._progress.get(transfer_id)
+    return progress.reading if progress is not None else 0
 
 
 def test_dropped_layer_is_lost_silently(pair):
@@ -34,7 +53,7 @@ def test_failed_layer_is_reported_and_later_layers_are_skipped(pair):
     pair.send_all("t", IDS, IDS)
     result = pair.sender.wait("t", 5)
     assert (result.ok, result.error) == (False, "injected fault: layer 0 failed")
-    time.sleep(0.05)  # the skipped layers would have landed by now
+    drain(pair)  # the skipped layers would have landed by now
     assert pair.receiver.layers_landed("t") == 0
     assert pair.untouched(IDS)
     assert pair.sender.stats().failures == 1
@@ -60,7 +79,7 @@ def test_delay_and_sender_timeout(pair):
     result = pair.sender.wait("t", timeout_s=0.1)
     assert time.monotonic() - t0 < 0.18  # the delayed layer was cut, not waited for
     assert result.error == "timed out after 0.1 s: 0 of 3 layers acknowledged by the receiver"
-    time.sleep(0.3)  # long enough for every layer to land, had it not been cancelled
+    drain(pair)  # every layer would have landed by now, had it not been cancelled
     assert pair.receiver.layers_landed("t") == 0
     assert pair.untouched(IDS)
 
@@ -92,7 +111,9 @@ def test_fault_plan_validation():
 def test_close_endpoint_fails_what_is_still_queued(pair):
     pair.sender.faults = FaultPlan(delay_s=0.3)
     pair.send_all("t", IDS, IDS)
-    time.sleep(0.05)  # layer 0 is in its delay, layers 1 and 2 are queued
+    wait_until(  # layer 0 is in its delay, layers 1 and 2 are queued
+        lambda: layers_being_sent(pair, "t") == 1, 5, "layer 0 to be in its delay", interval_s=0.005
+    )
     t0 = time.monotonic()
     pair.sender.close_endpoint(pair.receiver.endpoint)
     assert time.monotonic() - t0 < 0.2  # the delayed layer was cut, not waited for

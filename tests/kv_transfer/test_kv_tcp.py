@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from waiting import wait_until
 
 from pdserve.kv_transfer.tcp import TcpReceiver, TcpSender
 from pdserve.kv_transfer.wire import (
@@ -135,6 +136,18 @@ def test_oversized_or_lying_headers_drop_the_connection(make_pair):
     assert pair.sender.wait("a", 5).ok
 
 
+def _wait_closed_by_peer(sock: socket.socket, timeout_s: float = 5.0) -> None:
+    """Return once the other end has closed `sock` (end of stream, or a reset)."""
+    sock.settimeout(timeout_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"the receiver kept the connection open for {timeout_s:g} s") from None
+
+
 def test_recv_frame_refuses_oversized_frames():
     a, b = socket.socketpair()
     with a, b:
@@ -150,7 +163,8 @@ def test_release_cuts_a_sender_stalled_mid_layer(make_pair):
     with _handshaken_socket(receiver) as sock:
         send_frame(sock, LayerHeader("a", 0, [0, 1], [0, 1], nbytes=4 * bb))
         sock.sendall(b"\x01" * bb)  # K of block 0 only, then the sender goes silent
-        time.sleep(0.2)
+        k0 = pair.dst_k[0][0].view(torch.uint8)
+        wait_until(lambda: bool((k0 == 1).all()), 5, "the receiver to write the K of block 0")
         t0 = time.monotonic()
         receiver.release("a")  # must not hang on the stalled connection
         assert 0.9 < time.monotonic() - t0 < 3  # the 1 s grace, then the connection is cut
@@ -159,7 +173,7 @@ def test_release_cuts_a_sender_stalled_mid_layer(make_pair):
             sock.sendall(b"\x02" * 3 * bb)
         except OSError:
             pass  # the receiver already closed the connection
-        time.sleep(0.1)
+        _wait_closed_by_peer(sock)  # after which nothing sent on it can land
     assert all(torch.equal(a, b) for a, b in zip(after_release, pair.snapshot(), strict=True))
     assert pair.untouched([0, 1], layers=[1, 2])
 

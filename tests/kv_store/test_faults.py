@@ -8,6 +8,7 @@ import time
 import urllib.request
 
 import pytest
+from waiting import wait_until
 
 from pdserve.kv_store.protocol import (
     MAX_BLOCKS,
@@ -214,11 +215,10 @@ def test_connections_beyond_the_limit_are_turned_away_and_the_slot_comes_back(
     c = client(served.server.endpoint, layout, *make_caches(layout, 2), retry_after_s=0.0)
     assert c.lookup([7]) == 0 and "KV store lookup failed" in c.last_error
     holder.close()
-    deadline = time.monotonic() + 5
-    while True:  # the store notices the close asynchronously
+
+    def served_now() -> bool:  # the store notices the close asynchronously
         c.last_error = None
         c.lookup([7])
-        if c.last_error is None or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert c.last_error is None  # the freed slot serves the next client
+        return c.last_error is None
+
+    wait_until(served_now, 5, "the freed slot to serve the next client", state=lambda: c.last_error)

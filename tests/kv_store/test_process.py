@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from waiting import wait_until
 
 from pdserve.kv_store.client import StoreClient
 
@@ -27,13 +28,19 @@ class StoreProcess:
                "--transport", transport]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_SECRET")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-        line = self._first_line(timeout_s=30)
+        try:
+            line = self._first_line(timeout_s=30)
+        except BaseException:
+            self.stop()  # whoever starts it stops it, even when it does not come up
+            raise
         self.banner = line
         self.endpoint = re.search(r"listening on ((?:tcp|nixl)://\S+)", line).group(1)
 
     def _first_line(self, timeout_s: float) -> str:
         out: list[str] = []
-        reader = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()))
+        reader = threading.Thread(
+            target=lambda: out.append(self.proc.stdout.readline()), daemon=True
+        )
         reader.start()
         reader.join(timeout_s)
         assert out and out[0], "the store did not print its endpoint"
@@ -46,10 +53,12 @@ class StoreProcess:
         """SIGSTOP, and wait until the kernel has stopped it (delivery is asynchronous)."""
         self.proc.send_signal(signal.SIGSTOP)
         stat = f"/proc/{self.proc.pid}/stat"
-        deadline = time.monotonic() + 5
-        while open(stat).read().rsplit(")", 1)[1].split()[0] != "T":
-            assert time.monotonic() < deadline, "the store did not stop"
-            time.sleep(0.01)
+        wait_until(
+            lambda: open(stat).read().rsplit(")", 1)[1].split()[0] == "T",
+            5,
+            "the store to stop after SIGSTOP",
+            interval_s=0.01,
+        )
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -91,7 +100,9 @@ def test_store_process_restart_stall_and_kill(tmp_path, transport):
                                   [0, 1, 2, 3, 4, 5], timeout_s=20)))  # fmt: skip
         t0 = time.monotonic()
         loader.start()
-        time.sleep(0.3)
+        wait_until(  # the loader holds the client's connection: it waits on the stopped store
+            reader._lock.locked, 5, "the load to start waiting on the store", interval_s=0.01
+        )
         store.signal(signal.SIGKILL)  # killed while the load waits on it
         loader.join(20)
         assert result == [0] and time.monotonic() - t0 < 5

@@ -1,6 +1,6 @@
-"""A real `pdserve serve` seen from outside: its worker processes (found under /proc, since
-`pdserve serve` starts them as its children), kill -9 / stop / restart of one worker, and
-OpenAI-style requests whose outcome is classified (completed, clear error, hung).
+"""A real `pdserve serve` seen from outside: its worker processes, kill -9 / stop / restart of
+one worker, and OpenAI-style requests whose outcome is classified (completed, clear error, hung).
+The server itself is started and stopped by tests/servers.py.
 
 Shared by tests/chaos, tests/fuzz, tests/security and benchmarks/chaos.py.
 """
@@ -16,65 +16,40 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-from serving.conftest import Server
+from servers import Server, cmdline, exited, metric
+from waiting import wait_until
 
-__all__ = ["Cluster", "Outcome", "Server", "children", "complete", "metric", "stream"]
-
-
-def metric(url: str, sample: str) -> float:
-    """Value of one Prometheus sample of the router, e.g. 'pdserve_migrations_total'
-    (0 when it was never incremented)."""
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of `pid` (from /proc/*/stat; psutil is not a dependency)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited while we looked
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def cmdline(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
-
-
-def flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
+__all__ = ["Cluster", "Outcome", "Server", "complete", "metric", "stream", "wait_until"]
 
 
 class Cluster:
-    """One `pdserve serve` plus the workers this object restarted (it owns those)."""
+    """One `pdserve serve` plus the workers this object restarted (it owns those). A context
+    manager: leaving it stops those workers and the server."""
 
     def __init__(self, server: Server, log_dir: Path):
         self.server, self.url, self.log_dir = server, server.url, log_dir
-        self.argv: dict[str, list[str]] = {}  # worker id -> how it was started
         self.restarted: dict[str, subprocess.Popen] = {}
-        for pid in children(server.proc.pid):
-            argv = cmdline(pid)
-            if "worker" in argv:
-                self.argv[flag(argv, "--worker-id")] = argv
+        # worker id -> how it was started
+        self.argv = {wid: cmdline(pid) for wid, pid in server.worker_pids().items()}
+        if not self.argv:
+            server.stop()
+            raise RuntimeError("`pdserve serve` runs no worker process:\n" + "".join(server.lines))
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     @property
     def control_endpoint(self) -> str:
         """The router's worker socket (workers are started with `--router ENDPOINT`)."""
-        return flag(next(iter(self.argv.values())), "--router")
+        argv = next(iter(self.argv.values()))
+        return argv[argv.index("--router") + 1]
 
     def pids(self) -> dict[str, int]:
         """Worker id -> pid of every worker process now running (started by serve or by us)."""
-        found = {}
-        for pid in children(self.server.proc.pid):
-            argv = cmdline(pid) if Path(f"/proc/{pid}").exists() else []
-            if "--worker-id" in argv:
-                found[flag(argv, "--worker-id")] = pid
+        found = self.server.worker_pids()
         for wid, proc in self.restarted.items():
             if proc.poll() is None:
                 found[wid] = proc.pid
@@ -91,18 +66,21 @@ class Cluster:
             lambda: not any(h["running"] for h in self.health().values() if h["role"] != "prefill"),
             timeout_s,
             "the decode workers to report no running request",
+            interval_s=0.1,
+            state=self.health,
         )
 
     def busy_decode_worker(self, timeout_s: float = 10.0) -> str:
         """The decode worker that reports a running request (load reports lag by ~0.5 s; see
         `wait_decoders_idle`)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def single_busy() -> list[str] | None:
             busy = [w for w, h in self.health().items() if h["role"] != "prefill" and h["running"]]
-            if len(busy) == 1:
-                return busy[0]
-            time.sleep(0.1)
-        raise AssertionError(f"no single busy decode worker within {timeout_s}s: {self.health()}")
+            return busy if len(busy) == 1 else None
+
+        return wait_until(
+            single_busy, timeout_s, "a single busy decode worker", interval_s=0.1, state=self.health
+        )[0]
 
     def signal(self, wid: str, sig: int) -> None:
         os.kill(self.pids()[wid], sig)
@@ -115,11 +93,13 @@ class Cluster:
         if proc is not None and proc.pid == pid:
             proc.wait()
         else:
-            wait_until(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), 10, "exit")
+            wait_until(lambda: exited(pid), 10, f"{wid} (pid {pid}) to exit after SIGKILL")
 
     def wait_gone(self, wid: str, timeout_s: float = 15.0) -> None:
         """The router has declared `wid` dead (no longer in /health)."""
-        wait_until(lambda: wid not in self.health(), timeout_s, f"{wid} to leave /health")
+        wait_until(
+            lambda: wid not in self.health(), timeout_s, f"{wid} to leave /health", interval_s=0.1
+        )
 
     def restart(self, wid: str, timeout_s: float = 120.0) -> None:
         """Start `wid` again with the same command line; wait until it has re-registered."""
@@ -132,7 +112,7 @@ class Cluster:
             self.argv[wid], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
-        wait_until(lambda: wid in self.health(), timeout_s, f"{wid} to re-register")
+        wait_until(lambda: wid in self.health(), timeout_s, f"{wid} to re-register", interval_s=0.1)
 
     def ensure_all(self) -> None:
         """Every worker the server started is alive and registered (restart those that are not)."""
@@ -141,14 +121,12 @@ class Cluster:
                 self.restart(wid)
 
     def assert_clean(self, timeout_s: float = 30.0) -> dict:
-        """Every live worker idle with all blocks free and an intact block manager."""
-        workers = self.server.wait_idle_and_clean(timeout_s)
-        leaked = {w: h["total_blocks"] - h["free_blocks"] for w, h in workers.items()}
-        assert leaked == dict.fromkeys(workers, 0), workers
-        assert [h["integrity_error"] for h in workers.values()] == [None] * len(workers)
-        return workers
+        """Every live worker idle with all blocks free and an intact block manager (else
+        AssertionError naming the workers that are not, and how); /health's workers."""
+        return self.server.wait_idle_and_clean(timeout_s)
 
     def stop(self) -> None:
+        """Stop the workers this object restarted, then the server and what it started."""
         for proc in self.restarted.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -159,21 +137,6 @@ class Cluster:
                 proc.kill()
                 proc.wait()
         self.server.stop()
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def wait_until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.1)
 
 
 class Outcome(NamedTuple):

@@ -6,8 +6,9 @@ Tests kill and restart its workers; each starts with `cluster.ensure_all()` as i
 from __future__ import annotations
 
 import pytest
+from servers import Server
 
-from .cluster import Cluster, Server
+from .cluster import Cluster
 
 HEARTBEAT_TIMEOUT_S = 2.0
 LEASE_S = 4.0
@@ -33,6 +34,6 @@ SERVE_ARGS = (
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    c = Cluster(Server(*SERVE_ARGS), tmp_path_factory.mktemp("chaos-workers"))
-    yield c
-    c.stop()
+    log_dir = tmp_path_factory.mktemp("chaos-workers")
+    with Server(*SERVE_ARGS) as server, Cluster(server, log_dir) as c:
+        yield c

@@ -4,22 +4,23 @@ and a 64-token context window so that any input the router accepts finishes in s
 from __future__ import annotations
 
 import pytest
-from chaos.cluster import Cluster, Server
+from chaos.cluster import Cluster
+from servers import Server
 
 from .driver import TRIED
 
 
 @pytest.fixture(scope="session")
 def fuzz_server(tmp_path_factory):
-    server = Server(
-        "--local-prefill-threshold", "0", "--max-model-len", "64", "--kv-cache-gb", "0.25"
-    )
-    c = Cluster(server, tmp_path_factory.mktemp("fuzz-workers"))
-    try:
+    log_dir = tmp_path_factory.mktemp("fuzz-workers")
+    with (
+        Server(
+            "--local-prefill-threshold", "0", "--max-model-len", "64", "--kv-cache-gb", "0.25"
+        ) as server,
+        Cluster(server, log_dir) as c,
+    ):
         yield c
         c.assert_clean(timeout_s=60)  # after all fuzzing: every block of every request freed
-    finally:
-        c.stop()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from chaos.cluster import children
+from servers import children
 
 pytestmark = pytest.mark.slow
 LISTEN = "0A"

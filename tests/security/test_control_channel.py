@@ -4,13 +4,10 @@ malformed control frames are dropped (checked on a live router, through the real
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import msgspec
 import pytest
 from chaos.fakes import FakePrefill
+from servers import run_serve
 
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.protocol import messages as m
@@ -18,9 +15,7 @@ from pdserve.protocol.channel import Codec, require_secret_for
 
 from .conftest import SECRET
 
-NO_SECRET_ENV = {
-    k: v for k, v in os.environ.items() if k not in ("PDSERVE_SECRET", "PDSERVE_SECRET_FILE")
-}
+NO_SECRET_ENV = {"PDSERVE_SECRET": None, "PDSERVE_SECRET_FILE": None}  # unset for run_serve
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
@@ -37,8 +32,7 @@ def test_non_loopback_without_secret_is_refused_with_how_to(host):
 
 
 def test_serve_on_a_public_control_host_without_secret_exits_with_how_to():
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--control-host", "0.0.0.0", "--port", "0"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=NO_SECRET_ENV)
+    r = run_serve("--control-host", "0.0.0.0", env=NO_SECRET_ENV)
     assert r.returncode == 2
     assert "PDSERVE_SECRET" in r.stderr and "0.0.0.0" in r.stderr
 

@@ -3,14 +3,13 @@ with Retry-After (through the real `openai` client), admitted requests complete,
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-
-from .conftest import Server
+from servers import Server, metric_sum
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -25,9 +24,8 @@ def prompt(i: int) -> str:  # ~400 tokens, different per request (no prefix-cach
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--mode", "colocated", "--slo-ttft", str(SLO_TTFT), "--kv-cache-gb", "0.25")
-    yield s
-    s.stop()
+    with Server("--mode", "colocated", "--slo-ttft", str(SLO_TTFT), "--kv-cache-gb", "0.25") as s:
+        yield s
 
 
 def complete(server, i: int):
@@ -41,7 +39,12 @@ def complete(server, i: int):
 
 def test_burst_over_the_ttft_slo_gets_429_with_retry_after(server):
     assert complete(server, 0)[0] == "ok"  # the worker measures its prefill speed
-    time.sleep(0.6)  # ... and reports it in a heartbeat
+    wait_until(  # ... and reports it in a heartbeat: admission estimates TTFT with it
+        lambda: any(w.get("prefill_tok_s", 0) > 0 for w in server.health()["workers"].values()),
+        10,
+        "a worker to report its prefill speed",
+        state=server.health,
+    )
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(lambda i: complete(server, i), range(1, 13)))
     ok = [r for kind, r in results if kind == "ok"]
@@ -54,8 +57,11 @@ def test_burst_over_the_ttft_slo_gets_429_with_retry_after(server):
         assert "too close to the 1 s SLO" in message
     metrics = httpx.get(server.url + "/metrics").text
     assert 'pdserve_rejected_total{reason="slo_ttft"}' in metrics
-    workers = server.wait_idle_and_clean()
-    assert all(w["free_blocks"] == w["total_blocks"] for w in workers.values())
+    workers = server.wait_idle_and_clean()  # every block free
     assert all(w["prefill_tok_s"] > 0 for w in workers.values())
-    time.sleep(0.6)
+    wait_until(  # the router has forgotten every admitted request: nothing queued for prefill
+        lambda: metric_sum(server.url, "pdserve_requests_total") == 1 + len(ok),
+        10,
+        "the router to finish every admitted request",
+    )
     assert complete(server, 99)[0] == "ok"  # once the burst has drained, admitted again

@@ -43,4 +43,4 @@ def test_bench_mixed_40_requests_against_pdserve(disagg_server, tmp_path):
     assert {r["klass"] for r in records} == {"chat", "doc"}
     assert (out / "summary.md").exists()
     assert list(out.glob("*.png"))
-    assert disagg_server.wait_idle_and_clean()
+    disagg_server.wait_idle_and_clean()  # raises naming what is still busy or leaked

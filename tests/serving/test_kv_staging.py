@@ -7,10 +7,10 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from servers import Server
 
 from pdserve.serving.kv_staging import HostStaging
 
-from .conftest import Server
 from .test_serve_e2e import PROMPTS, completion_ids
 
 CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
@@ -119,11 +119,10 @@ def test_a_staged_disagg_server_matches_the_offline_engine(device):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     tok = llm.tokenizer
     want = {p: tok.decode(llm.generate(p, params)[0].token_ids) for p in PROMPTS}
-    server = Server(
+    with Server(
         "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0",
         "--kv-cache-gb", "0.25", "--device", device, env={"PDSERVE_KV_STAGING": "1"},
-    )  # fmt: skip
-    try:
+    ) as server:  # fmt: skip
         # the long prompt twice: the second finds its prefix cached on the decode worker, so
         # only the blocks after it are staged
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]  # $PDSERVE_MODEL's
@@ -136,8 +135,4 @@ def test_a_staged_disagg_server_matches_the_offline_engine(device):
             if line.startswith('pdserve_prefill_decisions_total{where="remote"}')
         ]
         assert remote and float(remote[0].split()[-1]) >= len(PROMPTS) + 1
-        workers = server.wait_idle_and_clean()
-        assert all(w.get("integrity_error") is None for w in workers.values()), workers
-        assert all(w.get("free_blocks") == w.get("total_blocks") for w in workers.values())
-    finally:
-        server.stop()
+        server.wait_idle_and_clean()  # every block free, block manager intact

@@ -62,7 +62,8 @@ def test_disagg_and_colocated_match_offline(disagg_server, colocated_server, off
         want = tok.decode(expected[prompt])
         assert completion_ids(disagg_server, prompt, tok, stream) == want, prompt
         assert completion_ids(colocated_server, prompt, tok, stream) == want, prompt
-    assert disagg_server.wait_idle_and_clean()
+    disagg_server.wait_idle_and_clean()  # raises naming what is still busy or leaked
+    colocated_server.wait_idle_and_clean()
 
 
 def test_workers_default_to_int4_weights_and_the_fused_decode_step(disagg_server):
@@ -143,10 +144,7 @@ def test_cancel_mid_stream_frees_every_block(disagg_server):
         for i, _ in enumerate(r.iter_lines()):
             if i >= 6:
                 break  # closing the response disconnects the client mid-stream
-    workers = disagg_server.wait_idle_and_clean()
-    for w in workers.values():
-        assert w["free_blocks"] == w["total_blocks"], workers
-        assert w["integrity_error"] is None
+    disagg_server.wait_idle_and_clean()  # every block free, block manager intact
 
 
 BAD = [

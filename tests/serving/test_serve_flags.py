@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from servers import run_serve
 
 
 @pytest.mark.parametrize(
@@ -17,8 +15,7 @@ import pytest
     ],
 )
 def test_bad_flags_exit_2_with_a_message(flags, message):
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", *flags]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = run_serve(*flags)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
 

@@ -1,0 +1,241 @@
+"""The one launcher of real `pdserve serve` processes (router + worker processes, and the KV store
+with --kv-store) for every suite that needs them: tests/serving, chaos, fuzz, security, kv_store,
+and benchmarks/chaos.py through tests/chaos/cluster.py.
+
+`Server(*flags)` starts one on a port of its own (--port 0, read back from its ready line) and
+returns once it is ready; `stop()` returns once it and every process it started are gone. Use
+it as a context manager so that whoever starts a server stops it:
+
+    @pytest.fixture(scope="session")
+    def disagg_server():
+        with Server("--mode", "disagg") as server:
+            yield server
+
+`run_serve(*flags)` runs a `pdserve serve` that is expected to refuse its flags and exit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from waiting import wait_until
+
+SERVE = [sys.executable, "-m", "pdserve.cli", "serve"]
+READY = re.compile(r"pdserve ready: (http://\S+):(\d+)/v1")
+
+
+def _environ(env: dict[str, str | None] | None) -> dict[str, str]:
+    """os.environ with `env` applied: a value sets a variable, None removes it."""
+    out = dict(os.environ)
+    for name, value in (env or {}).items():
+        if value is None:
+            out.pop(name, None)
+        else:
+            out[name] = value
+    return out
+
+
+def run_serve(
+    *flags: str, env: dict[str, str | None] | None = None, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess:
+    """`pdserve serve --port 0 FLAGS` run to its end: for flags it must refuse before it starts
+    anything (a server that does start is killed at `timeout_s`: TimeoutExpired)."""
+    cmd = [*SERVE, "--port", "0", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_environ(env))
+
+
+class Server:
+    """One `pdserve serve FLAGS` process, ready (its workers registered) when constructed.
+    `lines`: everything it printed so far (its workers' output included)."""
+
+    def __init__(
+        self,
+        *flags: str,
+        env: dict[str, str | None] | None = None,
+        startup_timeout_s: float = 240.0,
+    ):
+        self.flags = flags
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.url, self.port = "", 0
+        self.proc = subprocess.Popen(
+            [*SERVE, "--port", "0", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # stop() signals its process group, never the test runner
+            env=_environ(env),
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)  # the pipe never fills
+        self._reader.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"`pdserve serve {' '.join(flags)}` did not print 'pdserve ready' within "
+                    f"{startup_timeout_s:g} s (exit code {self.proc.returncode}):\n"
+                    + "".join(self.lines[-40:])
+                )
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if not self._ready.is_set() and (ready := READY.search(line)):
+                self.url, self.port = f"{ready[1]}:{ready[2]}", int(ready[2])
+                self._ready.set()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- what it runs ----------------------------------------------------------------------
+    def child_pids(self, needle: str = "") -> list[int]:
+        """Processes `pdserve serve` started (workers, KV store) whose command line, its words
+        joined by spaces and ending in one, contains `needle`."""
+        return [pid for pid in children(self.proc.pid) if needle in " ".join(cmdline(pid)) + " "]
+
+    def worker_pids(self) -> dict[str, int]:
+        """Worker id -> pid of every worker process it started that is still running."""
+        found = {}
+        for pid in children(self.proc.pid):
+            argv = cmdline(pid)
+            if "--worker-id" in argv and not exited(pid):
+                found[argv[argv.index("--worker-id") + 1]] = pid
+        return found
+
+    # -- what it reports -------------------------------------------------------------------
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def settle(self, timeout_s: float = 30.0) -> dict:
+        """Wait up to `timeout_s` for every worker to be idle and clean (see `unclean`); return
+        /health's workers either way, for reports that count what leaked instead of failing."""
+        workers: dict = {}
+
+        def clean() -> bool:
+            nonlocal workers
+            workers = self.health()["workers"]
+            return not unclean(workers)
+
+        try:
+            wait_until(clean, timeout_s, "idle and clean workers", interval_s=0.1)
+        except AssertionError:
+            pass  # the caller judges `workers`
+        return workers
+
+    def wait_idle_and_clean(self, timeout_s: float = 30.0) -> dict:
+        """/health's workers once every worker is idle with every KV block free and an intact
+        block manager; AssertionError naming each worker that is not, and how, after
+        `timeout_s`."""
+        workers = self.settle(timeout_s)
+        problems = unclean(workers)
+        if problems:
+            raise AssertionError(
+                f"workers not idle and clean after {timeout_s:g} s: "
+                + "; ".join(f"{wid}: {why}" for wid, why in problems.items())
+            )
+        return workers
+
+    # -- stopping --------------------------------------------------------------------------
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGINT (serve stops its workers and store, then exits), SIGKILL after `timeout_s`;
+        returns once serve and every process it had started are gone. Safe to call again."""
+        if self.proc.poll() is None:  # once it has exited, its pid may be another process's
+            started = children(self.proc.pid)
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            stop_all(started)
+        self._reader.join(5)  # the rest of its output, for a failing test's report
+
+
+def metric(url: str, sample: str) -> float:
+    """Value of one Prometheus sample of the router, e.g. 'pdserve_migrations_total'
+    (0 when it was never incremented)."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def metric_sum(url: str, name: str) -> float:
+    """Sum of every sample of one Prometheus metric of the router, over all its labels, e.g.
+    'pdserve_requests_total' (0 when it was never incremented)."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith((name + " ", name + "{")):
+            total += float(line.split()[-1])
+    return total
+
+
+def unclean(workers: dict) -> dict[str, str]:
+    """Worker id -> what is not idle and clean about it: a request running, waiting or
+    transferring, a KV block not free, a block manager integrity error. No worker at all is
+    not clean either."""
+    if not workers:
+        return {"(none)": "no worker is registered"}
+    problems = {}
+    for wid, w in workers.items():
+        why = [f"{k}={w.get(k)}" for k in ("running", "waiting", "transferring") if w.get(k) != 0]
+        if w.get("free_blocks") != w.get("total_blocks"):
+            why.append(f"free_blocks={w.get('free_blocks')} of {w.get('total_blocks')}")
+        if w.get("integrity_error") is not None:
+            why.append(f"integrity_error={w['integrity_error']!r}")
+        if why:
+            problems[wid] = ", ".join(why)
+    return problems
+
+
+def stop_all(pids: list[int], timeout_s: float = 15.0) -> None:
+    """Wait until every pid has exited (they were told to); SIGKILL those left after
+    `timeout_s`."""
+    try:
+        wait_until(lambda: all(exited(p) for p in pids), timeout_s, "processes to exit")
+    except AssertionError:
+        for pid in pids:
+            if not exited(pid):
+                os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: all(exited(p) for p in pids), 10, f"{pids} to die after SIGKILL")
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc/*/stat; psutil is not a dependency)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    """The argv of `pid` ([] once it has exited)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def exited(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody has reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

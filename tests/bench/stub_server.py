@@ -87,9 +87,11 @@ class _Handler:
         tokens, start = int(body.get("max_tokens", 16)), time.perf_counter()
         self.received.append(start)
         if fault == "hang":
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # the fault under test: a server that never answers
         for i in range(tokens):
             due = start + self.config.ttft_s + i * self.config.itl_s
+            # the stub's latency is what the client measures: pace tokens to the configured
+            # TTFT and ITL
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             if fault and i == tokens // 2:
                 return _fault(writer, fault)

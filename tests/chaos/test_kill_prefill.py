@@ -5,10 +5,11 @@ takes traffic again; no block leaks."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from servers import metric_sum
+from waiting import wait_until
 
 from .cluster import complete, metric
 from .conftest import HEARTBEAT_TIMEOUT_S
@@ -30,25 +31,33 @@ def long_prompt(topic: str) -> str:
 PROMPTS = [long_prompt(t) for t in ("Weather", "Traffic", "Harbour")]
 
 
-def prefill_started(cluster, timeout_s: float = 5.0) -> None:
-    """Wait until the prefill worker reports queued or running prompt tokens (or timeout:
-    then the kill still lands while the Prefill messages are in flight)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        load = cluster.health().get("prefill-0", {})
-        if load.get("queued_tokens") or load.get("running"):
-            return
-        time.sleep(0.05)
+def placed(cluster) -> float:
+    """Requests the router has placed so far (each decides where its prompt is prefilled)."""
+    return metric_sum(cluster.url, "pdserve_prefill_decisions_total")
+
+
+def wait_placed(cluster, before: float, n: int, timeout_s: float = 30.0) -> None:
+    """Wait until the router has placed `n` more requests: from then on their Prefill
+    messages are on their way to the prefill worker, or it holds them already. (Its load
+    reports lag by ~0.5 s, so waiting for them to show the prompts could miss the prefill.)"""
+    wait_until(
+        lambda: placed(cluster) >= before + n,
+        timeout_s,
+        f"the router to place {n} requests",
+        interval_s=0.02,
+        state=lambda: placed(cluster) - before,
+    )
 
 
 def test_prefill_worker_killed_mid_prefill(cluster):
     cluster.ensure_all()
     failures = metric(cluster.url, "pdserve_worker_failures_total")
+    before = placed(cluster)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [
             pool.submit(complete, cluster.url, {"prompt": p, **GREEDY}, DEADLINE_S) for p in PROMPTS
         ]
-        prefill_started(cluster)
+        wait_placed(cluster, before, len(PROMPTS))
         cluster.kill("prefill-0")
         outs = [f.result() for f in futures]
     assert [o.kind for o in outs] == ["ok"] * len(PROMPTS), outs

@@ -5,9 +5,9 @@ answers its heartbeat with Reset), instead of lingering as a process the router 
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
+from waiting import wait_until
 
 from .cluster import complete, stream
 from .conftest import HEARTBEAT_TIMEOUT_S
@@ -47,8 +47,11 @@ def test_stalled_decode_worker_is_declared_dead_and_its_stream_migrates(cluster,
 
 def test_stalled_decode_worker_rejoins_after_it_wakes_up(cluster, stalled):
     wid, _, _ = stalled
-    deadline = time.monotonic() + 2.5 * HEARTBEAT_TIMEOUT_S
-    while wid not in cluster.health() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert wid in cluster.health()
+    wait_until(
+        lambda: wid in cluster.health(),
+        2.5 * HEARTBEAT_TIMEOUT_S,
+        f"{wid} to rejoin after SIGCONT",
+        interval_s=0.2,
+        state=cluster.health,
+    )
     cluster.assert_clean()

@@ -1,5 +1,11 @@
 """The engine's side of the KV store: offload blocks, ask for a prefix, load it into blocks.
 
+Over 300 lines on purpose: `StoreClient` is the one object the engine talks to, and its put and
+load paths share the cache views, the nixl client, the removal log and `last_error`; split across
+files, that shared state would be harder to follow. What stands on its own lives beside it:
+connection.py (reconnects, deadlines), tickets.py and put_queue.py (tickets, the put thread),
+layer_load.py (`LayerLoad`).
+
 `put` is zero-copy and asynchronous: it validates the request, queues it and returns a
 `PutTicket` at once; a background thread reads the blocks straight out of the engine's cache
 memory and sends them. The caller must not free or overwrite those blocks until the ticket is
@@ -23,7 +29,6 @@ from cache memory, and a load READs the store's buffers straight into the destin
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -34,6 +39,7 @@ from typing import TypeVar
 from pdserve.engine.block_hash import hash_block
 from pdserve.kv_store.config import payload_bytes
 from pdserve.kv_store.connection import Connection, Deadline, recv_into_by
+from pdserve.kv_store.layer_load import LayerLoad
 from pdserve.kv_store.protocol import (
     MAX_BLOCKS,
     BlockMeta,
@@ -54,7 +60,8 @@ from pdserve.kv_store.protocol import (
     send_buffers,
     send_msg,
 )
-from pdserve.kv_store.tickets import PutJob, PutTicket, TicketBook
+from pdserve.kv_store.put_queue import PutQueue
+from pdserve.kv_store.tickets import PutJob, PutTicket
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.memory import byte_views, check_block_ids, check_caches, paired_runs
 from pdserve.kv_transfer.wire import resolve_secret
@@ -99,13 +106,9 @@ class StoreClient:
         else:
             self._conn, self._put_conn = Connection(*args), Connection(*args)
         self._lock = threading.Lock()  # one lookup/load/stats at a time on self._conn
-        self._jobs: queue.Queue[PutJob | None] = queue.Queue(max_queued_puts)
-        self._book = TicketBook()
         self._removed: deque[int] = deque(maxlen=1 << 16)  # see drain_removed()
         self.last_error: str | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._put_loop, name="kv-store-put", daemon=True)
-        self._thread.start()
+        self._puts = PutQueue(self._send_put, self._put_conn.drop, max_queued_puts)
 
     # --- offload ----------------------------------------------------------------------------
 
@@ -123,8 +126,8 @@ class StoreClient:
         check_block_ids(list(block_ids), self.num_blocks, "put")
         if len(block_ids) != len(metas):
             raise ValueError(f"{len(block_ids)} block ids for {len(metas)} block hashes")
-        ticket = self._book.open()
-        return self._queue(PutJob(metas, list(block_ids), ticket))
+        ticket = self._puts.open()
+        return self._puts.submit(PutJob(metas, list(block_ids), ticket))
 
     def put_copies(self, blocks: Sequence[BlockMeta], payloads: Sequence[bytearray]) -> PutTicket:
         """Queue blocks whose bytes were copied out of the cache with `snapshot` (each chained
@@ -136,7 +139,7 @@ class StoreClient:
                 raise ValueError(f"block hash {meta.block_hash} does not match its token ids")
             if len(payload) != size:
                 raise ValueError(f"a payload of {len(payload)} bytes, not {size}")
-        return self._queue(PutJob(list(blocks), list(payloads), self._book.open()))
+        return self._puts.submit(PutJob(list(blocks), list(payloads), self._puts.open()))
 
     def snapshot(self, block_id: int) -> bytearray | memoryview:
         """A copy of block `block_id` (K and V of every layer, as the store keeps them: K0 V0
@@ -151,17 +154,6 @@ class StoreClient:
         """The store could not be reached a moment ago and puts fail at once for now."""
         return self._put_conn.backing_off
 
-    def _queue(self, job: PutJob) -> PutTicket:
-        if self._closed:
-            self._book.finish(job.ticket, 0, "KV store client closed")
-            return job.ticket
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            msg = "put queue full: the KV store is slower than the engine"
-            self._book.finish(job.ticket, 0, msg)
-        return job.ticket
-
     def _buffers(self, source: int | bytearray) -> list:
         """What to send for one block: its copy, or its cache memory (a block id)."""
         if isinstance(source, (bytes, bytearray, memoryview)):
@@ -171,7 +163,7 @@ class StoreClient:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every put issued so far is done (stored or failed); False on timeout."""
-        return self._book.wait_all(timeout_s)
+        return self._puts.flush(timeout_s)
 
     def _metas(self, hashes, tokens, parent: int | None) -> list[BlockMeta]:
         if len(hashes) != len(tokens):
@@ -188,23 +180,18 @@ class StoreClient:
             parent = h
         return metas
 
-    def _put_loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                stored = sum(
-                    self._put_conn.call(
-                        partial(
-                            self._put_chunk,
-                            metas=job.metas[i : i + CHUNK],
-                            sources=job.sources[i : i + CHUNK],
-                        )  # fmt: skip
-                    )
-                    for i in range(0, len(job.metas), CHUNK)
-                )
-                self._book.finish(job.ticket, stored, None)
-            except _FAILURES as exc:
-                self._put_conn.drop()
-                self._book.finish(job.ticket, 0, f"KV store put failed: {exc}")
+    def _send_put(self, job: PutJob) -> int:
+        """Send one queued put, CHUNK blocks at a time (on the put thread, `PutQueue`)."""
+        return sum(
+            self._put_conn.call(
+                partial(
+                    self._put_chunk,
+                    metas=job.metas[i : i + CHUNK],
+                    sources=job.sources[i : i + CHUNK],
+                )  # fmt: skip
+            )
+            for i in range(0, len(job.metas), CHUNK)
+        )
 
     def _put_chunk(self, sock, metas: list[BlockMeta], sources: list) -> int:
         """Send the blocks the store lacks (one query first), K0 V0 K1 V1 ... per block; with
@@ -382,53 +369,12 @@ class StoreClient:
     def close(self) -> None:
         """Stop the put thread (queued puts fail, the one being sent finishes or fails within
         `timeout_s`), close the connections. Later puts fail at once."""
-        self._closed = True
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self._book.finish(job.ticket, 0, "KV store client closed")
-        self._jobs.put(None)
-        self._thread.join(timeout=self.timeout_s + 1)
+        self._puts.close(join_timeout_s=self.timeout_s + 1)
         self._put_conn.drop()
         with self._lock:
             self._conn.drop()
             if self._nixl is not None:
                 self._nixl.close()
-
-
-class LayerLoad:
-    """A load running on its own thread (`StoreClient.start_load`): wait for one layer of it,
-    or for all of it and the number of blocks that landed intact."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._layers = 0  # layers 0 .. _layers - 1 have landed
-        self._landed: int | None = None  # set when the load has ended
-
-    def layer_done(self, layer: int) -> None:
-        with self._cond:
-            self._layers = layer + 1
-            self._cond.notify_all()
-
-    def finish(self, landed: int) -> None:
-        with self._cond:
-            self._landed = landed
-            self._cond.notify_all()
-
-    def wait_layer(self, layer: int) -> None:
-        """Return once layer `layer` has landed or the load has ended (either way: see
-        `result()` for whether the blocks are good)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._layers > layer or self._landed is not None)
-
-    def result(self) -> int:
-        """Blocks that landed intact, once the load has ended (it ends within its timeout)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._landed is not None)
-            return self._landed
 
 
 def _matches(meta: BlockMeta, block_hash: int, parent: int | None, tokens) -> bool:

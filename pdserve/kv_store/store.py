@@ -12,6 +12,9 @@ demoting it again costs nothing). Capacities are enforced on every insert:
 A pinned block (held by a load in progress, or by a lease a client took with a lookup) is never
 evicted from either tier. Leases expire after their TTL, so a client that dies leaks nothing.
 All methods are thread-safe; file reads for loads happen outside the lock, under a pin.
+
+`Store` holds the lock, pins and leases, promotion on an SSD hit and the counters; the tiers'
+bookkeeping (byte counts, LRU order, demotion and eviction) is `Tiers` in tiers.py.
 """
 
 from __future__ import annotations
@@ -20,34 +23,17 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from pdserve.kv_store.config import Key, StoreConfig, payload_bytes
 from pdserve.kv_store.protocol import BlockMeta, StoreStats, chains
 from pdserve.kv_store.removals import RemovalLog
 from pdserve.kv_store.ssd import CorruptRecord, SsdFiles
+from pdserve.kv_store.tiers import Entry, Payload, Tiers
 from pdserve.kv_transfer.base import KVLayout
 
 log = logging.getLogger("pdserve.kv_store")
-Payload = bytes | bytearray | memoryview
-
-
-@dataclass(eq=False)
-class Entry:
-    """One block in the index. `data` is its DRAM copy; `ssd_size` > 0 when it has a file."""
-
-    key: Key
-    layout: KVLayout
-    meta: BlockMeta
-    data: Payload | None = None
-    ssd_size: int = 0
-    pins: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return payload_bytes(self.layout)
 
 
 class Store:
@@ -61,15 +47,12 @@ class Store:
         self.alloc: Callable[[int], Payload | None] | None = None
         self._lock = threading.Lock()
         self._files = SsdFiles(config.store_dir)
-        self._entries: dict[Key, Entry] = {}
-        self._dram: OrderedDict[Key, None] = OrderedDict()  # least recently used first
-        self._ssd: OrderedDict[Key, None] = OrderedDict()
-        self._dram_used = self._ssd_used = 0
         self._leases: dict[int, tuple[list[Entry], float]] = {}
         self._lease_ids = itertools.count(1)
         self._count: Counter[str] = Counter()
         self._load_seconds = 0.0
         self._removals = RemovalLog()
+        self._tiers = Tiers(config, self._files, self._count, self._removals)
         self._recover()
 
     def _recover(self) -> None:
@@ -77,20 +60,18 @@ class Store:
         found, dropped = self._files.scan(self.config.verify_on_start)
         self._count["corrupt_dropped"] += dropped
         for rec in found:
-            self._entries[rec.key] = Entry(rec.key, rec.layout, rec.meta, ssd_size=rec.size)
-            self._ssd[rec.key] = None
-            self._ssd_used += rec.size
+            self._tiers.add_file(Entry(rec.key, rec.layout, rec.meta, ssd_size=rec.size))
         with self._lock:
-            self._make_ssd_room(0)
+            self._tiers.make_ssd_room(0)
         if found or dropped:
             log.info("KV store: recovered %d blocks from %s (%d bad files dropped)",
-                     len(self._entries), self.config.store_dir, dropped)  # fmt: skip
+                     len(self._tiers.entries), self.config.store_dir, dropped)  # fmt: skip
 
     # --- requests -------------------------------------------------------------------------
 
     def contains(self, keys: Sequence[Key]) -> list[bool]:
         with self._lock:
-            return [k in self._entries for k in keys]
+            return [k in self._tiers.entries for k in keys]
 
     def put(self, key: Key, layout: KVLayout, meta: BlockMeta, payload: Payload) -> bool:
         """Store one block; False if already held or refused (its hash does not match its
@@ -105,13 +86,13 @@ class Store:
         with self._lock:
             self._expire_leases()  # expired pins must not keep blocks from being evicted
             self._count["bytes_in"] += len(payload)
-            if key in self._entries:
-                self._touch(self._entries[key])
+            if key in self._tiers.entries:
+                self._tiers.touch(self._tiers.entries[key])
                 self._count["blocks_put_duplicate"] += 1
                 return False
             entry = Entry(key, layout, meta)
-            self._entries[key] = entry
-            self._add_dram(entry, payload)
+            self._tiers.entries[key] = entry
+            self._tiers.add_dram(entry, payload)
             self._count["blocks_put"] += 1
             return True
 
@@ -120,7 +101,7 @@ class Store:
         return the lease id to `unpin`, or None when nothing is held."""
         with self._lock:
             self._expire_leases()
-            entries = self._leading(keys)
+            entries = self._tiers.leading(keys)
             if not entries:
                 return None
             for e in entries:
@@ -139,17 +120,17 @@ class Store:
         """Pin the leading held blocks of `keys` for reading; pass them to `release` after."""
         with self._lock:
             self._expire_leases()
-            entries = self._leading(keys)
+            entries = self._tiers.leading(keys)
             for e in entries:
                 e.pins += 1
-                self._touch(e)
+                self._tiers.touch(e)
             return entries
 
     def release(self, entries: Sequence[Entry]) -> None:
         with self._lock:
             for e in entries:
                 e.pins -= 1
-            self._enforce_dram()  # blocks pinned past the watermark may leave DRAM now
+            self._tiers.enforce_dram()  # blocks pinned past the watermark may leave DRAM now
 
     def buffer(self, nbytes: int) -> Payload:
         """A buffer for a block the DRAM tier may keep: from `alloc` (a nixl store's registered
@@ -174,18 +155,18 @@ class Store:
             log.warning("KV store: dropping block %x: %s", entry.key.block_hash, exc)
             with self._lock:
                 self._count["corrupt_dropped"] += 1
-                self._remove_ssd(entry)
+                self._tiers.remove_ssd(entry)
             return None
         with self._lock:
             self._count["hits_ssd"] += 1
             if entry.data is not None:  # another load promoted it meanwhile: serve that copy
                 return entry.data
-            if self._entries.get(entry.key) is entry:
+            if self._tiers.entries.get(entry.key) is entry:
                 # Copied under the lock so that only the promoted copy takes DRAM's (on a nixl
                 # store, registered) memory: a block's memcpy, next to the file writes that
                 # demotions already do under it.
                 promoted = self._dram_copy(data)
-                self._add_dram(entry, promoted)
+                self._tiers.add_dram(entry, promoted)
                 return promoted
             return data
 
@@ -209,34 +190,36 @@ class Store:
 
     def stats(self) -> StoreStats:
         with self._lock:
+            t = self._tiers
             return StoreStats(
                 **self._count,
                 load_seconds=self._load_seconds,
-                dram_blocks=len(self._dram),
-                dram_bytes=self._dram_used,
-                ssd_blocks=len(self._ssd),
-                ssd_bytes=self._ssd_used,
-                pinned_blocks=sum(1 for e in self._entries.values() if e.pins),
+                dram_blocks=len(t.dram),
+                dram_bytes=t.dram_used,
+                ssd_blocks=len(t.ssd),
+                ssd_bytes=t.ssd_used,
+                pinned_blocks=sum(1 for e in t.entries.values() if e.pins),
             )
 
     def tier_keys(self) -> tuple[list[Key], list[Key]]:
         """Keys in DRAM and on SSD, least recently used first (for tests and integrity checks)."""
         with self._lock:
-            return list(self._dram), list(self._ssd)
+            return list(self._tiers.dram), list(self._tiers.ssd)
 
     def check_integrity(self, idle: bool = True) -> None:
         """Raise AssertionError naming the first broken invariant: byte counts match the tiers,
         every indexed block is in a tier, the files are exactly the SSD index, and (`idle`: no
         load in progress) every pin is held by a live lease, so no pin leaked."""
         with self._lock:
-            dram = [self._entries[k] for k in self._dram]
-            ssd = [self._entries[k] for k in self._ssd]
-            assert self._dram_used == sum(e.nbytes for e in dram), "DRAM byte count is off"
-            assert self._ssd_used == sum(e.ssd_size for e in ssd), "SSD byte count is off"
+            t = self._tiers
+            dram = [t.entries[k] for k in t.dram]
+            ssd = [t.entries[k] for k in t.ssd]
+            assert t.dram_used == sum(e.nbytes for e in dram), "DRAM byte count is off"
+            assert t.ssd_used == sum(e.ssd_size for e in ssd), "SSD byte count is off"
             leased = Counter(e.key for entries, _ in self._leases.values() for e in entries)
-            for key, e in self._entries.items():
-                assert (e.data is not None) == (key in self._dram), f"{key}: DRAM state"
-                assert bool(e.ssd_size) == (key in self._ssd), f"{key}: SSD state"
+            for key, e in t.entries.items():
+                assert (e.data is not None) == (key in t.dram), f"{key}: DRAM state"
+                assert bool(e.ssd_size) == (key in t.ssd), f"{key}: SSD state"
                 assert e.data is not None or e.ssd_size, f"{key}: indexed but in no tier"
                 assert e.pins == leased[key] or (not idle and e.pins > leased[key]), (
                     f"{key}: {e.pins} pins but {leased[key]} leases"
@@ -260,19 +243,6 @@ class Store:
         slot[:] = data  # type: ignore[index]
         return slot
 
-    def _leading(self, keys: Sequence[Key]) -> list[Entry]:
-        out = []
-        for k in keys:
-            if (e := self._entries.get(k)) is None:
-                break
-            out.append(e)
-        return out
-
-    def _touch(self, e: Entry) -> None:
-        for tier in (self._dram, self._ssd):
-            if e.key in tier:
-                tier.move_to_end(e.key)
-
     def _expire_leases(self) -> None:
         now = self._clock()
         for lease in [lid for lid, (_, deadline) in self._leases.items() if deadline <= now]:
@@ -282,70 +252,3 @@ class Store:
         entries, _ = self._leases.pop(lease, ((), 0.0))  # type: ignore[arg-type]
         for e in entries:
             e.pins -= 1
-
-    def _add_dram(self, entry: Entry, data: Payload) -> None:
-        entry.data = data
-        self._dram[entry.key] = None
-        self._dram_used += entry.nbytes
-        self._enforce_dram()
-
-    def _enforce_dram(self) -> None:
-        if self._dram_used <= self.config.dram_high_bytes:
-            return
-        for key in list(self._dram):
-            if self._dram_used <= self.config.dram_low_bytes:
-                break
-            entry = self._entries[key]
-            if not entry.pins:
-                self._demote(entry)
-
-    def _demote(self, e: Entry) -> None:
-        """Move `e` out of DRAM: to SSD if it is not there yet and fits, else drop it."""
-        if not e.ssd_size:
-            self._add_ssd(e)
-        if e.ssd_size:
-            self._count["demotions"] += 1
-        else:
-            self._count["evictions_dram"] += 1
-        del self._dram[e.key]
-        self._dram_used -= e.nbytes
-        e.data = None
-        self._forget_if_gone(e)
-
-    def _add_ssd(self, e: Entry) -> None:
-        head = SsdFiles.encode_head(e.layout, e.meta, e.nbytes)
-        size = SsdFiles.file_size(head, e.nbytes)
-        if not self._make_ssd_room(size, keep=e):
-            return
-        try:
-            self._files.write(e.key, head, e.data)  # type: ignore[arg-type]
-        except OSError as exc:
-            log.warning("KV store: cannot write block file (%s); dropping the block", exc)
-            return
-        e.ssd_size = size
-        self._ssd[e.key] = None
-        self._ssd_used += size
-
-    def _make_ssd_room(self, size: int, keep: Entry | None = None) -> bool:
-        """Delete least recently used unpinned files until `size` more bytes fit."""
-        for key in list(self._ssd):
-            if self._ssd_used + size <= self.config.ssd_bytes:
-                break
-            victim = self._entries[key]
-            if not victim.pins and victim is not keep:
-                self._remove_ssd(victim)
-                self._count["evictions_ssd"] += 1
-        return self._ssd_used + size <= self.config.ssd_bytes
-
-    def _remove_ssd(self, e: Entry) -> None:
-        if e.key in self._ssd:
-            del self._ssd[e.key]
-            self._ssd_used -= e.ssd_size
-        e.ssd_size = 0
-        self._files.delete(e.key)
-        self._forget_if_gone(e)
-
-    def _forget_if_gone(self, e: Entry) -> None:
-        if e.data is None and not e.ssd_size and self._entries.get(e.key) is e:
-            del self._entries[e.key]
-            self._removals.append(e.key)

@@ -129,8 +129,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
 def _make_frontend(args):
     from pdserve.model.loader import load_model_config, load_tokenizer
     from pdserve.protocol.channel import require_secret_for, resolve_secret
-    from pdserve.router.app import Frontend
     from pdserve.router.core import RouterCore
+    from pdserve.router.frontend import Frontend
     from pdserve.router.metrics import register_workers
 
     secret = resolve_secret()

@@ -1,6 +1,6 @@
-"""The simulator's modules import each other without a cycle, lazy imports inside functions
-included: a cycle hides which module is the lower one, and breaks as soon as an import in it
-moves to the top of a file."""
+"""pdserve's modules import each other without a cycle, lazy imports inside functions included
+(a cycle hides which module is the lower one, and breaks as soon as an import in it moves to the
+top of a file), and the layers hold: the router and the workers share only the protocol."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     """The modules in `known` that `path` imports anywhere in it. `from pkg import name` is
     an import of `pkg.name` when that is a module, else of `pkg` itself."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _walk_runtime(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -29,6 +29,18 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
                 sub = f"{node.module}.{alias.name}"
                 found.add(sub if sub in known else node.module)
     return found & known
+
+
+def _walk_runtime(tree: ast.AST):
+    """ast.walk, leaving out `if TYPE_CHECKING:` blocks (annotations only, never imported)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
 
 
 def import_graph(package: str) -> dict[str, set[str]]:
@@ -67,7 +79,29 @@ def test_find_cycle_reports_the_cycle():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-def test_sim_imports_form_no_cycle():
-    graph = import_graph("pdserve.sim")
+def test_pdserve_imports_form_no_cycle():
+    graph = import_graph("pdserve")
     assert "pdserve.sim.calibration" in graph["pdserve.sim.commands"]  # lazy imports count
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def _reaches(graph: dict[str, set[str]], start: str, prefixes: tuple[str, ...]) -> list[str]:
+    """Modules under `prefixes` that `start` imports, directly or not."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return sorted(d for d in seen if d.startswith(prefixes))
+
+
+def test_router_and_workers_share_only_the_protocol():
+    graph = import_graph("pdserve")
+    layers = {
+        "pdserve.router": ("pdserve.serving", "pdserve.launch"),
+        "pdserve.serving": ("pdserve.router", "pdserve.launch"),
+        "pdserve.protocol": ("pdserve.router", "pdserve.serving", "pdserve.launch"),
+    }
+    for package, forbidden in layers.items():
+        for name in [n for n in graph if n.startswith(package)]:
+            assert not _reaches(graph, name, forbidden), (name, _reaches(graph, name, forbidden))

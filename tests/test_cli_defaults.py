@@ -8,7 +8,7 @@ import pytest
 from pdserve.cli import build_parser
 from pdserve.config import DECODE_CHUNK_SIZE, EngineConfig
 from pdserve.engine.cli import engine_config_from_args
-from pdserve.launch.cli import router_config_from_args
+from pdserve.launch.commands import router_config_from_args
 from pdserve.router.config import RouterConfig
 from pdserve.sim.commands import deployment_of
 from pdserve.sim.deployment import Deployment

@@ -1,0 +1,197 @@
+"""What `pdserve serve`, `pdserve router` and `pdserve worker` do, given their parsed flags
+(`launch/cli.py`). Heavy imports (torch, the router app) happen inside each command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from pdserve import envs
+from pdserve.config import EngineConfig
+from pdserve.engine.cli import engine_config_from_args
+from pdserve.router.config import RouterConfig
+
+ENGINE_FLAGS = (
+    "model",
+    "dtype",
+    "device",
+    "weights",
+    "kv_cache_gb",
+    "block_size",
+    "max_num_seqs",
+    "max_model_len",
+)
+
+
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The router's settings from the flags `launch.cli` adds (--block-size: the engine's)."""
+    return RouterConfig(
+        control_host=args.control_host,
+        control_port=args.control_port,
+        mode=args.mode,
+        local_prefill_threshold=args.local_prefill_threshold,
+        short_prefills_to_idle_pool=not args.keep_short_prefills_local,
+        lease_s=args.lease_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        block_size=args.block_size,
+        max_inflight=args.max_inflight,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+    )
+
+
+def make_frontend(args):
+    from pdserve.model.loader import load_model_config, load_tokenizer
+    from pdserve.protocol.channel import require_secret_for, resolve_secret
+    from pdserve.router.core import RouterCore
+    from pdserve.router.frontend import Frontend
+    from pdserve.router.metrics import register_workers
+
+    secret = resolve_secret()
+    require_secret_for(args.control_host, secret)
+    path, _ = load_model_config(args.model)
+    core = RouterCore(router_config_from_args(args), secret)
+    register_workers(core)
+    name = args.model_name or path.name.removesuffix(".gguf")
+    return Frontend(core, load_tokenizer(args.model), name, api_key=args.api_key)
+
+
+def router(args) -> int:
+    """`pdserve router`: the router alone; workers join with `pdserve worker`."""
+    from pdserve.launch.local import serve_forever
+    from pdserve.router.app import build_app
+
+    frontend = make_frontend(args)
+
+    async def ready(port):
+        print(
+            f"router on http://{args.host}:{port}/v1, workers connect to {frontend.core.endpoint}",
+            flush=True,
+        )
+
+    return serve_forever(build_app(frontend), args.host, args.port, on_ready=ready)
+
+
+def engine_argv(args) -> list[str]:
+    argv = []
+    for flag in ENGINE_FLAGS:
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
+
+
+def serve(args) -> int:
+    """`pdserve serve`: the router, then its workers (and a KV store) as subprocesses."""
+    from pdserve.launch.local import (
+        ServePlan,
+        WorkerProcs,
+        drain_worker_output,
+        gpu_per_worker,
+        serve_forever,
+        visible_gpus,
+        wait_ready,
+    )
+    from pdserve.router.app import build_app
+
+    max_seqs = args.max_num_seqs or EngineConfig.max_num_seqs  # the engine's default
+    if args.decode_chunk_size and not args.decode_chunk_size >= max_seqs:
+        raise ValueError(
+            f"--decode-chunk-size must be 0 (off) or at least --max-num-seqs ({max_seqs}): every "
+            f"running stream needs one of its tokens in each step, got {args.decode_chunk_size}"
+        )
+    if args.step_log:  # the workers inherit it (pdserve.envs.step_log_dir)
+        os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
+    cores = sorted(os.sched_getaffinity(0))
+    plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
+    frontend = make_frontend(args)
+    procs = WorkerProcs()
+    base_argv = engine_argv(args)
+
+    store_endpoint = args.kv_store_endpoint
+    if args.kv_store and not store_endpoint:
+        store_endpoint = procs.start_store(
+            args.store_dir, args.store_dram_gb, args.store_ssd_gb, args.kv_transport
+        )
+    if store_endpoint:
+        base_argv += ["--kv-store", store_endpoint]
+
+    gpus = visible_gpus() if args.device in ("auto", "cuda") else 0
+    devices = gpu_per_worker(args.device, len(plan.workers), gpus)
+    if gpus == 1 and args.mode == "disagg":
+        print(
+            "pdserve serve: note: the prefill and decode workers share this machine's one GPU, "
+            "where a prefill still stalls the decode steps and each transfer costs a copy "
+            "through host memory; disaggregation pays with a GPU per worker (--mode colocated "
+            "serves one GPU better)",
+            flush=True,
+        )
+
+    async def ready(port):
+        for i, (role, cpus) in enumerate(plan.workers):
+            argv = list(base_argv)
+            if devices[i]:  # given last, it overrides the --device of base_argv
+                argv += ["--device", devices[i]]
+            chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
+            if chunk:
+                argv += ["--chunk-size", str(chunk)]
+            procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport)
+        n_pre = sum(r == "prefill" for r, _ in plan.workers)
+        try:
+            await wait_ready(
+                frontend.core, procs, n_pre, len(plan.workers) - n_pre, args.startup_timeout_s
+            )
+        except RuntimeError as exc:
+            print(f"pdserve serve: error: {exc}", flush=True)
+            os.kill(os.getpid(), 2)  # stop uvicorn; on_stop stops the other workers
+            return
+        drain_worker_output(procs)
+        url = f"http://{args.host}:{port}"
+        layout = ", ".join(
+            f"{r}@cpu{c}" + (f"+{d}" if d else "")
+            for (r, c), d in zip(plan.workers, devices, strict=True)
+        )
+        print(f"pdserve ready: {url}/v1 ({args.mode}: {layout})", flush=True)
+        print(
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            "-d '"
+            + '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+            + "'",
+            flush=True,
+        )
+
+    return serve_forever(
+        build_app(frontend), args.host, args.port, on_ready=ready, on_stop=procs.stop
+    )
+
+
+def worker(args) -> int:
+    """`pdserve worker`: one engine process that joins a router."""
+    from pdserve.launch.local import pin_cpus, run_worker
+    from pdserve.serving.worker import WorkerConfig
+
+    n = pin_cpus(args.cpus)
+    threads = args.threads or n
+    engine = engine_config_from_args(args, role=args.role)
+    if threads:
+        from dataclasses import replace
+
+        engine = replace(engine, num_threads=threads)
+    if args.role == "prefill":  # a prefill worker computes whole prompts: no chunking
+        from dataclasses import replace
+
+        engine = replace(engine, chunk_size=None)
+    config = WorkerConfig(
+        kv_store=args.kv_store,
+        engine=engine,
+        router=args.router,
+        worker_id=args.worker_id or f"{args.role}-{os.getpid()}",
+        kv_transport=args.kv_transport,
+        kv_host=args.kv_host,
+    )
+    return run_worker(config)

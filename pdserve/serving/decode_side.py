@@ -1,6 +1,9 @@
 """The decode side of a worker (roles decode and both): requests the router admits, the KV
 leases of those prefilled elsewhere, and the tokens it streams back.
 
+It is the engine's KV connector for remote KV: when the engine gives a remote-prefill request
+blocks (`on_allocate`), it registers them with the KV receiver.
+
 Queues:  pending (no blocks yet) -> transferring (blocks under a lease, KV arriving)
          -> running -> finished
 A remote-prefill request gets blocks as soon as the engine has them (oldest first) and the
@@ -19,8 +22,10 @@ from collections.abc import Callable
 
 import msgspec
 
+from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer import KVLayout
 from pdserve.kv_transfer.base import KVReceiver
 from pdserve.protocol import messages as m
@@ -33,7 +38,7 @@ def to_sampling(p: m.Params, **overrides) -> SamplingParams:
     return SamplingParams(**{**msgspec.structs.asdict(p), **overrides})
 
 
-class DecodeSide:
+class DecodeSide(KVConnector):
     def __init__(
         self,
         engine: LLMEngine,
@@ -48,6 +53,7 @@ class DecodeSide:
         self.pending: list[m.Admit] = []  # waiting for free blocks, oldest first
         self.leases: dict[str, float] = {}  # request -> deadline for its KV
         self.index_offset: dict[str, int] = {}  # tokens streamed before this worker took over
+        self.landing: dict[str, list[int]] = {}  # request -> the blocks its pushed KV lands in
 
     @property
     def request_ids(self) -> set[str]:
@@ -75,15 +81,12 @@ class DecodeSide:
             seq = self.engine.make_sequence(
                 admit.prompt, to_sampling(admit.params), admit.request_id
             )
-            if not self.engine.add_transferring(seq):
+            if not self.engine.add_transferring(seq):  # -> on_allocate registers the blocks
                 return
             self.pending.pop(0)
-            first = seq.num_cached_tokens // bs
-            dst = seq.block_table[first:]
-            if self.staging is not None:  # the KV lands in host blocks (checked free above)
-                dst = self.staging.take(seq.request_id, len(dst))
-            self.receiver.expect(seq.request_id, dst)
             self.leases[seq.request_id] = time.monotonic() + admit.lease_s
+            first = seq.num_cached_tokens // bs
+            dst = self.landing[seq.request_id]
             placed = m.Placement(
                 seq.request_id,
                 seq.block_table[:first] + dst,
@@ -92,10 +95,25 @@ class DecodeSide:
             )
             self.send(placed)
 
+    # -- KVConnector -----------------------------------------------------------------------
+    def on_allocate(self, seq: Sequence, under_step: bool) -> None:
+        """Blocks for a prompt whose KV another worker pushes (not `under_step`: no step here
+        computes it): register those after its cached prefix with the receiver, or the host
+        blocks the KV lands in first on a GPU worker. A local prefill moves no KV here."""
+        if under_step or self.receiver is None:
+            return
+        first = seq.num_cached_tokens // self.layout.block_size
+        dst = seq.block_table[first:]
+        if self.staging is not None:  # the KV lands in host blocks (checked free in try_place)
+            dst = self.staging.take(seq.request_id, len(dst))
+        self.receiver.expect(seq.request_id, dst)
+        self.landing[seq.request_id] = dst
+
     def on_kv_ready(self, msg: m.KVReady) -> None:
         """The prefill worker is done: join the batch if every layer landed intact, else
         prefill the prompt here."""
         rid = msg.request_id
+        self.landing.pop(rid, None)
         if self.leases.pop(rid, None) is None:
             return  # aborted, or its lease expired and it is computing locally
         error = self.receiver.failed(rid)
@@ -123,6 +141,7 @@ class DecodeSide:
             if now > deadline:
                 log.warning("lease of %s expired before its KV arrived: prefilling locally", rid)
                 del self.leases[rid]
+                self.landing.pop(rid, None)
                 self.receiver.release(rid)
                 if self.staging is not None:
                     self.staging.release(rid)
@@ -146,6 +165,7 @@ class DecodeSide:
         """Forget rid here (the engine's own abort is the caller's)."""
         self.pending = [a for a in self.pending if a.request_id != rid]
         self.leases.pop(rid, None)
+        self.landing.pop(rid, None)
         if self.receiver is not None:
             self.receiver.release(rid)  # no byte lands in these blocks after this
         if self.staging is not None:

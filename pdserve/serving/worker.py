@@ -4,7 +4,7 @@
 each message to the side that serves it: `DecodeSide` (roles decode and both: admitted
 requests, KV leases, streamed tokens) or `PrefillSide` (role prefill: prompts whose KV it
 pushes into a decode worker). The engine's KV moves through one connector: the prefill side's
-push and/or the KV store link.
+push or the decode side's receive, and the KV store link.
 """
 
 from __future__ import annotations
@@ -91,10 +91,12 @@ class Worker:
             self.decode = DecodeSide(
                 self.engine, self.layout, self.send, config.worker_id, receiver, self.staging
             )
-        if config.kv_store:
+        if config.kv_store:  # first: a prefix it loads is not pushed (DecodeSide.on_allocate)
             client = StoreClient(config.kv_store, self.layout, runner.k_caches, runner.v_caches)
             self.store = StoreLink.for_role(client, self.engine.block_manager, self.role)
-            connectors.append(self.store)
+            connectors.insert(0, self.store)
+        if self.decode is not None and self.decode.receiver is not None:
+            connectors.append(self.decode)
         self.engine.connect(combine(connectors))
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, config.worker_id.encode())

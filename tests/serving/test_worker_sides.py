@@ -45,6 +45,7 @@ def pair(files):
     d_sent, p_sent = [], []
     decode = DecodeSide(d_engine, layout, d_sent.append, "d0", receiver)
     prefill = PrefillSide(p_engine, sender, p_sent.append, transfer_timeout_s=10)
+    d_engine.connect(decode)
     p_engine.connect(prefill)
     yield decode, d_sent, prefill, p_sent
     receiver.close()
@@ -88,7 +89,7 @@ def test_remote_prefill_handoff_gives_the_offline_tokens_and_frees_every_block(p
     items = _decode_all(decode, d_sent)
     assert [i.index for i in items] == [0, 1, 2, 3, 4]
     assert [i.token for i in items] == reference and items[-1].finish_reason == "length"
-    assert not decode.leases and not decode.index_offset
+    assert not decode.leases and not decode.index_offset and not decode.landing
     _clean(decode.engine)
 
 

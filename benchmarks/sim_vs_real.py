@@ -46,9 +46,8 @@ from pdserve.bench.compare import ServerProcess, ServerSpec, default_serve_cmd
 from pdserve.bench.metrics import SLO, RequestRecord, summarize
 from pdserve.bench.workload import generate_requests, named_workload
 from pdserve.sim.calibration import load_profile, save_overhead
-from pdserve.sim.deployment import Cluster, Deployment
+from pdserve.sim.deployment import Cluster, Deployment, ServingOverhead
 from pdserve.sim.overhead import (
-    ServingOverhead,
     describe_overhead,
     fit_overhead,
     interference_rounds,

@@ -18,7 +18,8 @@ nixl://HOST:PORT; tcp clients are still served.
 
 
 def register(subparsers) -> None:
-    from pdserve.kv_transfer.registry import TRANSPORTS  # torch-free (msgspec)
+    from pdserve.kv_store.config import StoreConfig  # torch-free, as is the registry
+    from pdserve.kv_transfer.registry import TRANSPORTS
 
     p = subparsers.add_parser(
         "store",
@@ -73,16 +74,17 @@ def register(subparsers) -> None:
     p.add_argument(
         "--high-watermark",
         type=float,
-        default=0.95,
+        default=StoreConfig.high_watermark,
         metavar="F",
-        help="DRAM fill fraction that starts demotion to SSD (default 0.95)",
+        help="DRAM fill fraction that starts demotion to SSD "
+        f"(default {StoreConfig.high_watermark:g})",
     )
     p.add_argument(
         "--low-watermark",
         type=float,
-        default=0.85,
+        default=StoreConfig.low_watermark,
         metavar="F",
-        help="DRAM fill fraction demotion stops at (default 0.85)",
+        help=f"DRAM fill fraction demotion stops at (default {StoreConfig.low_watermark:g})",
     )
     p.add_argument(
         "--verify-on-start",

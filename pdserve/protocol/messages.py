@@ -75,7 +75,7 @@ class Admit(msgspec.Struct, tag=True):
     prompt: list[int]
     params: Params
     remote_prefill: bool
-    lease_s: float = 120.0
+    lease_s: float  # how long D holds blocks for remote KV (RouterConfig.lease_s)
     skip_tokens: int = 0  # output tokens already streamed to the client (migration replay)
 
 

@@ -175,7 +175,9 @@ class RouterCore:
         decode.inflight.add(state.request_id)
         params = msgspec.structs.replace(state.params, max_tokens=remaining)
         replay = state.prompt + state.tokens
-        admit = m.Admit(state.request_id, replay, params, False, skip_tokens=len(state.tokens))
+        admit = m.Admit(
+            state.request_id, replay, params, False, self.config.lease_s, len(state.tokens)
+        )
         self.send(decode.worker_id, admit)
 
     def alive(self, role: str | None = None) -> list[WorkerInfo]:

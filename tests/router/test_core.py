@@ -85,7 +85,7 @@ def test_a_lost_decode_worker_migrates_with_the_streamed_tokens_skipped(core):
     state.deliver(1, 71, None)
     c.worker_lost(c.workers["d0"], "test")
     params = m.Params(max_tokens=6)  # 8 - the 2 tokens already streamed
-    admit = m.Admit("r0", [1] * 10 + [70, 71], params, False, skip_tokens=2)
+    admit = m.Admit("r0", [1] * 10 + [70, 71], params, False, 120.0, skip_tokens=2)
     assert c.channel.take() == [("d1", admit)]
     assert state.decode_id == "d1" and state.migrations == 1 and not c.workers["d0"].inflight
     # the new worker's replay starts at index 2: nothing is delivered twice

@@ -128,9 +128,9 @@ def test_placement_waits_for_free_blocks_oldest_first(pair):
     bm = decode.engine.block_manager
     hog = list(range(100, 100 + 4 * (bm.num_blocks - 3)))  # leaves 3 blocks: too few for 5
     assert bm.num_blocks == BLOCKS
-    decode.on_admit(m.Admit("hog", hog, m.Params(max_tokens=1), remote_prefill=True))
-    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True))
-    decode.on_admit(m.Admit("r1", PROMPT, PARAMS, remote_prefill=True))
+    decode.on_admit(m.Admit("hog", hog, m.Params(max_tokens=1), remote_prefill=True, lease_s=60))
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
+    decode.on_admit(m.Admit("r1", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
     assert [p.request_id for p in d_sent] == ["hog"]
     assert [a.request_id for a in decode.pending] == ["r0", "r1"]
     decode.abort("hog")
@@ -147,7 +147,7 @@ def test_a_migrated_request_numbers_its_tokens_after_those_already_streamed(pair
     decode, d_sent, _, _ = pair
     replay = PROMPT + reference[:2]  # the client has the first two tokens
     params = m.Params(max_tokens=3, ignore_eos=True)
-    decode.on_admit(m.Admit("r0", replay, params, remote_prefill=False, skip_tokens=2))
+    decode.on_admit(m.Admit("r0", replay, params, remote_prefill=False, lease_s=60, skip_tokens=2))
     items = _decode_all(decode, d_sent)
     assert [i.index for i in items] == [2, 3, 4]
     assert [i.token for i in items] == reference[2:]

@@ -55,6 +55,7 @@ SERVE_ARGS = (
     *("--prefill", "1", "--decode", "2", "--dtype", "float32"),
     *("--local-prefill-threshold", "0", "--heartbeat-timeout-s", str(HEARTBEAT_S)),
     *("--lease-s", str(LEASE_S), "--kv-cache-gb", "0.5"),
+    "--no-restart",  # the run restarts the workers it kills, on its own schedule
 )
 TOPICS = ["harbour", "orchard", "glacier", "market", "library", "volcano", "railway", "garden"]
 PROMPTS = [  # 8 prompts of ~30 tokens: two full KV blocks, so a fake worker can claim them

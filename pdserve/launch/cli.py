@@ -127,7 +127,19 @@ def register(sub) -> None:
         "in one step). Co-located workers use --chunk-size",
     )
     p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS, help="KV transfer backend")
-    p.add_argument("--startup-timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=300.0,
+        help="how long the workers may take to register before serve gives up (default 300)",
+    )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="do not restart a worker that exits (by default it is restarted with a backoff "
+        "that doubles per crash, 1 s up to 30 s, and each exit is reported with its last "
+        "output); for an outside supervisor such as systemd or Kubernetes",
+    )
     p.add_argument(
         "--kv-store",
         action="store_true",

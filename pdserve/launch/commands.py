@@ -90,13 +90,12 @@ def serve(args) -> int:
     """`pdserve serve`: the router, then its workers (and a KV store) as subprocesses."""
     from pdserve.launch.local import (
         ServePlan,
-        WorkerProcs,
-        drain_worker_output,
         gpu_per_worker,
         serve_forever,
         visible_gpus,
         wait_ready,
     )
+    from pdserve.launch.procs import WorkerProcs
     from pdserve.router.app import build_app
 
     max_seqs = args.max_num_seqs or EngineConfig.max_num_seqs  # the engine's default
@@ -110,7 +109,7 @@ def serve(args) -> int:
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
     frontend = make_frontend(args)
-    procs = WorkerProcs()
+    procs = WorkerProcs(restart=not args.no_restart)
     base_argv = engine_argv(args)
 
     store_endpoint = args.kv_store_endpoint
@@ -150,7 +149,8 @@ def serve(args) -> int:
             print(f"pdserve serve: error: {exc}", flush=True)
             os.kill(os.getpid(), 2)  # stop uvicorn; on_stop stops the other workers
             return
-        drain_worker_output(procs)
+        procs.forward_output()
+        procs.supervise()
         url = f"http://{args.host}:{port}"
         layout = ", ".join(
             f"{r}@cpu{c}" + (f"+{d}" if d else "")

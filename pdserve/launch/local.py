@@ -1,4 +1,5 @@
-"""The local launcher: worker and KV store subprocesses pinned to cores, uvicorn for the router."""
+"""The local launcher: cores and GPUs per worker, the serve plan, waiting for the workers to
+register, running one worker process, and uvicorn for the router (the processes: `procs.py`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -95,118 +95,7 @@ def _split(cores: list[int], n: int) -> list[str]:
     return [str(cores[i % len(cores)]) for i in range(n)]
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this worker when `pdserve serve` dies, however it dies (even kill -9),
-    so no orphaned worker keeps a core busy."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-class WorkerProcs:
-    """The worker subprocesses of `pdserve serve`; stopped together."""
-
-    def __init__(self):
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def start(
-        self,
-        worker_id: str,
-        role: str,
-        cpus: str,
-        router: str,
-        engine_argv: list[str],
-        transport: str,
-    ):
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "worker",
-            "--role",
-            role,
-            "--router",
-            router,
-            "--worker-id",
-            worker_id,
-            "--cpus",
-            cpus,
-            "--kv-transport",
-            transport,
-            *engine_argv,
-        ]
-        return self._spawn(worker_id, cmd)
-
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        self.procs.append((name, proc))
-        return proc
-
-    def start_store(
-        self, store_dir: str | None, dram_gb: float, ssd_gb: float, transport: str = "tcp"
-    ) -> str:
-        """Start `pdserve store` (block bytes over `transport`: tcp or nixl) and return its
-        endpoint (tcp:// or nixl://) once it listens."""
-        import tempfile
-
-        store_dir = store_dir or tempfile.mkdtemp(prefix="pdserve-store-")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "store",
-            "--port",
-            "0",
-            "--store-dir",
-            store_dir,
-            "--dram-gb",
-            str(dram_gb),
-            "--ssd-gb",
-            str(ssd_gb),
-            "--transport",
-            transport,
-        ]
-        proc = self._spawn("store", cmd)
-        for line in proc.stdout:
-            if "listening on " in line:
-                return line.split("listening on ", 1)[1].split()[0]
-        raise RuntimeError(f"the KV store did not start: {proc.stdout.read()[-2000:]}")
-
-    def failed(self) -> tuple[str, str] | None:
-        """(worker id, its output) of the first worker that exited."""
-        for wid, proc in self.procs:
-            if proc.poll() is not None:
-                out = proc.stdout.read() if proc.stdout else ""
-                return wid, out[-3000:]
-        return None
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        for _, proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for _, proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-async def wait_ready(
-    core, procs: WorkerProcs, n_prefill: int, n_decode: int, timeout_s: float
-) -> None:
+async def wait_ready(core, procs, n_prefill: int, n_decode: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not await core.wait_for_workers(n_prefill, n_decode, 0.2):
         dead = procs.failed()
@@ -214,18 +103,6 @@ async def wait_ready(
             raise RuntimeError(f"worker {dead[0]} failed to start:\n{dead[1]}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers did not register within {timeout_s:.0f}s")
-
-
-def drain_worker_output(procs: WorkerProcs) -> None:
-    """Forward worker logs to our stderr so pipes never fill up."""
-    import threading
-
-    def pump(wid, proc):
-        for line in proc.stdout:
-            sys.stderr.write(f"[{wid}] {line}")
-
-    for wid, proc in procs.procs:
-        threading.Thread(target=pump, args=(wid, proc), daemon=True).start()
 
 
 def serve_forever(app, host: str, port: int, on_ready=None, on_stop=None) -> int:

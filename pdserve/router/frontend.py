@@ -137,8 +137,9 @@ class Frontend:
                 ev = await asyncio.wait_for(state.events.get(), min(left, 0.5))
             except TimeoutError:
                 continue
-            if ev[0] == "error":
-                raise p.APIError(ev[1], ev[2])
+            if ev[0] == "error":  # a 503 (its worker lost, no other) is worth a retry
+                retry = {"Retry-After": "2"} if ev[1] == 503 else None
+                raise p.APIError(ev[1], ev[2], headers=retry)
             _, token, finish = ev
             text = (
                 stop.push(dec.push(token))

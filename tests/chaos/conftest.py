@@ -1,7 +1,9 @@
 """One `pdserve serve` for the whole chaos suite: 1 prefill + 2 decode workers, every prompt
 through the prefill pool, float32 so greedy outputs compare token for token, a short heartbeat
 timeout so a killed worker is noticed in ~2 s, and a lease shorter than any test's patience.
-Tests kill and restart its workers; each starts with `cluster.ensure_all()` as it needs."""
+Tests kill and restart its workers themselves (`--no-restart`: serve's own supervision is
+tested in tests/serving/test_supervision.py); each starts with `cluster.ensure_all()` as it
+needs."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ SERVE_ARGS = (
     str(LEASE_S),
     "--kv-cache-gb",
     "0.5",  # ~11k tokens per worker: plenty here, and the whole test suite fits in memory
+    "--no-restart",  # the tests restart the workers they kill (Cluster.restart)
 )
 
 

@@ -57,6 +57,7 @@ def store_server():
         "3",
         "--kv-cache-gb",
         "0.25",
+        "--no-restart",  # a killed decode worker stays dead (its prefix cache gone with it)
     ) as server:
         yield server
 

@@ -1,0 +1,219 @@
+"""The processes `pdserve serve` starts (workers, the KV store), supervised: a worker that exits
+while the server runs is restarted with the same command line, after a backoff that doubles with
+each crash in the last `RestartPolicy.window_s` (1 s, 2 s, 4 s ... at most 30 s), and every exit
+is reported with the process's last lines of output. A restarted worker warms up, registers again
+under its id and serves; the router migrates or re-prefills what it held, as for any lost worker.
+The KV store is not restarted (workers treat a store that is gone as "compute it"); `pdserve
+serve --no-restart` leaves restarting to an outside supervisor (systemd, Kubernetes).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+log = logging.getLogger("pdserve.serve")
+TAIL_LINES = 40  # of each process's output, kept for the report when it exits
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    window_s: float = 300.0  # crashes older than this no longer lengthen the backoff
+
+    def delay(self, crash_times: list[float], now: float) -> float:
+        """Seconds to wait before restarting, given the times of its exits (the last included)."""
+        recent = sum(now - t <= self.window_s for t in crash_times)
+        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, recent - 1))
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    restart: bool
+    proc: subprocess.Popen | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    crashes: list[float] = field(default_factory=list)
+    restart_at: float | None = None  # set while it waits to be restarted
+    restarts: int = 0
+    gone: bool = False  # exited, reported, not to be restarted
+    pump: threading.Thread | None = None
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child when `pdserve serve` dies, however it dies (even kill -9), so
+    no orphaned worker keeps a core busy."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class WorkerProcs:
+    """The subprocesses of `pdserve serve`; their output is kept (and forwarded to stderr once
+    `forward_output` is called), exits are restarted while `supervise` runs, all stop together."""
+
+    def __init__(self, policy: RestartPolicy | None = None, restart: bool = True):
+        self.policy = policy or RestartPolicy()
+        self.restart = restart
+        self.children: list[Child] = []
+        self.forward = False
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(
+        self,
+        worker_id: str,
+        role: str,
+        cpus: str,
+        router: str,
+        engine_argv: list[str],
+        transport: str,
+    ) -> Child:
+        cmd = [
+            sys.executable, "-m", "pdserve.cli", "worker", "--role", role, "--router", router,
+            "--worker-id", worker_id, "--cpus", cpus, "--kv-transport", transport, *engine_argv,
+        ]  # fmt: skip
+        return self.spawn(worker_id, cmd, restart=self.restart)
+
+    def spawn(self, name: str, cmd: list[str], restart: bool = False) -> Child:
+        child = Child(name, cmd, restart)
+        self._launch(child)
+        with self._lock:
+            self.children.append(child)
+        return child
+
+    def _launch(self, child: Child) -> None:
+        child.proc = subprocess.Popen(
+            child.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        child.pump = threading.Thread(target=self._pump, args=(child, child.proc), daemon=True)
+        child.pump.start()
+
+    def _pump(self, child: Child, proc: subprocess.Popen) -> None:
+        """Keep the child's last lines (the pipe never fills); forward them once asked to."""
+        for line in proc.stdout:
+            child.tail.append(line)
+            if self.forward:
+                sys.stderr.write(f"[{child.name}] {line}")
+
+    def start_store(
+        self, store_dir: str | None, dram_gb: float, ssd_gb: float, transport: str = "tcp"
+    ) -> str:
+        """Start `pdserve store` (block bytes over `transport`: tcp or nixl) and return its
+        endpoint (tcp:// or nixl://) once it listens."""
+        import tempfile
+
+        store_dir = store_dir or tempfile.mkdtemp(prefix="pdserve-store-")
+        cmd = [
+            sys.executable, "-m", "pdserve.cli", "store", "--port", "0", "--store-dir", store_dir,
+            "--dram-gb", str(dram_gb), "--ssd-gb", str(ssd_gb), "--transport", transport,
+        ]  # fmt: skip
+        child = self.spawn("store", cmd)
+        line = self.wait_for_line(child, "listening on ", timeout_s=120)
+        return line.split("listening on ", 1)[1].split()[0]
+
+    def wait_for_line(self, child: Child, text: str, timeout_s: float) -> str:
+        """The first line of the child's output that contains `text` (RuntimeError with its
+        output if it exits or `timeout_s` passes first)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(child.tail):
+                if text in line:
+                    return line
+            if child.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"{child.name} did not print {text!r}:\n{''.join(child.tail)}")
+
+    def forward_output(self) -> None:
+        """From now on every child's output goes to our stderr, prefixed with its name."""
+        self.forward = True
+
+    def failed(self) -> tuple[str, str] | None:
+        """(name, its last output) of the first child that exited."""
+        for child in self.children:
+            if child.proc.poll() is not None:
+                return child.name, "".join(child.tail)
+        return None
+
+    # -- supervision -----------------------------------------------------------------------
+    def supervise(self, interval_s: float = 0.5) -> threading.Thread:
+        """Watch the children on a thread of its own until `stop`."""
+        thread = threading.Thread(target=self._watch, args=(interval_s,), daemon=True)
+        thread.start()
+        return thread
+
+    def _watch(self, interval_s: float) -> None:
+        while not self.stopping.wait(interval_s):
+            self.check(time.monotonic())
+
+    def check(self, now: float) -> None:
+        """Report children that exited; restart those whose backoff has passed."""
+        with self._lock:
+            for child in self.children:
+                if self.stopping.is_set():
+                    return
+                if child.restart_at is not None:
+                    if now >= child.restart_at:
+                        child.restart_at = None
+                        child.restarts += 1
+                        self._launch(child)
+                        print(f"pdserve serve: restarted {child.name}", flush=True)
+                    continue
+                code = None if child.gone else child.proc.poll()
+                if code is not None:
+                    self._exited(child, code, now)
+
+    def _exited(self, child: Child, code: int, now: float) -> None:
+        child.pump.join(2.0)  # its last lines
+        last = "".join(child.tail).rstrip()
+        if not child.restart:
+            child.gone = True
+            print(
+                f"pdserve serve: {child.name} exited with code {code} and is not restarted; "
+                f"its last output:\n{last}",
+                flush=True,
+            )
+            return
+        child.crashes.append(now)
+        delay = self.policy.delay(child.crashes, now)
+        child.restart_at = now + delay
+        recent = sum(now - t <= self.policy.window_s for t in child.crashes)
+        print(
+            f"pdserve serve: {child.name} exited with code {code} ({recent} exits in the last "
+            f"{self.policy.window_s:g} s); restarting it in {delay:g} s; its last output:\n{last}",
+            flush=True,
+        )
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop every child (no restart after this): SIGTERM, then SIGKILL at `timeout_s`."""
+        self.stopping.set()
+        with self._lock:
+            procs = [c.proc for c in self.children]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -150,7 +150,6 @@ def serve(args) -> int:
             os.kill(os.getpid(), 2)  # stop uvicorn; on_stop stops the other workers
             return
         procs.forward_output()
-        procs.supervise()
         url = f"http://{args.host}:{port}"
         layout = ", ".join(
             f"{r}@cpu{c}" + (f"+{d}" if d else "")

@@ -96,13 +96,23 @@ def _split(cores: list[int], n: int) -> list[str]:
 
 
 async def wait_ready(core, procs, n_prefill: int, n_decode: int, timeout_s: float) -> None:
+    """Wait until the router has every worker of the plan; `core.ready` (GET /health) waits
+    for the same. A worker that exits before any has registered fails the start-up (a wrong
+    flag, a missing model: restarting would not help); once one has registered, the launcher
+    supervises them all, and one that exits is restarted like any failed worker."""
+    core.expected = (n_prefill, n_decode)
     deadline = time.monotonic() + timeout_s
+    supervising = False
     while not await core.wait_for_workers(n_prefill, n_decode, 0.2):
-        dead = procs.failed()
-        if dead:
+        if not supervising and core.workers:
+            procs.supervise()
+            supervising = True
+        if not supervising and (dead := procs.failed()):
             raise RuntimeError(f"worker {dead[0]} failed to start:\n{dead[1]}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers did not register within {timeout_s:.0f}s")
+    if not supervising:
+        procs.supervise()
 
 
 def serve_forever(app, host: str, port: int, on_ready=None, on_stop=None) -> int:

@@ -34,7 +34,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException):
         message = {
             404: f"no route {request.url.path}; see /v1/completions, /v1/chat/completions, "
-            "/v1/models, /health, /metrics",
+            "/v1/models, /health, /live, /metrics",
             405: f"{request.method} is not allowed on {request.url.path}",
         }
         err = p.APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
@@ -73,14 +73,15 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        """200 once a decode-capable worker is up; each worker's last load report (block
-        counts, queues, integrity) so operators and tests can see that nothing leaked."""
+        """Readiness: 200 once every worker the launcher started has registered and while a
+        decode-capable worker is up (`RouterCore.ready`), else 503; each worker's last load
+        report (block counts, queues, integrity) so operators and tests see nothing leaked."""
         alive = frontend.core.alive()
         workers = {
             w.worker_id: {"role": w.role, **(msgspec.structs.asdict(w.load) if w.load else {})}
             for w in alive
         }
-        ok = any(w.can_decode for w in alive)
+        ok = frontend.core.ready
         return JSONResponse(
             {
                 "status": "ok" if ok else "starting",
@@ -89,6 +90,11 @@ def build_app(frontend: Frontend) -> FastAPI:
             },
             status_code=200 if ok else 503,
         )
+
+    @app.get("/live")
+    async def live():
+        """Liveness: 200 while the router answers, whatever its workers do."""
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def prom():

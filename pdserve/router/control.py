@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -12,6 +13,16 @@ import zmq.asyncio
 from pdserve.protocol.channel import Codec
 
 log = logging.getLogger("pdserve.router")
+
+
+class Channel(Protocol):
+    """Where the core's messages go: a ControlSocket, or a recorder in tests."""
+
+    endpoint: str
+
+    def send(self, worker_id: str, msg) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class ControlSocket:

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Protocol
 
 import msgspec
 
@@ -21,22 +20,12 @@ from pdserve.kv_transfer.base import KVLayoutMismatch
 from pdserve.protocol import messages as m
 from pdserve.router import admission, metrics, placement
 from pdserve.router.config import RouterConfig
-from pdserve.router.control import ControlSocket
+from pdserve.router.control import Channel, ControlSocket
 from pdserve.router.placement import ClusterView, NoWorker
 from pdserve.router.state import RequestState, WorkerInfo
 
 log = logging.getLogger("pdserve.router")
 MAX_MIGRATIONS = 3  # a request whose decode worker fails more often than this fails
-
-
-class Channel(Protocol):
-    """Where the core's messages go: a ControlSocket, or a recorder in tests."""
-
-    endpoint: str
-
-    def send(self, worker_id: str, msg) -> bool: ...
-
-    def close(self) -> None: ...
 
 
 class RouterCore:
@@ -54,6 +43,8 @@ class RouterCore:
         self.store_index: set[int] = set()
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
+        self.expected = (0, 1)  # (prefill, decode-capable) workers to register before `ready`
+        self.started = False  # they all have, once
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._monitor())]
@@ -113,6 +104,7 @@ class RouterCore:
         )  # fmt: skip
         self.send(wid, m.RegisterAck(True))
         log.info("worker %s registered as %s", wid, msg.role)
+        self.started = self.started or self.has_workers(*self.expected)
 
     def on_heartbeat(self, wid: str, msg: m.Heartbeat) -> None:
         w = self.workers.get(msg.worker_id)  # sent from the worker's heartbeat socket "<id>#hb"
@@ -186,11 +178,20 @@ class RouterCore:
     def view(self) -> ClusterView:
         return ClusterView.of(self.workers.values(), self.requests.values(), self.store_index)
 
+    def has_workers(self, prefill: int, decode: int) -> bool:
+        view = self.view()
+        return len(view.prefill_pool) >= prefill and len(view.decoders) >= decode
+
+    @property
+    def ready(self) -> bool:
+        """Readiness (`GET /health`): every expected worker has registered once (start-up is
+        over), and a decode-capable worker is up now."""
+        return self.started and self.has_workers(0, 1)
+
     async def wait_for_workers(self, prefill: int, decode: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            view = self.view()
-            if len(view.prefill_pool) >= prefill and len(view.decoders) >= decode:
+            if self.has_workers(prefill, decode):
                 return True
             await asyncio.sleep(0.1)
         return False

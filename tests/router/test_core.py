@@ -159,3 +159,21 @@ def test_wait_for_workers_counts_decoders_and_the_prefill_pool(core):
     c = _disagg(core)
     assert asyncio.run(c.wait_for_workers(prefill=1, decode=2, timeout_s=0.1))
     assert not asyncio.run(c.wait_for_workers(prefill=2, decode=2, timeout_s=0.1))
+
+
+def test_ready_once_every_expected_worker_registered_then_while_a_decoder_is_up(core):
+    from pdserve.kv_transfer import KVLayout
+
+    c = core()
+    c.expected = (1, 2)
+    layout = KVLayout("model-a", "bfloat16", 30, 16, 3, 64)
+    for wid, role in (("d0", "decode"), ("p0", "prefill")):
+        c.handle(wid, m.Register(wid, role, layout, None, 100, 2048))
+        assert not c.ready  # start-up is not over
+    c.handle("d1", m.Register("d1", "decode", layout, None, 100, 2048))
+    assert c.ready
+    c.worker_lost(c.workers["p0"], "test")
+    c.worker_lost(c.workers["d0"], "test")
+    assert c.ready  # d1 still decodes: start-up is over, the server serves
+    c.worker_lost(c.workers["d1"], "test")
+    assert not c.ready

@@ -80,6 +80,7 @@ def test_a_decode_worker_killed_is_restarted_and_the_server_serves_again():
         old = server.worker_pids()["decode-1"]
         os.kill(old, signal.SIGKILL)
         killed_at = time.monotonic()
+        assert httpx.get(server.url + "/live", timeout=10).status_code == 200
         statuses = []
 
         def served() -> bool:
@@ -98,6 +99,8 @@ def test_a_decode_worker_killed_is_restarted_and_the_server_serves_again():
             == (first.json()["choices"][0]["text"])
         )
         assert server.worker_pids()["decode-1"] != old
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert httpx.get(server.url + "/live", timeout=10).json() == {"status": "ok"}
         log = "".join(server.lines)
         assert "decode-1 exited with code -9" in log and "restarted decode-1" in log
         print(f"served again {back_s:.1f} s after kill -9 of the decode worker")

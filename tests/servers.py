@@ -163,6 +163,72 @@ class Server:
         self._reader.join(5)  # the rest of its output, for a failing test's report
 
 
+class Command:
+    """One `pdserve ARGS` process other than serve (`router`, `worker`), up once it prints a line
+    matching `ready`; `lines`: everything it printed. A context manager: stopped on exit."""
+
+    def __init__(self, *args: str, ready: str, startup_timeout_s: float = 120.0):
+        self.lines: list[str] = []
+        self.match: re.Match | None = None
+        self._ready, self._pattern = threading.Event(), re.compile(ready)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"`pdserve {' '.join(args)}` did not print {ready!r} within "
+                    f"{startup_timeout_s:g} s (exit code {self.proc.returncode}):\n"
+                    + "".join(self.lines[-40:])
+                )
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if not self._ready.is_set() and (found := self._pattern.search(line)):
+                self.match = found
+                self._ready.set()
+
+    def __enter__(self) -> Command:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def kill(self) -> None:
+        """kill -9, and reap it."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGINT, SIGKILL after `timeout_s`; returns once it is gone. Safe to call again."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._reader.join(5)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a service that must come back on it)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def metric(url: str, sample: str) -> float:
     """Value of one Prometheus sample of the router, e.g. 'pdserve_migrations_total'
     (0 when it was never incremented)."""

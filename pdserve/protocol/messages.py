@@ -35,6 +35,7 @@ class Register(msgspec.Struct, tag=True):
     max_model_len: int
     pid: int = 0
     has_store: bool = False  # loads prefixes from / offloads blocks to a KV store
+    cached: list[int] = []  # block hashes in its prefix cache (a new router's index starts here)
 
 
 class RegisterAck(msgspec.Struct, tag=True):
@@ -146,7 +147,8 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class Reset(msgspec.Struct, tag=True):
-    """Router -> a worker it had declared dead: drop every request, free blocks, re-register."""
+    """Router -> a worker it had declared dead, or does not know (the router restarted): drop
+    every request, free blocks, register again."""
 
 
 Message = (

@@ -45,6 +45,7 @@ class RouterCore:
         self._tasks: list[asyncio.Task] = []
         self.expected = (0, 1)  # (prefill, decode-capable) workers to register before `ready`
         self.started = False  # they all have, once
+        self._reset_at: dict[str, float] = {}  # worker id -> when it was last sent Reset
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._monitor())]
@@ -100,20 +101,21 @@ class RouterCore:
             self.worker_lost(old, "it re-registered (restarted)")
         self.workers[wid] = WorkerInfo(
             wid, msg.role, msg.layout, msg.kv_endpoint, msg.total_blocks, msg.max_model_len,
-            msg.pid, has_store=msg.has_store,
+            msg.pid, has_store=msg.has_store, cached=set(msg.cached),
         )  # fmt: skip
         self.send(wid, m.RegisterAck(True))
         log.info("worker %s registered as %s", wid, msg.role)
         self.started = self.started or self.has_workers(*self.expected)
 
     def on_heartbeat(self, wid: str, msg: m.Heartbeat) -> None:
-        w = self.workers.get(msg.worker_id)  # sent from the worker's heartbeat socket "<id>#hb"
-        if w is None or wid.partition("#")[0] != msg.worker_id:
-            return
-        now = time.monotonic()
-        if not w.alive:  # it was stalled, not dead: make it drop stale work and rejoin
-            if now - w.last_seen > 1.0:
-                w.last_seen = now
+        if wid.partition("#")[0] != msg.worker_id:
+            return  # not from that worker's heartbeat socket "<id>#hb"
+        w, now = self.workers.get(msg.worker_id), time.monotonic()
+        if w is None or not w.alive:
+            # Stalled past its timeout, or registered with a router that is gone (this one
+            # restarted on its address): make it drop stale work and register here.
+            if now - self._reset_at.get(msg.worker_id, 0.0) > 1.0:
+                self._reset_at[msg.worker_id] = now
                 self.send(msg.worker_id, m.Reset())
             return
         w.last_seen = now

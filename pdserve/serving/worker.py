@@ -123,6 +123,7 @@ class Worker:
             has_store=self.store is not None,
             max_model_len=self.engine.max_model_len,
             pid=os.getpid(),
+            cached=list(self.engine.block_manager.hash_to_block),
         )
 
     def register(self, timeout_s: float = 60.0) -> None:
@@ -222,8 +223,10 @@ class Worker:
         self.engine.abort(rid)
 
     def reset(self) -> None:
-        """The router declared us dead (e.g. we stalled) and moved our requests elsewhere:
-        drop them all, free every block, and register again."""
+        """The router declared us dead (e.g. we stalled) and moved our requests elsewhere, or
+        it does not know us (a new router on the old one's address; the old one's clients are
+        gone): drop every request, free every block, and register again (with our prefix
+        cache's hashes, which a new router's index starts from)."""
         rids = set(self.engine.requests)
         for side in (self.decode, self.prefill):
             if side is not None:

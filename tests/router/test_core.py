@@ -120,10 +120,9 @@ def test_silent_workers_are_declared_lost_and_a_stalled_one_is_reset_when_it_spe
     c.workers["p0"].last_seen = now + 10
     c.check_liveness(now + c.config.heartbeat_timeout_s + 1)
     assert [w.worker_id for w in c.alive()] == ["d1", "p0"]
-    c.workers["d0"].last_seen -= 2  # (a Reset goes out at most once a second)
     c.handle("d0#hb", m.Heartbeat("d0", load()))  # it was only stalled
     assert c.channel.take() == [("d0", m.Reset())]
-    c.handle("d0#hb", m.Heartbeat("d0", load()))
+    c.handle("d0#hb", m.Heartbeat("d0", load()))  # at most one Reset a second
     assert c.channel.take() == [] and not c.workers["d0"].alive  # alive again once registered
     c.handle("d1#hb", m.Heartbeat("d0", load()))  # another worker's socket: ignored
     assert c.channel.take() == []
@@ -177,3 +176,17 @@ def test_ready_once_every_expected_worker_registered_then_while_a_decoder_is_up(
     assert c.ready  # d1 still decodes: start-up is over, the server serves
     c.worker_lost(c.workers["d1"], "test")
     assert not c.ready
+
+
+def test_a_worker_this_router_does_not_know_is_reset_and_its_cache_index_comes_back(core):
+    """After a router restart: the worker's heartbeats reach a router that never saw it."""
+    from pdserve.kv_transfer import KVLayout
+
+    c = core()
+    c.handle("d0#hb", m.Heartbeat("d0", load()))
+    assert c.channel.take() == [("d0", m.Reset())]
+    layout = KVLayout("model-a", "bfloat16", 30, 16, 3, 64)
+    c.handle("d0", m.Register("d0", "decode", layout, None, 100, 2048, cached=[11, 12]))
+    assert c.workers["d0"].cached == {11, 12} and c.workers["d0"].overlap([11, 12, 13]) == 2
+    c.handle("d0#hb", m.Heartbeat("d0", load()))
+    assert c.channel.take() == [("d0", m.RegisterAck(True))]  # known now: no Reset

@@ -11,7 +11,9 @@ it as a context manager so that whoever starts a server stops it:
         with Server("--mode", "disagg") as server:
             yield server
 
-`run_serve(*flags)` runs a `pdserve serve` that is expected to refuse its flags and exit.
+`run_serve(*flags)` runs a `pdserve serve` that is expected to refuse its flags and exit;
+`Command("router", ..., ready=REGEX)` starts another `pdserve` process (a router, a worker) as
+`Server` starts serve (`Server` is a `Command`).
 """
 
 from __future__ import annotations
@@ -52,22 +54,22 @@ def run_serve(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_environ(env))
 
 
-class Server:
-    """One `pdserve serve FLAGS` process, ready (its workers registered) when constructed.
-    `lines`: everything it printed so far (its workers' output included)."""
+class Command:
+    """One `pdserve ARGS` process other than serve (`router`, `worker`), up once it prints a line
+    matching `ready`; `lines`: everything it printed. A context manager: stopped on exit."""
 
     def __init__(
         self,
-        *flags: str,
+        *args: str,
+        ready: str,
         env: dict[str, str | None] | None = None,
-        startup_timeout_s: float = 240.0,
+        startup_timeout_s: float = 120.0,
     ):
-        self.flags = flags
         self.lines: list[str] = []
-        self._ready = threading.Event()
-        self.url, self.port = "", 0
+        self.match: re.Match | None = None
+        self._ready, self._pattern = threading.Event(), re.compile(ready)
         self.proc = subprocess.Popen(
-            [*SERVE, "--port", "0", *flags],
+            [sys.executable, "-m", "pdserve.cli", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -81,7 +83,7 @@ class Server:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(
-                    f"`pdserve serve {' '.join(flags)}` did not print 'pdserve ready' within "
+                    f"`pdserve {' '.join(args)}` did not print {ready!r} within "
                     f"{startup_timeout_s:g} s (exit code {self.proc.returncode}):\n"
                     + "".join(self.lines[-40:])
                 )
@@ -89,15 +91,52 @@ class Server:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
-            if not self._ready.is_set() and (ready := READY.search(line)):
-                self.url, self.port = f"{ready[1]}:{ready[2]}", int(ready[2])
+            if not self._ready.is_set() and (found := self._pattern.search(line)):
+                self.match = found
                 self._ready.set()
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> Command:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def kill(self) -> None:
+        """kill -9, and reap it."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGINT (serve then stops its workers and store), SIGKILL after `timeout_s`; returns
+        once it and every process it had started are gone. Safe to call again."""
+        if self.proc.poll() is None:  # once it has exited, its pid may be another process's
+            started = children(self.proc.pid)
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            stop_all(started)
+        self._reader.join(5)  # the rest of its output, for a failing test's report
+
+
+class Server(Command):
+    """One `pdserve serve FLAGS` process, ready (its workers registered) when constructed.
+    `lines`: everything it printed so far (its workers' output included)."""
+
+    def __init__(
+        self,
+        *flags: str,
+        env: dict[str, str | None] | None = None,
+        startup_timeout_s: float = 240.0,
+    ):
+        self.flags = flags
+        super().__init__(
+            "serve", "--port", "0", *flags,
+            ready=READY.pattern, env=env, startup_timeout_s=startup_timeout_s,
+        )  # fmt: skip
+        self.url, self.port = f"{self.match[1]}:{self.match[2]}", int(self.match[2])
 
     # -- what it runs ----------------------------------------------------------------------
     def child_pids(self, needle: str = "") -> list[int]:
@@ -146,78 +185,6 @@ class Server:
                 + "; ".join(f"{wid}: {why}" for wid, why in problems.items())
             )
         return workers
-
-    # -- stopping --------------------------------------------------------------------------
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGINT (serve stops its workers and store, then exits), SIGKILL after `timeout_s`;
-        returns once serve and every process it had started are gone. Safe to call again."""
-        if self.proc.poll() is None:  # once it has exited, its pid may be another process's
-            started = children(self.proc.pid)
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            stop_all(started)
-        self._reader.join(5)  # the rest of its output, for a failing test's report
-
-
-class Command:
-    """One `pdserve ARGS` process other than serve (`router`, `worker`), up once it prints a line
-    matching `ready`; `lines`: everything it printed. A context manager: stopped on exit."""
-
-    def __init__(self, *args: str, ready: str, startup_timeout_s: float = 120.0):
-        self.lines: list[str] = []
-        self.match: re.Match | None = None
-        self._ready, self._pattern = threading.Event(), re.compile(ready)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        deadline = time.monotonic() + startup_timeout_s
-        while not self._ready.wait(0.1):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"`pdserve {' '.join(args)}` did not print {ready!r} within "
-                    f"{startup_timeout_s:g} s (exit code {self.proc.returncode}):\n"
-                    + "".join(self.lines[-40:])
-                )
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if not self._ready.is_set() and (found := self._pattern.search(line)):
-                self.match = found
-                self._ready.set()
-
-    def __enter__(self) -> Command:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def kill(self) -> None:
-        """kill -9, and reap it."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGINT, SIGKILL after `timeout_s`; returns once it is gone. Safe to call again."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._reader.join(5)
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ from pdserve.config import DECODE_CHUNK_SIZE
 from pdserve.engine.cli import add_engine_args
 from pdserve.kv_transfer.registry import TRANSPORTS
 from pdserve.launch import commands
+from pdserve.protocol.messages import ROUTER_TIMEOUT_S
 from pdserve.router.config import MODES, RouterConfig
 
 
@@ -192,6 +193,15 @@ def register(sub) -> None:
         "--cpus", default=None, help="pin to these cores, e.g. 0 or 2-3 (threads follow)"
     )
     p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS)
+    p.add_argument(
+        "--router-timeout-s",
+        type=float,
+        default=ROUTER_TIMEOUT_S,
+        help="silence from the router (no answer to this worker's heartbeats) after which the "
+        "worker drops the requests the router placed on it and frees their blocks, then "
+        "registers again "
+        f"when a router speaks (default {ROUTER_TIMEOUT_S:g})",
+    )
     p.add_argument(
         "--kv-host", default="127.0.0.1", help="address the KV receiver binds (decode role)"
     )

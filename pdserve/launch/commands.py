@@ -192,5 +192,6 @@ def worker(args) -> int:
         worker_id=args.worker_id or f"{args.role}-{os.getpid()}",
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,
+        router_timeout_s=args.router_timeout_s,
     )
     return run_worker(config)

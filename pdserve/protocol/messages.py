@@ -3,7 +3,7 @@ unpickled from the network: a frame that does not decode into one of these is dr
 
 Router <-> decode worker D, prefill worker P (lifecycle in docs/architecture.md):
   worker -> router: Register, Heartbeat, Placement, PrefillDone, Tokens, Failed
-  router -> worker: RegisterAck, Admit, Prefill, KVReady, Abort, Shutdown
+  router -> worker: RegisterAck, Admit, Prefill, KVReady, Abort, Shutdown, Reset, RouterBeat
 """
 
 from __future__ import annotations
@@ -146,6 +146,11 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+class RouterBeat(msgspec.Struct, tag=True):
+    """Router -> worker, answering each of its heartbeats: the router is there. A worker that
+    hears nothing for its --router-timeout-s frees what it held (see Worker.orphan)."""
+
+
 class Reset(msgspec.Struct, tag=True):
     """Router -> a worker it had declared dead, or does not know (the router restarted): drop
     every request, free blocks, register again."""
@@ -165,5 +170,7 @@ Message = (
     | Abort
     | Shutdown
     | Reset
+    | RouterBeat
 )
+ROUTER_TIMEOUT_S = 15.0  # default silence of the router before a worker drops its requests
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt fits; anything larger is refused

@@ -119,6 +119,7 @@ class RouterCore:
                 self.send(msg.worker_id, m.Reset())
             return
         w.last_seen = now
+        self.send(msg.worker_id, m.RouterBeat())
         if msg.load is not None:
             w.load = msg.load
         w.cached.difference_update(msg.removed)

@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -28,11 +27,11 @@ from pdserve.protocol import messages as m
 from pdserve.protocol.channel import Codec, require_secret_for, resolve_secret
 from pdserve.serving.decode_side import DecodeSide
 from pdserve.serving.kv_staging import HostStaging
+from pdserve.serving.load_report import HEARTBEAT_S, LoadReporter
 from pdserve.serving.prefill_side import PrefillSide
-from pdserve.serving.store_link import StoreLink, split_index_events
+from pdserve.serving.store_link import StoreLink
 
 log = logging.getLogger("pdserve.worker")
-HEARTBEAT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,7 @@ class WorkerConfig:
     kv_transport: str = "tcp"
     kv_host: str = "127.0.0.1"
     transfer_timeout_s: float = 30.0
+    router_timeout_s: float = m.ROUTER_TIMEOUT_S  # router silence before its requests drop
     kv_store: str | None = None  # endpoint of a `pdserve store` (tcp://host:port)
 
 
@@ -103,10 +103,9 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(config.router)
         self.running = True
-        self.load: m.Load | None = None
-        self.integrity_error: str | None = None  # last check_integrity() verdict while idle
-        self.events: deque[tuple[str, int]] = deque()
-        self.store_events: deque[tuple[int, bool]] = deque()  # (hash, in the KV store now)
+        self.router_seen = time.monotonic()  # when the router last said anything
+        self.orphaned = False  # dropped everything after a silent router; register again
+        self.reporter = LoadReporter(self)
 
     # -- control plane -------------------------------------------------------------------
     def send(self, msg) -> None:
@@ -134,52 +133,13 @@ class Worker:
         if not isinstance(ack, m.RegisterAck) or not ack.ok:
             raise RuntimeError(f"the router refused this worker: {getattr(ack, 'error', ack)}")
 
-    def publish_load(self) -> None:
-        """Engine thread: snapshot load and KV events for the heartbeat thread to send."""
-        st = self.engine.stats()
-        if self.store is not None:
-            st["store_hit_tokens"] = self.store.hit_tokens
-            st["store_query_tokens"] = self.store.query_tokens
-            self.store_events.extend(self.store.take_index_events())
-        # The check walks every block: run it only while idle, not between engine steps.
-        if not self.engine.has_work():
-            try:
-                self.engine.check_integrity()
-                if self.staging is not None:
-                    self.staging.check()
-                self.integrity_error = None
-            except AssertionError as exc:
-                self.integrity_error = str(exc) or "integrity check failed"
-        st["integrity_error"] = self.integrity_error
-        self.load = m.Load(**{k: st[k] for k in m.Load.__struct_fields__ if k in st})
-        self.events.extend(self.engine.block_manager.drain_events())
-
-    def heartbeat_loop(self) -> None:
-        """Own thread and socket, so that a long prefill step never looks like a dead worker."""
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.config.worker_id}#hb".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.config.router)
-        while self.running:
-            events = [self.events.popleft() for _ in range(len(self.events))]
-            held, gone = split_index_events(
-                [self.store_events.popleft() for _ in range(len(self.store_events))]
-            )
-            beat = m.Heartbeat(
-                self.config.worker_id,
-                self.load,
-                stored=[h for kind, h in events if kind == "stored"],
-                removed=[h for kind, h in events if kind == "removed"],
-                offloaded=held,
-                store_removed=gone,
-            )
-            sock.send_multipart(self.codec.encode(beat))
-            time.sleep(HEARTBEAT_S)
-        sock.close()
-
     def handle(self, msg: m.Message) -> None:
         """Act on one message from the router; a request that fails is reported, never the
         worker brought down."""
+        self.router_seen = time.monotonic()
+        if self.orphaned and not isinstance(msg, m.Reset):  # the router is back: rejoin it
+            self.orphaned = False  # (it declares our old self lost: what it held migrates)
+            self.send(self.registration())
         try:
             self.dispatch(msg)
         except ValueError as exc:  # a request the engine refuses: tell the client why
@@ -211,7 +171,7 @@ class Worker:
                 self.running = False
             case m.Shutdown():
                 self.running = False
-            case m.RegisterAck():
+            case m.RegisterAck() | m.RouterBeat():
                 pass
             case _:
                 log.warning("ignored %s", type(msg).__name__)
@@ -222,11 +182,8 @@ class Worker:
                 side.abort(rid)
         self.engine.abort(rid)
 
-    def reset(self) -> None:
-        """The router declared us dead (e.g. we stalled) and moved our requests elsewhere, or
-        it does not know us (a new router on the old one's address; the old one's clients are
-        gone): drop every request, free every block, and register again (with our prefix
-        cache's hashes, which a new router's index starts from)."""
+    def drop_all(self) -> int:
+        """Abort every request and free every block; how many requests there were."""
         rids = set(self.engine.requests)
         for side in (self.decode, self.prefill):
             if side is not None:
@@ -235,7 +192,28 @@ class Worker:
             self.abort(rid)
         for rid in list(self.engine.scheduler.held):
             self.engine.release(rid)
-        log.warning("router reset this worker: dropped %d requests, registering again", len(rids))
+        return len(rids)
+
+    def orphan(self, now: float) -> None:
+        """The router has been silent for --router-timeout-s (it died, or the network did):
+        its clients are gone, so free what it had placed here, and register again when a
+        router speaks (a new one on its address answers our heartbeats with Reset)."""
+        silent = now - self.router_seen
+        n = self.drop_all()
+        self.orphaned = True
+        log.warning(
+            "no word from the router at %s for %.0f s: dropped %d requests and freed their "
+            "blocks; waiting for a router", self.config.router, silent, n,
+        )  # fmt: skip
+
+    def reset(self) -> None:
+        """The router declared us dead (e.g. we stalled) and moved our requests elsewhere, or
+        it does not know us (a new router on the old one's address; the old one's clients are
+        gone): drop every request, free every block, and register again (with our prefix
+        cache's hashes, which a new router's index starts from)."""
+        self.orphaned = False
+        n = self.drop_all()
+        log.warning("router reset this worker: dropped %d requests, registering again", n)
         self.send(self.registration())
 
     # -- engine ---------------------------------------------------------------------------
@@ -255,8 +233,8 @@ class Worker:
 
     def run(self) -> None:
         self.register()
-        self.publish_load()
-        threading.Thread(target=self.heartbeat_loop, daemon=True).start()
+        self.reporter.publish()
+        threading.Thread(target=self.reporter.loop, daemon=True).start()
         runner = self.engine.runner
         print(
             f"worker {self.config.worker_id} ({self.role}) ready: weights {runner.weights}, "
@@ -271,6 +249,9 @@ class Worker:
                     msg = self.codec.decode(self.sock.recv_multipart())
                     if msg is not None:
                         self.handle(msg)
+            silent = time.monotonic() - self.router_seen  # (checked after reading what came)
+            if not self.orphaned and silent > self.config.router_timeout_s:
+                self.orphan(time.monotonic())
             if self.decode is not None and self.decode.has_waiting():
                 self.decode.try_place()
                 self.decode.expire_leases(time.monotonic())
@@ -280,7 +261,7 @@ class Worker:
             if self.engine.has_work():
                 self.step()
             if time.monotonic() >= next_beat:
-                self.publish_load()
+                self.reporter.publish()
                 next_beat = time.monotonic() + HEARTBEAT_S / 2
         self.close()
 

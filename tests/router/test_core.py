@@ -188,5 +188,5 @@ def test_a_worker_this_router_does_not_know_is_reset_and_its_cache_index_comes_b
     layout = KVLayout("model-a", "bfloat16", 30, 16, 3, 64)
     c.handle("d0", m.Register("d0", "decode", layout, None, 100, 2048, cached=[11, 12]))
     assert c.workers["d0"].cached == {11, 12} and c.workers["d0"].overlap([11, 12, 13]) == 2
-    c.handle("d0#hb", m.Heartbeat("d0", load()))
-    assert c.channel.take() == [("d0", m.RegisterAck(True))]  # known now: no Reset
+    c.handle("d0#hb", m.Heartbeat("d0", load()))  # known now: no Reset, the router answers
+    assert c.channel.take() == [("d0", m.RegisterAck(True)), ("d0", m.RouterBeat())]

@@ -1,6 +1,7 @@
-"""A router that dies (kill -9) and is started again on its control address: the standalone
-workers it had are told to drop what they held and register again (with their prefix cache's
-hashes), and the new router serves with them; the workers never exit."""
+"""A router that dies (kill -9) mid-stream: its standalone worker, hearing nothing from it for
+--router-timeout-s, drops the stream and frees its blocks; a router started again on the same
+control address has the worker register again (with its prefix cache's hashes) and serves with
+it; the worker never exits."""
 
 from __future__ import annotations
 
@@ -25,12 +26,21 @@ def test_workers_rejoin_a_restarted_router_which_serves_the_same_tokens():
     port = free_port()
     with _router(port) as router, Command(
         "worker", "--role", "both", "--router", f"tcp://127.0.0.1:{port}", "--worker-id", "w0",
-        "--kv-cache-gb", "0.25", ready=r"worker w0 \(both\) ready",
+        "--kv-cache-gb", "0.25", "--router-timeout-s", "3", ready=r"worker w0 \(both\) ready",
     ) as worker:  # fmt: skip
         url = router.match[1]
         wait_until(lambda: _serving(url), 60, "the first router to have its worker")
         first = httpx.post(url + "/v1/completions", json=BODY, timeout=60).json()
-        router.kill()
+        long = {**BODY, "max_tokens": 5000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as stream:
+            next(stream.iter_lines())  # the stream is running on the worker
+            router.kill()
+        wait_until(
+            lambda: any("dropped 1 requests and freed their blocks" in x for x in worker.lines),
+            30,
+            "the worker to drop the dead router's stream",
+            state=lambda: worker.lines[-5:],
+        )
         with _router(port) as again:
             url = again.match[1]
             wait_until(lambda: _serving(url), 60, "the worker to register with the new router")

@@ -41,6 +41,7 @@ class Child:
     restart: bool
     proc: subprocess.Popen | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    unsent: list[str] = field(default_factory=list)  # printed before output is forwarded
     crashes: list[float] = field(default_factory=list)
     restart_at: float | None = None  # set while it waits to be restarted
     restarts: int = 0
@@ -70,7 +71,8 @@ class WorkerProcs:
         self.children: list[Child] = []
         self.forward = False
         self.stopping = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the children list, against the supervising thread
+        self._out_lock = threading.Lock()  # output: kept, or forwarded in order
 
     def start(
         self,
@@ -107,11 +109,15 @@ class WorkerProcs:
         child.pump.start()
 
     def _pump(self, child: Child, proc: subprocess.Popen) -> None:
-        """Keep the child's last lines (the pipe never fills); forward them once asked to."""
+        """Keep the child's last lines (the pipe never fills); forward them, once asked to,
+        with what it printed before."""
         for line in proc.stdout:
-            child.tail.append(line)
-            if self.forward:
-                sys.stderr.write(f"[{child.name}] {line}")
+            with self._out_lock:
+                child.tail.append(line)
+                if self.forward:
+                    sys.stderr.write(f"[{child.name}] {line}")
+                else:
+                    child.unsent.append(line)
 
     def start_store(
         self, store_dir: str | None, dram_gb: float, ssd_gb: float, transport: str = "tcp"
@@ -143,8 +149,14 @@ class WorkerProcs:
         raise RuntimeError(f"{child.name} did not print {text!r}:\n{''.join(child.tail)}")
 
     def forward_output(self) -> None:
-        """From now on every child's output goes to our stderr, prefixed with its name."""
-        self.forward = True
+        """Every child's output goes to our stderr, prefixed with its name: what it printed so
+        far, then each line as it comes."""
+        with self._out_lock:
+            for child in self.children:
+                for line in child.unsent:
+                    sys.stderr.write(f"[{child.name}] {line}")
+                child.unsent.clear()
+            self.forward = True
 
     def failed(self) -> tuple[str, str] | None:
         """(name, its last output) of the first child that exited."""

@@ -143,6 +143,19 @@ def test_blocks_the_store_holds_are_not_copied_again(linked, reference):
     assert link.copy_bytes == 0 and not link.evicting
 
 
+class NoSocket:
+    """A router channel that sends nowhere: this test reads the router's index, not its
+    messages (and needs no event loop for a socket)."""
+
+    endpoint = "tcp://127.0.0.1:1"
+
+    def send(self, worker_id: str, msg) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
 @both_transports
 def test_the_routers_index_drops_what_the_store_evicts(linked, reference):
     engine, link, served = linked(dram_blocks=5)  # the store holds only 5 blocks
@@ -152,7 +165,7 @@ def test_the_routers_index_drops_what_the_store_evicts(linked, reference):
     # C evicts B's blocks into the store, which evicts A's (and some of B's) to make room
     assert generate(engine, link, C) == reference[tuple(C)]
     settle(link)
-    router = RouterCore(RouterConfig(block_size=4))
+    router = RouterCore(RouterConfig(block_size=4), channel=NoSocket())
     try:
         worker = WorkerInfo("d0", "decode", link.client.layout, None, BLOCKS, 512, 0)
         worker.has_store = True

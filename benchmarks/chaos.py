@@ -55,6 +55,9 @@ SERVE_ARGS = (
     *("--prefill", "1", "--decode", "2", "--dtype", "float32"),
     *("--local-prefill-threshold", "0", "--heartbeat-timeout-s", str(HEARTBEAT_S)),
     *("--lease-s", str(LEASE_S), "--kv-cache-gb", "0.5"),
+    # Unquantized weights: the run compares tokens exactly across batch shapes (a migrated
+    # stream's replay is one prefill), and a quantized linear picks its kernel by batch rows.
+    *("--weights", "bf16"),
     "--no-restart",  # the run restarts the workers it kills, on its own schedule
 )
 TOPICS = ["harbour", "orchard", "glacier", "market", "library", "volcano", "railway", "garden"]

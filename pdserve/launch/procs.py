@@ -28,9 +28,13 @@ class RestartPolicy:
     max_backoff_s: float = 30.0
     window_s: float = 300.0  # crashes older than this no longer lengthen the backoff
 
+    def recent(self, crash_times: list[float], now: float) -> int:
+        """How many of the exits at `crash_times` fall in the window."""
+        return sum(now - t <= self.window_s for t in crash_times)
+
     def delay(self, crash_times: list[float], now: float) -> float:
         """Seconds to wait before restarting, given the times of its exits (the last included)."""
-        recent = sum(now - t <= self.window_s for t in crash_times)
+        recent = self.recent(crash_times, now)
         return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, recent - 1))
 
 
@@ -207,7 +211,7 @@ class WorkerProcs:
         child.crashes.append(now)
         delay = self.policy.delay(child.crashes, now)
         child.restart_at = now + delay
-        recent = sum(now - t <= self.policy.window_s for t in child.crashes)
+        recent = self.policy.recent(child.crashes, now)
         print(
             f"pdserve serve: {child.name} exited with code {code} ({recent} exits in the last "
             f"{self.policy.window_s:g} s); restarting it in {delay:g} s; its last output:\n{last}",

@@ -98,6 +98,7 @@ class Worker:
         if self.decode is not None and self.decode.receiver is not None:
             connectors.append(self.decode)
         self.engine.connect(combine(connectors))
+        self.sides = [side for side in (self.decode, self.prefill) if side is not None]
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, config.worker_id.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -177,17 +178,13 @@ class Worker:
                 log.warning("ignored %s", type(msg).__name__)
 
     def abort(self, rid: str) -> None:
-        for side in (self.decode, self.prefill):
-            if side is not None:
-                side.abort(rid)
+        for side in self.sides:
+            side.abort(rid)
         self.engine.abort(rid)
 
     def drop_all(self) -> int:
         """Abort every request and free every block; how many requests there were."""
-        rids = set(self.engine.requests)
-        for side in (self.decode, self.prefill):
-            if side is not None:
-                rids |= side.request_ids
+        rids = set(self.engine.requests).union(*(side.request_ids for side in self.sides))
         for rid in rids:
             self.abort(rid)
         for rid in list(self.engine.scheduler.held):

@@ -146,6 +146,12 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
         help="do not send ignore_eos (for servers that reject unknown fields)",
     )
     c.add_argument("--api-key", metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
+    c.add_argument(
+        "--extra-body",
+        metavar="JSON",
+        help="a JSON object merged into every request body, e.g. '{\"logprobs\": 2}' or "
+        '\'{"response_format": {"type": "json_object"}}\' (the cost of a feature)',
+    )
 
 
 def register(subparsers) -> None:

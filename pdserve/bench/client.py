@@ -38,8 +38,16 @@ class Endpoint:
     timeout_s: float = 600.0
     ignore_eos: bool = True  # ours honours it; other servers may ignore or reject it
     api_key: str | None = None
+    extra_body: str | None = None  # a JSON object merged into every body (--extra-body)
 
     def __post_init__(self) -> None:
+        if self.extra_body is not None:
+            try:
+                extra = json.loads(self.extra_body)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--extra-body is not valid JSON: {exc}") from None
+            if not isinstance(extra, dict):
+                raise ValueError("--extra-body must be a JSON object, e.g. '{\"logprobs\": 1}'")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"--url must start with http:// or https://, got {self.url!r}")
         if self.api not in APIS:
@@ -67,6 +75,8 @@ class Endpoint:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
+        if self.extra_body is not None:
+            body |= json.loads(self.extra_body)
         return body
 
     @property

@@ -43,7 +43,15 @@ def load_of(args: argparse.Namespace) -> LoadConfig:
 
 
 def endpoint_of(args: argparse.Namespace, url: str) -> Endpoint:
-    return Endpoint(url, args.model, args.api, args.timeout, not args.no_ignore_eos, args.api_key)
+    return Endpoint(
+        url,
+        args.model,
+        args.api,
+        args.timeout,
+        not args.no_ignore_eos,
+        args.api_key,
+        args.extra_body,
+    )
 
 
 def requests_of(args: argparse.Namespace):

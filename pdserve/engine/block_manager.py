@@ -64,8 +64,8 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Block ids already holding seq's leading full blocks (never the whole sequence:
         the last token is always computed so that there are logits to sample from)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         hits, parent, bs = [], None, self.block_size
         for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
             tokens = tuple(seq.token_ids[start : start + bs])

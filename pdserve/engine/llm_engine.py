@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -16,9 +17,10 @@ import torch
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.guided import GuideCompiler, GuideError
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import TokenLogprobs, sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
@@ -32,6 +34,7 @@ class StepOutput(NamedTuple):
     seq: Sequence
     new_token: int
     finished: bool
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 class LLMEngine:
@@ -67,6 +70,8 @@ class LLMEngine:
         self._tokenizer = None
         self.eos_ids = set(mc.eos_token_ids)
         self.connector = KVConnector()  # moves no KV until a worker connects one
+        self._guides: GuideCompiler | None = None
+        self._masker: ThreadPoolExecutor | None = None  # fills guides' masks beside the model
 
     def connect(self, connector: KVConnector) -> None:
         """Move KV through `connector` from now on (see KVConnector for when it is called).
@@ -99,6 +104,9 @@ class LLMEngine:
                 f"token ids {bad[:5]} are outside the vocabulary "
                 f"[0, {self.model_config.vocab_size})"
             )
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         blocks = -(-(len(token_ids) + 1) // self.config.block_size)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(
@@ -107,19 +115,43 @@ class LLMEngine:
             )
 
     def make_sequence(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        replayed: int = 0,
     ) -> Sequence:
+        """`replayed`: the prompt ends with this many output tokens (a migrated request)."""
         token_ids = self.encode(prompt)
         self.validate_prompt(token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return Sequence(request_id, token_ids, params)
+        seq = Sequence(request_id, token_ids, params, num_replayed=replayed)
+        if params.guide is not None:  # advanced over the output tokens replayed in the prompt
+            seq.guide = self.guides.guide(params.guide, seq.generated_token_ids)
+        return seq
+
+    @property
+    def guides(self) -> GuideCompiler:
+        """Builds the guides of structured outputs (made on first use: ~0.2 s)."""
+        if self._guides is None:
+            if self.files.path is None:
+                raise ValueError("structured outputs need the model's tokenizer; this has none")
+            self._guides = GuideCompiler(
+                self.tokenizer.path, self.model_config.vocab_size, sorted(self.eos_ids)
+            )
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="guide-mask")
+        return self._guides
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        replayed: int = 0,
     ) -> Sequence:
-        seq = self.make_sequence(prompt, params, request_id)
+        seq = self.make_sequence(prompt, params, request_id, replayed)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -195,10 +227,12 @@ class LLMEngine:
                 for s in loading:
                     s.prefix_load.wait_layer(layer)
 
+        masks = self._start_masks(batch)
         try:
             indices, logits = self.runner.run(batch, hook, before)
         finally:  # never return (or raise) while a load may still write into blocks
             void = self._settle_loads(loading)
+            bitmask = masks.result() if masks is not None else None
         self.scheduler.after_step(batch, void)
         if void and indices:  # no token for a void step
             keep = [j for j, i in enumerate(indices) if id(batch.seqs[i]) not in void]
@@ -206,14 +240,36 @@ class LLMEngine:
         outs = []
         if indices:
             seqs = [batch.seqs[i] for i in indices]
-            tokens = sample(logits, seqs)
-            outs = [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+            mask = bitmask[indices] if bitmask is not None else None
+            tokens, logprobs = sample(logits, seqs, mask)
+            outs = [
+                self._append(seq, tok, lp)
+                for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)
+            ]
         end = time.perf_counter()
         self.perf.observe(prefill_tokens, decode_seqs, start, end)
         if self.step_log:
             self.step_log.write(start, end - start, batch.num_new_tokens, computed,
                                 prefill_tokens, len(outs))  # fmt: skip
         return outs
+
+    def _start_masks(self, batch) -> Future | None:
+        """Guided sequences that sample this step: their next-token masks, computed on a
+        thread while the model runs (llguidance releases the GIL). A (len(batch), words)
+        bitmask; rows of unguided sequences allow everything."""
+        if not any(s.guide is not None for s in batch.seqs):
+            return None
+        guides = [
+            s.guide if s.num_computed_tokens + n == s.num_tokens else None
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        ]
+        bitmask = self.guides.allocate_bitmask(len(guides))
+
+        def fill():
+            self.guides.fill_bitmask(guides, bitmask)
+            return bitmask
+
+        return self._masker.submit(fill)
 
     @staticmethod
     def _settle_loads(seqs: list[Sequence]) -> frozenset[int]:
@@ -233,6 +289,16 @@ class LLMEngine:
         p = seq.params
         if not p.ignore_eos and token in self.eos_ids or token in p.stop_token_ids:
             return "stop"
+        if seq.guide is not None:
+            if token in self.eos_ids:  # (ignore_eos) the grammar allows EOS only at its end
+                return "stop"
+            try:
+                seq.guide.accept(token)
+            except GuideError as exc:  # the mask allowed it: a bug, not the client's fault
+                log.error("request %s left its grammar: %s", seq.request_id, exc)
+                return "stop"
+            if seq.guide.is_finished:  # nothing but EOS may follow
+                return "stop"
         if p.stop:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             cut = min((i for s in p.stop if (i := text.find(s)) >= 0), default=None)
@@ -243,7 +309,9 @@ class LLMEngine:
             return "length"
         return None
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
+    def _append(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None
+    ) -> StepOutput:
         seq.token_ids.append(token)
         reason = self._stop_reason(seq, token)
         if reason is not None:
@@ -251,7 +319,7 @@ class LLMEngine:
             keep = self.connector.request_finished(seq)
             self.scheduler.finish(seq, reason, keep_blocks=keep)
             self.requests.pop(seq.request_id, None)
-        return StepOutput(seq, token, reason is not None)
+        return StepOutput(seq, token, reason is not None, logprobs)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.scheduler.live)

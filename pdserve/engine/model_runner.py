@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.sampler import token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.model import quant
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
@@ -129,6 +130,7 @@ class ModelRunner:
             key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens),
         )
         ids, pos, slots, prefills, dec_tables, dec_lens, sample_rows = [], [], [], [], [], [], []
+        prompt_spans = []  # (seq index, first row, first position) of prompt logprob rows
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -144,6 +146,8 @@ class ModelRunner:
                 prefills.append(PrefillSpan(len(ids) - n, len(ids), end, t, start == 0))
             if end == seq.num_tokens:
                 sample_rows.append((i, len(ids) - 1))
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                prompt_spans.append((i, len(ids) - n, start))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=len(dec_lens),
@@ -152,7 +156,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, sample_rows
+        return input_ids, positions, meta, sample_rows, prompt_spans
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Decodes (sorted by length) in groups whose contexts are within 2x of each other:
@@ -179,15 +183,32 @@ class ModelRunner:
         """Runs one step. Returns (indices into batch.seqs that get a token, their logits).
         `before_layer(i)` / `layer_hook(i)` run before / after layer i (KV loads / streaming)."""
         if self.fused is not None and layer_hook is None and before_layer is None:
-            if all(n == 1 for n in batch.num_new_tokens):
+            if all(n == 1 for n in batch.num_new_tokens) and not any(
+                s.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
+                for s in batch.seqs
+            ):
                 return self._run_fused(batch)
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        input_ids, positions, meta, sample_rows, prompt_spans = self._prepare(batch)
         meta.layer_hook, meta.before_layer = layer_hook, before_layer
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        for i, row, start in prompt_spans:
+            self._prompt_logprobs(batch.seqs[i], hidden, row, start, batch.num_new_tokens[i])
         if not sample_rows:
             return [], None
         rows = torch.tensor([r for _, r in sample_rows], device=self.device)
         return [i for i, _ in sample_rows], self.model.logits(hidden[rows]).cpu()
+
+    def _prompt_logprobs(self, seq, hidden, row: int, start: int, n: int) -> None:
+        """Append the logprobs of seq's prompt tokens start+1 .. (those this step's rows
+        predict) to seq.prompt_logprobs, a few hundred rows of logits at a time."""
+        end = min(start + n, seq.num_prompt_tokens - 1)  # positions whose next token is prompt
+        del seq.prompt_logprobs[start:]  # a preempted sequence computes its prompt again
+        k = seq.params.prompt_logprobs
+        for a in range(start, end, 256):
+            b = min(a + 256, end)
+            logits = self.model.logits(hidden[row + a - start : row + b - start]).float().cpu()
+            targets = torch.tensor(seq.token_ids[a + 1 : b + 1])
+            seq.prompt_logprobs.extend(token_logprobs(logits, targets, [k] * (b - a)))
 
     def _run_fused(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """A step of one token per sequence through the fused step; as `run`. (A token of a

@@ -1,10 +1,80 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+"""Token sampling for a batch: logprobs of the raw logits, penalties (presence, frequency,
+repetition) and logit biases as batched tensor ops, then greedy, or temperature / top-k / top-p with
+per-request seeded generators."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from pdserve.engine.guided import apply_bitmask
 from pdserve.engine.sequence import Sequence
+
+
+class TokenLogprobs(NamedTuple):
+    """The chosen (or, for a prompt, the actual next) token's logprob and the top ones."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: list[int]) -> list:
+    """TokenLogprobs for each row of float32 logits (N, V): chosen[i]'s and the top k[i]."""
+    logp = logits.log_softmax(-1)
+    picked = logp.gather(1, chosen.view(-1, 1)).view(-1).tolist()
+    kmax = max(k)
+    top_v, top_i = logp.topk(kmax, -1) if kmax else (None, None)
+    out = []
+    for row, (lp, n) in enumerate(zip(picked, k, strict=True)):
+        ids, values = (top_i[row, :n].tolist(), top_v[row, :n].tolist()) if n else ([], [])
+        top = tuple(zip(ids, values, strict=True))
+        out.append(TokenLogprobs(lp, top))
+    return out
+
+
+def _counts(rows: list[list[int]], vocab: int) -> torch.Tensor:
+    """(len(rows), vocab) occurrence counts of each row's token ids."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width + 1), vocab, dtype=torch.long)  # pad: an extra column
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    counts = torch.zeros(len(rows), vocab + 1)
+    return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The penalized logits, as vLLM and OpenAI define them: repetition divides a positive
+    logit (and multiplies a negative one) of every token seen in the prompt or the output;
+    frequency subtracts its count in the output, presence subtracts once if it is there."""
+    rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+    if not rows:
+        return logits
+    vocab, sub = logits.shape[1], logits[rows]
+    ps = [seqs[i].params for i in rows]
+    out = _counts([seqs[i].generated_token_ids for i in rows], vocab)
+    seen = out > 0
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        seen_prompt = _counts([seqs[i].prompt_token_ids for i in rows], vocab) > 0
+        rep = torch.tensor([p.repetition_penalty for p in ps]).view(-1, 1)
+        penalized = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen | seen_prompt, penalized, sub)
+    freq = torch.tensor([p.frequency_penalty for p in ps]).view(-1, 1)
+    pres = torch.tensor([p.presence_penalty for p in ps]).view(-1, 1)
+    logits = logits.clone()
+    logits[rows] = sub - (freq * out + pres * seen)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits + each request's logit_bias (ids beyond the vocabulary are refused earlier)."""
+    pairs = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias]
+    if not pairs:
+        return logits
+    rows, cols, bias = zip(*pairs, strict=True)
+    logits = logits.clone()
+    logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(bias), accumulate=True)
+    return logits
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -20,8 +90,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of logits (N, V), float32; row i belongs to seqs[i]."""
+def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     if all(s.params.greedy for s in seqs):
         return logits.argmax(-1).tolist()
     out = []
@@ -38,3 +107,24 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             continue
         out.append(int(torch.multinomial(probs.cpu(), 1, generator=seq.generator)))
     return out
+
+
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None = None
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row of logits (N, V), float32; row i belongs to seqs[i]. `bitmask`:
+    the guided rows' allowed tokens (engine/guided.py). Logprobs (of the raw logits, as vLLM
+    reports them) for the rows that ask."""
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    processed = apply_logit_bias(apply_penalties(logits, seqs), seqs)
+    if bitmask is not None:
+        processed = processed.clone() if processed is logits else processed
+        apply_bitmask(processed, bitmask)
+    tokens = _draw(processed, seqs)
+    logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+    if want:
+        chosen = torch.tensor([tokens[i] for i in want])
+        k = [seqs[i].params.logprobs for i in want]
+        for i, lp in zip(want, token_logprobs(logits[want], chosen, k), strict=True):
+            logprobs[i] = lp
+    return tokens, logprobs

@@ -50,6 +50,9 @@ class Sequence:
     num_preemptions: int = 0
     generator: object | None = None  # torch.Generator when the request has a seed
     prefix_load: PrefixLoad | None = None  # in flight during the step after admission only
+    num_replayed: int = 0  # output tokens at the end of the prompt (a migrated request's replay)
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs per prompt token >= 1
+    guide: object | None = None  # engine.guided.Guide when the output is constrained
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -66,6 +69,16 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The client's prompt (without replayed output tokens)."""
+        return self.token_ids[: self.num_prompt_tokens - self.num_replayed]
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every output token of the request, replayed ones included (penalties count them)."""
+        return self.token_ids[self.num_prompt_tokens - self.num_replayed :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

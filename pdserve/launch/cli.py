@@ -97,6 +97,14 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model-name", default=None, help="name served in /v1/models (default: file name)"
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|FILE",
+        help="chat template for /v1/chat/completions instead of the model's: a Jinja file, or "
+        "a shipped one by name (llama3_json_tools: Llama-3 JSON tool calling, for models whose "
+        "own template does not render tools)",
+    )
 
 
 def register(sub) -> None:

@@ -43,6 +43,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def make_frontend(args):
     from pdserve.model.loader import load_model_config, load_tokenizer
+    from pdserve.model.tokenizer import load_chat_template
     from pdserve.protocol.channel import require_secret_for, resolve_secret
     from pdserve.router.core import RouterCore
     from pdserve.router.frontend import Frontend
@@ -54,7 +55,10 @@ def make_frontend(args):
     core = RouterCore(router_config_from_args(args), secret)
     register_workers(core)
     name = args.model_name or path.name.removesuffix(".gguf")
-    return Frontend(core, load_tokenizer(args.model), name, api_key=args.api_key)
+    tokenizer = load_tokenizer(args.model)
+    if args.chat_template:
+        tokenizer = tokenizer.with_chat_template(load_chat_template(args.chat_template))
+    return Frontend(core, tokenizer, name, api_key=args.api_key)
 
 
 def router(args) -> int:

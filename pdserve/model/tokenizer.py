@@ -6,17 +6,75 @@ Importing `transformers` costs seconds per process; workers and the router only 
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+TEMPLATES = Path(__file__).parent / "templates"  # chat templates shipped with pdserve
+
 
 def _token_str(value) -> str | None:
     if isinstance(value, dict):  # older configs store AddedToken dicts
         return value.get("content")
     return value
+
+
+def load_chat_template(name_or_path: str) -> str:
+    """A chat template's text: a shipped one by name (`llama3_json_tools`) or a .jinja file."""
+    shipped = TEMPLATES / f"{name_or_path}.jinja"
+    path = shipped if shipped.exists() else Path(name_or_path).expanduser()
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in TEMPLATES.glob("*.jinja")))
+        raise FileNotFoundError(
+            f"chat template {name_or_path!r} is neither a file nor a shipped template ({names})"
+        )
+    return path.read_text()
+
+
+def _raise_exception(message):
+    raise ValueError(f"the chat template refused the messages: {message}")
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # as transformers does: jinja's own tojson escapes <, >, & and ' for HTML, which would
+    # change what the model reads (tool descriptions, code in tool results)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = _tojson
+    return env.from_string(template)
+
+
+def _template_message(msg: dict) -> dict:
+    """`msg` as chat templates expect it: tool-call arguments as a dict (OpenAI sends a JSON
+    string; HF templates write `arguments | tojson`), unset tool keys left out."""
+    msg = {k: v for k, v in msg.items() if not (k in ("tool_calls", "tool_call_id") and not v)}
+    if msg.get("tool_calls"):
+        msg["tool_calls"] = [_with_dict_arguments(call) for call in msg["tool_calls"]]
+    return msg
+
+
+def _with_dict_arguments(call: dict) -> dict:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call  # the template shows the string as it is
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 class Tokenizer:
@@ -31,7 +89,8 @@ class Tokenizer:
                 f"{folder}: no tokenizer.json; a Hugging Face model folder needs its tokenizer "
                 "files (tokenizer.json, tokenizer_config.json)"
             )
-        self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        self.path = folder / "tokenizer.json"
+        self._tok = HFTokenizer.from_file(str(self.path))
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         self.bos_token = _token_str(cfg.get("bos_token"))
@@ -49,30 +108,42 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A copy of this tokenizer that renders chats with `template` instead."""
+        other = copy.copy(self)
+        other.chat_template = template
+        return other
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The conversation as prompt text. `tools` (OpenAI tool dicts) reach the template only
+        when given, so templates that test `tools is defined` see no tools otherwise."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: use the completions API instead")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise ValueError(f"the chat template refused the messages: {message}")
-
-        env.globals["raise_exception"] = raise_exception
+        extra = {} if tools is None else {"tools": tools}
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages,
+            return _compile(self.chat_template).render(
+                messages=[_template_message(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **extra,
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"could not apply the chat template: {exc}") from None
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation (special tokens are in the text already)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
 
 class IncrementalDecoder:

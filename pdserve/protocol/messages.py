@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.engine.guided import GuideSpec
 from pdserve.kv_transfer.base import KVLayout
 
 
@@ -24,6 +25,25 @@ class Params(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # chosen-token logprob and this many top ones
+    prompt_logprobs: int | None = None  # the same for the prompt (sent with the first token)
+    guide: GuideSpec | None = None  # what the output must match (structured outputs, tools)
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """One token's logprob and the top ones as (token id, logprob), most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+    @classmethod
+    def of(cls, lp) -> Logprobs | None:
+        """From the engine's TokenLogprobs (None stays None)."""
+        return None if lp is None else cls(lp.logprob, list(lp.top))
 
 
 class Register(msgspec.Struct, tag=True):
@@ -104,6 +124,8 @@ class PrefillDone(msgspec.Struct, tag=True):
     request_id: str
     first_token: int | None
     error: str | None = None
+    logprobs: Logprobs | None = None  # of the first token, when the request asked
+    prompt_logprobs: list[Logprobs] | None = None
     transfer_bytes: int = 0
     transfer_s: float = 0.0  # first layer queued -> last layer acknowledged
     prefill_s: float = 0.0  # Prefill received -> KV all on the decode worker
@@ -123,6 +145,8 @@ class TokenOut(msgspec.Struct, array_like=True):
     index: int  # position in the output (0 = first token)
     token: int
     finish_reason: str | None
+    logprobs: Logprobs | None = None  # when the request asked
+    prompt_logprobs: list[Logprobs] | None = None  # with the first token, when asked
 
 
 class Tokens(msgspec.Struct, tag=True):

@@ -34,7 +34,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException):
         message = {
             404: f"no route {request.url.path}; see /v1/completions, /v1/chat/completions, "
-            "/v1/models, /health, /live, /metrics",
+            "/v1/models, /tokenize, /detokenize, /health, /live, /metrics",
             405: f"{request.method} is not allowed on {request.url.path}",
         }
         err = p.APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
@@ -54,6 +54,18 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await frontend.complete(request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        frontend.check_auth(request)
+        req = p.parse(await frontend.read_body(request), p.TokenizeRequest)
+        return frontend.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        frontend.check_auth(request)
+        req = p.parse(await frontend.read_body(request), p.DetokenizeRequest)
+        return frontend.detokenize(req)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -168,7 +168,8 @@ class RouterCore:
         metrics.MIGRATIONS.inc()
         state.decode_id, state.prefill_id, state.remote = decode.worker_id, None, False
         decode.inflight.add(state.request_id)
-        params = msgspec.structs.replace(state.params, max_tokens=remaining)
+        # the client has the prompt logprobs already (they came with the first token)
+        params = msgspec.structs.replace(state.params, max_tokens=remaining, prompt_logprobs=None)
         replay = state.prompt + state.tokens
         admit = m.Admit(
             state.request_id, replay, params, False, self.config.lease_s, len(state.tokens)
@@ -205,12 +206,14 @@ class RouterCore:
         return min(lens) if lens else None
 
     # -- requests --------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: m.Params) -> RequestState:
+    def submit(self, prompt: list[int], params: m.Params, near: str | None = None) -> RequestState:
         """Place a validated request; its events arrive on the returned state's queue.
+        `near`: the decode worker where a request with the same prompt got its first token
+        (n > 1): this one goes there and uses the KV it holds (`placement.place`).
         Raises Overloaded (admission refused it) or NoWorker (nobody can take it)."""
         admission.check_capacity(self.config, len(self.requests))
         view = self.view()
-        choice = placement.place(self.config, view, prompt)
+        choice = placement.place(self.config, view, prompt, near)
         admission.check_slo(self.config, view, choice.decode, choice.remote, choice.uncached)
         metrics.CACHE_TEMPERATURE.labels("warm" if choice.warm else "cold").inc()
         metrics.PREFILL_DECISIONS.labels("remote" if choice.remote else "local").inc()
@@ -290,7 +293,8 @@ class RouterCore:
             )
             self.send(state.decode_id, m.KVReady(msg.request_id, None))
             return
-        state.deliver(0, msg.first_token, None)  # D reports whether it also ends the request
+        # D reports whether it also ends the request
+        state.deliver(0, msg.first_token, None, msg.logprobs, msg.prompt_logprobs)
         self.send(state.decode_id, m.KVReady(msg.request_id, msg.first_token))
 
     def on_tokens(self, wid: str, msg: m.Tokens) -> None:
@@ -298,7 +302,9 @@ class RouterCore:
         for item in msg.items:
             state = self.requests.get(item.request_id)
             if state is not None and state.decode_id == wid:
-                state.deliver(item.index, item.token, item.finish_reason)
+                state.deliver(
+                    item.index, item.token, item.finish_reason, item.logprobs, item.prompt_logprobs
+                )
 
     def on_failed(self, msg: m.Failed) -> None:
         state = self.requests.get(msg.request_id)

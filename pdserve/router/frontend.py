@@ -5,18 +5,24 @@ the whole answer or its SSE stream, and the request metrics."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import json
 import time
+from typing import NamedTuple
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.engine.guided import GuideSpec
 from pdserve.model.tokenizer import IncrementalDecoder, Tokenizer
 from pdserve.protocol import messages as m
-from pdserve.router import metrics
+from pdserve.router import metrics, tools
 from pdserve.router import protocol as p
 from pdserve.router.admission import Overloaded
 from pdserve.router.core import RouterCore
+from pdserve.router.output import Choice, Piece
 from pdserve.router.placement import NoWorker
 from pdserve.router.state import RequestState
 from pdserve.router.stop import StopChecker
@@ -37,6 +43,10 @@ class Frontend:
     ):
         self.core, self.tok, self.model_name = core, tokenizer, model_name
         self.api_key, self.request_timeout_s = api_key, request_timeout_s
+        # a token's text in logprobs (special tokens shown)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda t: tokenizer.decode([t], skip_special_tokens=False)
+        )
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -49,30 +59,46 @@ class Frontend:
                 code="invalid_api_key",
             )
 
-    def prepare(self, req, chat: bool) -> tuple[list[int], m.Params]:
-        if req.model not in (None, self.model_name):
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, self.model_name):
             raise p.APIError(
                 404,
-                f"model {req.model!r} is not served here; use {self.model_name!r} "
-                "(see GET /v1/models)",
+                f"model {model!r} is not served here; use {self.model_name!r} (see GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
+
+    def prepare(self, req, chat: bool) -> Plan:
+        """Validate a parsed request against the model and turn it into a Plan (400s here)."""
+        self.check_model(req.model)
+        guide, tools_on, echo = p.guide_of(req), False, None
         if chat:
-            ids = self.tok.apply_chat_template(p.messages_of(req))
+            ids, tools_on, tool_guide = self.render(req)
+            if tool_guide is not None and guide is not None:
+                raise p.APIError(
+                    400,
+                    "tool_choice required or named constrains the output, and so does "
+                    "response_format; send one of them",
+                    param="tool_choice",
+                )
+            guide = guide or tool_guide
             max_tokens = (
                 req.max_completion_tokens
                 if req.max_completion_tokens is not None
                 else req.max_tokens
             )
+            want_logprobs, k = req.logprobs, req.top_logprobs or 0
         else:
             prompt = p.prompt_of(req)
             ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            max_tokens = req.max_tokens or 16
+            max_tokens = 16 if req.max_tokens is None else req.max_tokens
             if any(t < 0 or t >= self.tok.vocab_size for t in ids):
                 raise p.APIError(
                     400, f"prompt token ids must be in [0, {self.tok.vocab_size})", param="prompt"
                 )
+            if req.echo:
+                echo = prompt if isinstance(prompt, str) else self.tok.decode(ids)
+            want_logprobs, k = req.logprobs is not None, req.logprobs or 0
         window = self.core.max_model_len
         if window is None:
             raise p.APIError(
@@ -86,6 +112,7 @@ class Frontend:
                 param="prompt",
                 code="context_length_exceeded",
             )
+        keep_output = max_tokens != 0  # 0: completions with echo, the prompt's logprobs only
         max_tokens = min(max_tokens or window - len(ids), window - len(ids))
         params = m.Params(
             max_tokens=max_tokens,
@@ -94,12 +121,76 @@ class Frontend:
             top_p=req.top_p,
             seed=req.seed,
             ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=p.logit_bias_of(req, self.tok.vocab_size),
+            logprobs=k if want_logprobs else None,
+            prompt_logprobs=k if want_logprobs and echo is not None else None,
+            guide=guide,
         )
-        return ids, params
+        return Plan(ids, params, req.n, p.stop_list(req), chat, want_logprobs, tools_on, echo,
+                    keep_output)  # fmt: skip
 
-    def submit(self, ids, params) -> RequestState:
+    def tokenize(self, req: p.TokenizeRequest) -> dict:
+        """vLLM's answer shape (`count`, `max_model_len`, `tokens`), which holds llama.cpp's."""
+        self.check_model(req.model)
+        given = [k for k in ("prompt", "content", "messages") if getattr(req, k) is not None]
+        if len(given) != 1:
+            raise p.APIError(400, "send exactly one of prompt, content or messages")
+        if req.messages is not None:
+            listed = tools.tools_for_template(req.tools) if req.tools else None
+            try:
+                ids = self.tok.apply_chat_template(
+                    p.messages_of(req), req.add_generation_prompt, tools=listed
+                )
+            except ValueError as exc:
+                raise p.APIError(400, str(exc), param="messages") from None
+        else:
+            ids = self.tok.encode(req.prompt or req.content or "", req.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": self.core.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [self.token_text(t) for t in ids]
+        return out
+
+    def detokenize(self, req: p.DetokenizeRequest) -> dict:
+        """vLLM's `prompt` and llama.cpp's `content`: the same text."""
+        self.check_model(req.model)
+        if any(not 0 <= t < self.tok.vocab_size for t in req.tokens):
+            raise p.APIError(
+                400, f"tokens must be ids in [0, {self.tok.vocab_size})", param="tokens"
+            )
+        text = self.tok.decode(req.tokens)
+        return {"prompt": text, "content": text}
+
+    def render(self, req) -> tuple[list[int], bool, GuideSpec | None]:
+        """A chat request's prompt ids, whether its answer may be a tool call, and the
+        constraint that forces one (tool_choice required or named)."""
         try:
-            return self.core.submit(ids, params)
+            tools.check_tools(req.tools, req.tool_choice)
+        except tools.ToolError as exc:
+            raise p.APIError(400, str(exc), param=exc.param) from None
+        choice = req.tool_choice or ("auto" if req.tools else "none")
+        use = bool(req.tools) and choice != "none"
+        if use and not tools.template_supports_tools(self.tok.chat_template):
+            raise p.APIError(
+                400,
+                "this model's chat template does not support tools; start pdserve with "
+                "--chat-template llama3_json_tools (or a template file that renders `tools`)",
+                param="tools",
+            )
+        listed = tools.tools_for_template(req.tools) if use else None
+        try:
+            ids = self.tok.apply_chat_template(p.messages_of(req), tools=listed)
+        except ValueError as exc:
+            raise p.APIError(400, str(exc), param="messages") from None
+        schema = tools.tool_call_schema(req.tools, choice) if use else None
+        return ids, use, GuideSpec("json_schema", json.dumps(schema)) if schema else None
+
+    def submit(self, ids, params, near: str | None = None) -> RequestState:
+        try:
+            return self.core.submit(ids, params, near)
         except Overloaded as exc:
             metrics.REJECTED.labels(exc.reason).inc()
             raise p.APIError(
@@ -117,9 +208,9 @@ class Frontend:
     async def events(
         self, state: RequestState, stops: tuple[str, ...], request: Request | None = None
     ):
-        """Yields (text_delta, finish_reason|None); raises APIError on a worker failure or
-        timeout. With `request` (non-streaming), a client that hangs up is noticed within a
-        second (the caller's `finally` then aborts the request on its workers)."""
+        """Yields a Piece per token; raises APIError on a worker failure or timeout. With
+        `request` (non-streaming), a client that hangs up is noticed within a second (the
+        caller's `finally` then aborts the request on its workers)."""
         dec, stop = IncrementalDecoder(self.tok), StopChecker(stops)
         deadline = time.monotonic() + self.request_timeout_s
         next_check = time.monotonic() + 0.5
@@ -140,19 +231,56 @@ class Frontend:
             if ev[0] == "error":  # a 503 (its worker lost, no other) is worth a retry
                 retry = {"Retry-After": "2"} if ev[1] == 503 else None
                 raise p.APIError(ev[1], ev[2], headers=retry)
-            _, token, finish = ev
+            _, token, finish, logprobs = ev
             text = (
                 stop.push(dec.push(token))
                 if token is not None and token not in self.core_eos
                 else ""
             )
             if stop.hit:
-                yield text, "stop"
+                yield Piece(text, "stop", token, logprobs)
                 return
             if finish is not None:
-                yield text + stop.flush(), finish
+                yield Piece(text + stop.flush(), finish, token, logprobs)
                 return
-            yield text, None
+            yield Piece(text, None, token, logprobs)
+
+    async def pieces(self, plan: Plan, states: list, i: int, request: Request | None):
+        """Choice i's pieces. Choices after the first are submitted once the first has its
+        first token, to its decode worker, where they find the prompt's KV in the prefix
+        cache (computed, and with P/D transferred, once); each gets seed + i."""
+        if i > 0:
+            await states[0].started.wait()
+            seed = None if plan.params.seed is None else (plan.params.seed + i) % 2**63
+            params = msgspec.structs.replace(plan.params, seed=seed, prompt_logprobs=None)
+            states[i] = self.submit(plan.ids, params, near=states[0].decode_id)
+        async for piece in self.events(states[i], plan.stops, request):
+            yield piece
+
+    async def choices(self, plan: Plan, states: list, request: Request | None):
+        """(Choice, Piece) as they come, from all n choices (an echoed prompt first)."""
+        out = [
+            Choice(i, plan.chat, self.token_text, plan.want_logprobs, plan.tools, plan.keep_output)
+            for i in range(plan.n)
+        ]
+        started = set()
+        gens = [self.pieces(plan, states, i, request) for i in range(plan.n)]
+        async for i, piece in merge(gens):
+            if plan.echo is not None and i not in started:
+                out[i].prepend(plan.echo, plan.ids, states[0].prompt_logprobs)
+            started.add(i)
+            out[i].add(piece)
+            yield out[i], piece
+
+    def close(self, states: list, status: str) -> None:
+        for state in states:
+            if state is not None:
+                self.core.finish(state, abort=status != "ok" or not state.finished)
+                self.record(state, status)
+
+    def usage(self, plan: Plan, states: list) -> dict:
+        done = sum(len(s.tokens) for s in states if s is not None) if plan.keep_output else 0
+        return p.usage(len(plan.ids), done)
 
     @property
     def core_eos(self) -> set[int]:
@@ -189,46 +317,44 @@ class Frontend:
     async def complete(self, request: Request, chat: bool) -> Response:
         self.check_auth(request)
         req = p.parse(await self.read_body(request), p.ChatRequest if chat else p.CompletionRequest)
-        ids, params = self.prepare(req, chat)
-        state = self.submit(ids, params)
+        plan = self.prepare(req, chat)
+        states: list[RequestState | None] = [self.submit(plan.ids, plan.params)]
+        states += [None] * (plan.n - 1)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
-        stops = p.stop_list(req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self.stream(request, state, rid, chat, stops, include_usage),
+                self.stream(request, plan, states, rid, include_usage),
                 media_type="text/event-stream",
             )
-        return await self.whole(request, state, rid, chat, stops)
+        return await self.whole(request, plan, states, rid)
 
-    async def whole(self, request, state, rid, chat, stops) -> Response:
-        parts, finish, status = [], None, "error"
+    async def whole(self, request, plan: Plan, states: list, rid: str) -> Response:
+        status, out = "error", {}
         try:
-            async for text, reason in self.events(state, stops, request):
-                parts.append(text)
-                finish = reason
+            async for choice, _ in self.choices(plan, states, request):
+                out[choice.index] = choice
             status = "ok"
         except ClientGone:
             status = "cancelled"
             return Response(status_code=499)
         finally:
-            self.core.finish(state, abort=status != "ok" or not state.finished)
-            self.record(state, status)
-        use = p.usage(len(state.prompt), len(state.tokens))
+            self.close(states, status)
+        body = [out[i].whole() for i in sorted(out)]
         return JSONResponse(
-            p.completion_body(rid, self.model_name, "".join(parts), finish, use, chat)
+            p.completion_body(rid, self.model_name, body, self.usage(plan, states), plan.chat)
         )
 
-    async def stream(self, request, state, rid, chat, stops, include_usage):
-        status, first = "cancelled", True
+    async def stream(self, request, plan: Plan, states: list, rid: str, include_usage: bool):
+        status = "cancelled"
         try:
-            async for text, finish in self.events(state, stops):
-                if text or finish or first:
-                    yield p.sse(p.chunk_body(rid, self.model_name, text, finish, chat, first))
-                    first = False
+            async for choice, _ in self.choices(plan, states, None):
+                delta = choice.delta()
+                if delta is not None:
+                    yield p.sse(p.chunk_body(rid, self.model_name, [delta], plan.chat))
             if include_usage:
-                use = p.usage(len(state.prompt), len(state.tokens))
-                yield p.sse(p.usage_chunk(rid, self.model_name, use, chat))
+                use = self.usage(plan, states)
+                yield p.sse(p.chunk_body(rid, self.model_name, [], plan.chat, use))
             yield p.sse("[DONE]")
             status = "ok"
         except p.APIError as exc:
@@ -236,5 +362,52 @@ class Frontend:
             yield p.sse(exc.body())
             yield p.sse("[DONE]")
         finally:  # also runs when the client disconnects (the generator is closed)
-            self.core.finish(state, abort=not state.finished or status != "ok")
-            self.record(state, status)
+            self.close(states, status)
+
+
+class Plan(NamedTuple):
+    """A validated request: what to submit (n times) and how to shape the answer."""
+
+    ids: list[int]
+    params: m.Params
+    n: int
+    stops: tuple[str, ...]
+    chat: bool
+    want_logprobs: bool
+    tools: bool  # the answer may be a tool call: parse it
+    echo: str | None  # completions with echo: the prompt's text
+    keep_output: bool  # False: max_tokens=0 with echo, the prompt alone is the answer
+
+
+async def merge(gens: list):
+    """(i, item) from several async generators as each yields; the first error ends it."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for item in gen:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is done:
+                left -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -74,8 +74,15 @@ class Choice:
     uncached: int  # prompt tokens someone must compute
 
 
-def place(config: RouterConfig, view: ClusterView, prompt: list[int]) -> Choice:
-    """The decode worker and the prefill location of a new request; NoWorker if none."""
+def place(
+    config: RouterConfig, view: ClusterView, prompt: list[int], near: str | None = None
+) -> Choice:
+    """The decode worker and the prefill location of a new request; NoWorker if none.
+    `near`: a decode worker that holds this prompt's KV (a sibling of `n` computed it there and
+    its index may not know yet): the request goes there and computes only its last block."""
+    for w in view.decoders:
+        if w.worker_id == near:
+            return Choice(w, False, True, min(len(prompt), config.block_size))
     decode = pick_decode(view, prompt, config.block_size)
     cached = cached_blocks(view, decode, block_hashes(prompt, config.block_size))
     overlap = min(cached * config.block_size, len(prompt))

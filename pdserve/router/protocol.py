@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
 import msgspec
 
+from pdserve.engine.guided import GuideSpec, check_spec
+from pdserve.router.tools import Tool, ToolCall, ToolChoice
+
 MAX_BODY_BYTES = 8 << 20
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20  # top logprobs per token (vLLM's limit; OpenAI's is 5 on completions)
 
 
 class APIError(Exception):
@@ -37,46 +43,114 @@ class APIError(Exception):
         }
 
 
-class StreamOptions(msgspec.Struct):
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A field we do not know is refused (400 naming it), never accepted and ignored."""
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class ResponseFormat(_Strict):
+    """`text`, `json_object`, or `json_schema` with `{"name", "schema", "strict"}`."""
+
+    type: str
+    json_schema: dict | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's extension: exactly one of json (a schema), json_object, regex, grammar (Lark)."""
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+
+class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # extension (vLLM): 0 = off
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
     seed: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # extension (vLLM)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
-    user: str | None = None
+    repetition_penalty: float = 1.0  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the operator's logs; no effect on the output
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None  # older vLLM names of structured_outputs
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    # OpenAI fields that pdserve cannot honour: refused with a 400 that says so when set
+    suffix: str | None = None
+    best_of: int | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+    prediction: dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[int | str | list[int]]  # text, token ids, or a batch of one
     echo: bool = False
+    logprobs: int | None = None  # the chosen token's and this many top logprobs (0..20)
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(_Strict):
     type: str
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize: vLLM's `prompt` or `messages`, or llama.cpp's `content`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int]
+    model: str | None = None
 
 
 def parse(body: bytes, kind: type):
@@ -86,7 +160,16 @@ def parse(body: bytes, kind: type):
     try:
         req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        param = str(exc).rsplit("`$.", 1)[-1].rstrip("`") if "`$." in str(exc) else None
+        text = str(exc)
+        param = text.rsplit("`$.", 1)[-1].rstrip("`") if "`$." in text else None
+        if text.startswith("Object contains unknown field"):
+            name = text.split("`")[1]
+            raise APIError(
+                400,
+                f"unknown field {name!r}{f' in {param}' if param else ''}: pdserve does not "
+                "support it (it would be ignored); remove it",
+                param=name,
+            ) from None
         raise APIError(400, f"invalid request: {exc}", param=param) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the body is not valid JSON ({exc}); send a JSON object") from None
@@ -94,17 +177,56 @@ def parse(body: bytes, kind: type):
         raise APIError(400, "the JSON is nested too deeply; send a flat request object") from None
     except UnicodeDecodeError:
         raise APIError(400, "the body is not valid UTF-8; send UTF-8 encoded JSON") from None
+    _check_unsupported(req)
     _check_sampling(req)
     return req
 
 
-def _check_sampling(req: _Sampling) -> None:
+# Fields of OpenAI's request schemas that pdserve knows but cannot honour: refused when set to
+# anything but what pdserve does anyway. {field: (allowed values, what to do instead)}
+UNSUPPORTED = {
+    "suffix": ((None,), "insertion (suffix) is not supported; send the prompt only"),
+    "best_of": ((None, 1), "best_of is not supported; use n and pick the best yourself"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier here; leave it unset"),
+    "store": ((None, False), "completions are not stored here; leave store unset"),
+    "metadata": ((None,), "metadata is only for stored completions; leave it unset"),
+    "prediction": ((None,), "predicted outputs are not supported; leave prediction unset"),
+    "audio": ((None,), "audio output is not supported; this model answers in text"),
+    "modalities": ((None, ["text"]), "only text output is supported: modalities=['text']"),
+    "reasoning_effort": ((None,), "this model does not reason; leave reasoning_effort unset"),
+    "verbosity": ((None,), "verbosity is not supported; leave it unset"),
+    "web_search_options": ((None,), "web search is not supported; leave it unset"),
+    "functions": ((None,), "functions is deprecated and not supported; use tools"),
+    "function_call": ((None,), "function_call is deprecated and not supported; use tool_choice"),
+    "parallel_tool_calls": (
+        (None, True),
+        "parallel_tool_calls=false is not supported; the model may return several calls",
+    ),
+}
+
+
+def _check_unsupported(req) -> None:
+    if not isinstance(req, _Sampling):
+        return
+    for name, (allowed, message) in UNSUPPORTED.items():
+        if getattr(req, name) not in allowed:
+            raise APIError(400, message, param=name)
+    if req.best_of not in (None, 1, req.n):
+        raise APIError(400, "best_of is not supported; use n", param="best_of")
+
+
+def _check_sampling(req) -> None:
+    if not isinstance(req, _Sampling):
+        return
+    chat = isinstance(req, ChatRequest)
+    top = req.top_logprobs if chat else req.logprobs
     checks = [
-        (req.n != 1, "n", "only n=1 is supported; send one request per completion"),
+        (not 1 <= req.n <= MAX_N, "n", f"n must be in [1, {MAX_N}]"),
         (
-            req.max_tokens is not None and req.max_tokens < 1,
+            req.max_tokens is not None
+            and req.max_tokens < (0 if getattr(req, "echo", False) else 1),
             "max_tokens",
-            "max_tokens must be >= 1",
+            "max_tokens must be >= 1 (0 only with echo=true)",
         ),
         (
             (getattr(req, "max_completion_tokens", None) or 1) < 1,
@@ -121,15 +243,34 @@ def _check_sampling(req: _Sampling) -> None:
             "max_tokens must be < 2^31",
         ),
         (
-            req.presence_penalty != 0 or req.frequency_penalty != 0,
+            not -2 <= req.presence_penalty <= 2,
             "presence_penalty",
-            "presence/frequency penalties are not supported; leave them at 0",
+            "presence_penalty must be in [-2, 2]",
         ),
-        (bool(req.logprobs), "logprobs", "logprobs are not supported; leave logprobs unset"),
         (
-            getattr(req, "echo", False),
-            "echo",
-            "echo is not supported; leave it false and prepend the prompt yourself",
+            not -2 <= req.frequency_penalty <= 2,
+            "frequency_penalty",
+            "frequency_penalty must be in [-2, 2]",
+        ),
+        (
+            not 0 < req.repetition_penalty <= 2,
+            "repetition_penalty",
+            "repetition_penalty must be in (0, 2] (1 = off)",
+        ),
+        (
+            top is not None and not 0 <= top <= MAX_LOGPROBS,
+            "top_logprobs" if chat else "logprobs",
+            f"{'top_logprobs' if chat else 'logprobs'} must be in [0, {MAX_LOGPROBS}]",
+        ),
+        (
+            chat and req.top_logprobs is not None and not req.logprobs,
+            "top_logprobs",
+            "top_logprobs needs logprobs=true",
+        ),
+        (
+            any(t < 0 for t in req.stop_token_ids or ()),
+            "stop_token_ids",
+            "stop_token_ids must be token ids (>= 0)",
         ),
     ]
     for bad, param, message in checks:
@@ -138,6 +279,84 @@ def _check_sampling(req: _Sampling) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise APIError(400, "stop takes up to 4 non-empty strings", param="stop")
+
+
+def logit_bias_of(req: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]} as (id, bias) pairs; 400 if malformed."""
+    out = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(
+                400,
+                f"logit_bias keys are token ids in [0, {vocab_size}) as strings; got {key!r}",
+                param="logit_bias",
+            )
+        if not -100 <= bias <= 100:
+            raise APIError(400, "logit_bias values must be in [-100, 100]", param="logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+def guide_of(req: _Sampling) -> GuideSpec | None:
+    """The output constraint a request asks for (response_format, structured_outputs, or the
+    guided_* extensions; at most one), compiled once to refuse a bad one with a 400."""
+    asked = []
+    rf = req.response_format
+    if rf is not None:
+        if rf.type == "json_object":
+            asked.append(("response_format", GuideSpec("json_object")))
+        elif rf.type == "json_schema":
+            schema = (rf.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(
+                    400,
+                    "response_format json_schema needs json_schema.schema: a JSON schema object",
+                    param="response_format",
+                )
+            asked.append(("response_format", GuideSpec("json_schema", json.dumps(schema))))
+        elif rf.type != "text":
+            raise APIError(
+                400,
+                f"response_format type {rf.type!r} is not supported; use text, json_object or "
+                "json_schema",
+                param="response_format",
+            )
+    so = req.structured_outputs
+    if so is not None:
+        given = [k for k in ("json", "json_object", "regex", "grammar") if getattr(so, k)]
+        if len(given) != 1:
+            raise APIError(
+                400,
+                "structured_outputs takes exactly one of json, json_object, regex, grammar",
+                param="structured_outputs",
+            )
+        asked.append(("structured_outputs", _spec(given[0], getattr(so, given[0]))))
+    for kind in ("json", "regex", "grammar"):
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            asked.append((f"guided_{kind}", _spec(kind, value)))
+    if len(asked) > 1:
+        raise APIError(
+            400,
+            f"{asked[0][0]} and {asked[1][0]} both constrain the output; send one",
+            param=asked[1][0],
+        )
+    if not asked:
+        return None
+    param, spec = asked[0]
+    try:
+        check_spec(spec)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=param) from None
+    return spec
+
+
+def _spec(kind: str, value) -> GuideSpec:
+    if kind == "json_object":
+        return GuideSpec("json_object")
+    if kind == "json":
+        return GuideSpec("json_schema", value if isinstance(value, str) else json.dumps(value))
+    return GuideSpec(kind, value)
 
 
 def stop_list(req: _Sampling) -> tuple[str, ...]:
@@ -164,16 +383,30 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
 
 
 def messages_of(req: ChatRequest) -> list[dict]:
+    """The conversation as the chat template takes it (tool calls and results included)."""
     if not req.messages:
         raise APIError(400, "messages is empty: send at least one message", param="messages")
     out = []
-    for msg in req.messages:
+    for i, msg in enumerate(req.messages):
         if msg.role not in ("system", "user", "assistant", "tool", "developer"):
-            raise APIError(400, f"unknown message role {msg.role!r}", param="messages")
+            raise APIError(400, f"unknown message role {msg.role!r}", param=f"messages[{i}]")
         content = msg.content or ""
         if isinstance(content, list):
-            content = "".join(p.text or "" for p in content if p.type == "text")
-        out.append({"role": msg.role, "content": content})
+            if any(part.type != "text" for part in content):
+                raise APIError(
+                    400,
+                    "this model reads text only: send content parts of type 'text'",
+                    param=f"messages[{i}].content",
+                )
+            content = "".join(part.text or "" for part in content)
+        item = {"role": msg.role, "content": content}
+        if msg.name is not None:
+            item["name"] = msg.name
+        if msg.tool_calls:
+            item["tool_calls"] = msgspec.to_builtins(msg.tool_calls)
+        if msg.tool_call_id is not None:
+            item["tool_call_id"] = msg.tool_call_id
+        out.append(item)
     return out
 
 
@@ -189,50 +422,28 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion_body(rid, model, text, finish, use, chat: bool) -> dict:
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish,
-            "logprobs": None,
-        }
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+def completion_body(rid, model, choices: list[dict], use, chat: bool) -> dict:
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": use,
     }
 
 
-def chunk_body(rid, model, text, finish, chat: bool, first: bool = False) -> dict:
-    if chat:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-    return {
+def chunk_body(rid, model, choices: list[dict], chat: bool, use: dict | None = None) -> dict:
+    body = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
     }
-
-
-def usage_chunk(rid, model, use, chat: bool) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "usage": use,
-    }
+    if use is not None:
+        body["usage"] = use
+    return body
 
 
 def sse(obj: dict | str) -> bytes:

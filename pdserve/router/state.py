@@ -55,6 +55,9 @@ class RequestState:
     prefill_id: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     tokens: list[int] = field(default_factory=list)  # delivered, in order
+    logprobs: list[m.Logprobs | None] = field(default_factory=list)  # per delivered token
+    prompt_logprobs: list[m.Logprobs] | None = None  # with the first token, when asked
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # first token, or failed
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -64,13 +67,20 @@ class RequestState:
     warm: bool = False  # most of the prompt was cached (worker or KV store) at placement
     uncached_tokens: int = 0  # prompt tokens someone must compute (admission control)
 
-    def deliver(self, index: int, token: int, finish_reason: str | None) -> bool:
+    def deliver(
+        self,
+        index: int,
+        token: int,
+        finish_reason: str | None,
+        logprobs: m.Logprobs | None = None,
+        prompt_logprobs: list[m.Logprobs] | None = None,
+    ) -> bool:
         """Queue token `index` for the client unless it is a duplicate (migration replay)."""
         if self.finished:
             return False
         if index == len(self.tokens) - 1 and finish_reason is not None:
             self.finished = True  # the last delivered token (e.g. from the prefill worker) ends it
-            self.events.put_nowait(("token", None, finish_reason))
+            self.events.put_nowait(("token", None, finish_reason, None))
             return True
         if index != len(self.tokens):
             return False
@@ -78,12 +88,17 @@ class RequestState:
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         self.tokens.append(token)
+        self.logprobs.append(logprobs)
+        if prompt_logprobs is not None and index == 0:
+            self.prompt_logprobs = prompt_logprobs
+        self.started.set()
         if finish_reason is not None:
             self.finished = True
-        self.events.put_nowait(("token", token, finish_reason))
+        self.events.put_nowait(("token", token, finish_reason, logprobs))
         return True
 
     def fail(self, status: int, message: str) -> None:
         if not self.finished:
             self.finished = True
+            self.started.set()
             self.events.put_nowait(("error", status, message))

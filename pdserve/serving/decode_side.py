@@ -38,6 +38,11 @@ def to_sampling(p: m.Params, **overrides) -> SamplingParams:
     return SamplingParams(**{**msgspec.structs.asdict(p), **overrides})
 
 
+def prompt_logprobs(seq: Sequence) -> list[m.Logprobs] | None:
+    """The prompt logprobs this worker computed for seq (sent once, with its first token)."""
+    return [m.Logprobs.of(lp) for lp in seq.prompt_logprobs] or None
+
+
 class DecodeSide(KVConnector):
     def __init__(
         self,
@@ -68,7 +73,9 @@ class DecodeSide(KVConnector):
             self.pending.append(msg)
             self.try_place()
         else:
-            self.engine.add_request(msg.prompt, to_sampling(msg.params), msg.request_id)
+            self.engine.add_request(
+                msg.prompt, to_sampling(msg.params), msg.request_id, msg.skip_tokens
+            )
 
     def try_place(self) -> None:
         """Give pending remote-prefill requests blocks, oldest first, and answer Placement."""
@@ -79,7 +86,7 @@ class DecodeSide(KVConnector):
             if self.staging is not None and self.staging.num_free < -(-len(admit.prompt) // bs):
                 return
             seq = self.engine.make_sequence(
-                admit.prompt, to_sampling(admit.params), admit.request_id
+                admit.prompt, to_sampling(admit.params), admit.request_id, admit.skip_tokens
             )
             if not self.engine.add_transferring(seq):  # -> on_allocate registers the blocks
                 return
@@ -153,8 +160,16 @@ class DecodeSide(KVConnector):
         for o in outs:
             rid = o.seq.request_id
             index = self.index_offset.get(rid, 0) + o.seq.num_output_tokens - 1
+            first = o.seq.num_output_tokens == 1
             items.append(
-                m.TokenOut(rid, index, o.new_token, o.seq.finish_reason if o.finished else None)
+                m.TokenOut(
+                    rid,
+                    index,
+                    o.new_token,
+                    o.seq.finish_reason if o.finished else None,
+                    m.Logprobs.of(o.logprobs),
+                    prompt_logprobs(o.seq) if first else None,
+                )
             )
             if o.finished:
                 self.index_offset.pop(rid, None)

@@ -18,7 +18,7 @@ from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_transfer.base import KVSender
 from pdserve.protocol import messages as m
-from pdserve.serving.decode_side import to_sampling
+from pdserve.serving.decode_side import prompt_logprobs, to_sampling
 from pdserve.serving.kv_staging import HostStaging
 
 
@@ -109,6 +109,8 @@ class PrefillSide(KVConnector):
                     transfer_s=res.seconds,
                     prefill_s=time.monotonic() - out.started,
                     exposed_s=exposed,
+                    logprobs=m.Logprobs.of(o.logprobs),
+                    prompt_logprobs=prompt_logprobs(o.seq),
                 )
             )
 

@@ -92,7 +92,7 @@ class StoreLink(KVConnector):
         or with `overlap` tokens being loaded: seq.prefix_load then says how many landed."""
         bs = self.block_size
         start, limit = seq.num_cached_tokens // bs, (seq.num_tokens - 1) // bs
-        if start >= limit:
+        if start >= limit or seq.params.prompt_logprobs is not None:  # computes every position
             return 0
         hashes = block_hashes(seq.token_ids[: limit * bs], bs)
         self.query_tokens += (limit - start) * bs

@@ -165,7 +165,7 @@ def test_decodes_of_very_different_lengths_are_grouped_and_match_single(files):
         s.num_computed_tokens = s.num_tokens - 1
     from pdserve.engine.scheduler import ScheduledBatch
 
-    _, _, meta, _ = eng.runner._prepare(ScheduledBatch(seqs, [1, 1]))
+    meta = eng.runner._prepare(ScheduledBatch(seqs, [1, 1]))[2]
     assert [(g.start, g.end) for g in meta.decode_groups] == [(0, 1), (1, 2)]
     for s in seqs:
         eng.block_manager.free(s)

@@ -58,7 +58,7 @@ def all_logits(llm, ids):
     seq = Sequence("logits", ids, SamplingParams(max_tokens=1))
     assert llm.engine.block_manager.allocate(seq)
     try:
-        input_ids, positions, meta, _ = ours._prepare(ScheduledBatch([seq], [len(ids)]))
+        input_ids, positions, meta, *_ = ours._prepare(ScheduledBatch([seq], [len(ids)]))
         with torch.inference_mode():
             return ours.model.logits(ours.model(input_ids, positions, ours.kv_caches, meta))
     finally:

@@ -37,7 +37,11 @@ def test_deliver_drops_duplicates_and_gaps_and_ends_on_a_repeated_last_token():
     assert s.tokens == [10, 11]
     assert s.deliver(1, 11, "length")  # the last token again, now with the finish reason
     assert s.finished and not s.deliver(2, 12, None)
-    assert _events(s) == [("token", 10, None), ("token", 11, None), ("token", None, "length")]
+    assert _events(s) == [
+        ("token", 10, None, None),
+        ("token", 11, None, None),
+        ("token", None, "length", None),
+    ]
     s.fail(500, "late")  # nothing after the end
     assert _events(s) == []
 

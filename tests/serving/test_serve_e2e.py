@@ -154,7 +154,12 @@ BAD = [
     (b'{"prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
     (b'{"prompt": 42}', 400, "prompt"),
     (b'{"prompt": "hi", "temperature": -1}', 400, "temperature"),
-    (b'{"prompt": "hi", "n": 3}', 400, "only n=1"),
+    (b'{"prompt": "hi", "n": 30}', 400, "n must be in [1, 16]"),
+    (b'{"prompt": "hi", "frobnicate": 1}', 400, "unknown field 'frobnicate'"),
+    (b'{"prompt": "hi", "suffix": "x"}', 400, "suffix"),
+    (b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs must be in [0, 20]"),
+    (b'{"prompt": "hi", "logit_bias": {"x": 1}}', 400, "logit_bias keys are token ids"),
+    (b'{"prompt": "hi", "response_format": {"type": "yaml"}}', 400, "yaml"),
     (b'{"prompt": ""}', 400, "prompt is empty"),
 ]
 

@@ -1,0 +1,137 @@
+"""The sampler's penalties and logprobs against straightforward reference implementations,
+and prompt logprobs against one full forward pass."""
+
+import pytest
+import torch
+from factories import make_engine, make_sequence
+
+from pdserve.engine.sampler import apply_penalties, sample
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def reference_penalties(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """One sequence and one token at a time, as vLLM documents the three penalties."""
+    out = logits.clone()
+    for row, seq in zip(out, seqs, strict=True):
+        p = seq.params
+        outputs, prompt = seq.generated_token_ids, seq.prompt_token_ids
+        for tok in range(row.shape[0]):
+            if tok in outputs or tok in prompt:
+                if p.repetition_penalty != 1.0:
+                    r = p.repetition_penalty
+                    row[tok] = row[tok] / r if row[tok] > 0 else row[tok] * r
+            n = outputs.count(tok)
+            row[tok] -= p.frequency_penalty * n + p.presence_penalty * (n > 0)
+    return out
+
+
+def test_penalties_are_exact_against_the_reference_and_leave_other_rows_alone():
+    torch.manual_seed(0)
+    vocab = 50
+    cases = [
+        dict(presence_penalty=0.7),
+        dict(frequency_penalty=-0.4),
+        dict(repetition_penalty=1.3),
+        dict(),  # no penalty: untouched
+        dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=0.8),
+    ]
+    seqs = []
+    for i, params in enumerate(cases):
+        prompt = torch.randint(0, vocab, (7 + i,)).tolist()
+        seq = make_sequence(prompt, f"r{i}", max_tokens=30, **params)
+        seq.token_ids += torch.randint(0, vocab, (3 * i + 1,)).tolist()  # outputs, repeats
+        seqs.append(seq)
+    seqs[2].num_replayed = 4  # a replayed request's outputs at the end of its prompt count
+    logits = torch.randn(len(seqs), vocab) * 3
+    expected = reference_penalties(logits, seqs)
+    assert torch.equal(apply_penalties(logits, seqs), expected)
+    assert seqs[2].generated_token_ids == seqs[2].token_ids[len(seqs[2].token_ids) - 7 - 4 :]
+
+
+def test_logprobs_are_of_the_raw_logits_and_the_top_is_sorted():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40)
+    raw = logits.clone()  # the sampler leaves the logits as they are
+    seqs = [
+        make_sequence([1, 2, 3], "a", logprobs=5, presence_penalty=2.0),
+        make_sequence([1, 2, 3], "b"),
+        make_sequence([4], "c", logprobs=0, temperature=1.0, seed=3),
+    ]
+    seqs[0].token_ids.append(int(raw[0].argmax()))  # penalized: greedy picks another token
+    tokens, lps = sample(logits, seqs)
+    assert torch.equal(logits, raw)
+    assert lps[1] is None and lps[2].top == ()
+    expected = raw.log_softmax(-1)
+    assert tokens[0] != seqs[0].token_ids[-1]
+    assert lps[0].logprob == pytest.approx(float(expected[0, tokens[0]]), abs=1e-6)
+    assert lps[2].logprob == pytest.approx(float(expected[2, tokens[2]]), abs=1e-6)
+    top_ids = [t for t, _ in lps[0].top]
+    assert top_ids == expected[0].topk(5).indices.tolist()
+    assert [v for _, v in lps[0].top] == sorted((v for _, v in lps[0].top), reverse=True)
+
+
+def test_penalties_change_greedy_outputs_in_the_engine(files):
+    prompt = [5, 17, 33, 2, 9, 71, 8]
+    eng = make_engine(files)
+    base = eng.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True), "base")
+    pen = eng.add_request(
+        prompt, SamplingParams(max_tokens=20, ignore_eos=True, frequency_penalty=2.0), "pen"
+    )
+    while eng.has_work():
+        eng.step()
+    out = pen.output_token_ids
+    assert len(set(out)) > len(set(base.output_token_ids))  # repeats are pushed down
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_prompt_logprobs_equal_one_full_forward_pass(files, chunk):
+    prompt = [5, 17, 33, 2, 9, 71, 8, 40, 41, 42, 43]
+    eng = make_engine(files, chunk_size=chunk)
+    warm = eng.add_request(prompt, SamplingParams(max_tokens=2))  # fills the prefix cache
+    while eng.has_work():
+        eng.step()
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3, logprobs=2, ignore_eos=True)
+    seq = eng.add_request(prompt, params)
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    assert warm.output_token_ids
+    assert seq.num_cached_tokens == 0  # no prefix hits: every position is computed
+    assert len(seq.prompt_logprobs) == len(prompt) - 1
+    ref = make_engine(files, enable_prefix_caching=False)
+    ref_seq = ref.add_request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=3))
+    while ref.has_work():
+        ref.step()
+    for got, want in zip(seq.prompt_logprobs, ref_seq.prompt_logprobs, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert len(got.top) == 3 and got.logprob <= got.top[0][1] + 1e-6
+    mine = [o.logprobs for o in outs if o.seq is seq]
+    assert len(mine) == 2 and all(len(lp.top) == 2 for lp in mine)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(presence_penalty=3),
+        dict(repetition_penalty=0),
+        dict(logprobs=21),
+        dict(prompt_logprobs=-1),
+    ],
+)
+def test_bad_penalty_and_logprob_params_are_refused(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_forces_and_bans_tokens_batched():
+    logits = torch.zeros(2, 10)
+    seqs = [
+        make_sequence([1], "a", logit_bias=((7, 100.0),)),
+        make_sequence([1], "b", logit_bias=((0, -100.0), (1, -100.0))),
+    ]
+    logits[1, 0] = logits[1, 1] = 5.0  # the best two, banned
+    tokens, _ = sample(logits, seqs)
+    assert tokens[0] == 7 and tokens[1] not in (0, 1)
+    assert logits[1, 0] == 5.0  # the caller's logits are left alone

@@ -87,7 +87,7 @@ class Frontend:
                 if req.max_completion_tokens is not None
                 else req.max_tokens
             )
-            want_logprobs, k = req.logprobs, req.top_logprobs or 0
+            want_logprobs, k = bool(req.logprobs), req.top_logprobs or 0
         else:
             prompt = p.prompt_of(req)
             ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -129,7 +129,7 @@ class ChatMessage(_Strict):
 class ChatRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None

@@ -100,7 +100,12 @@ class ModelRunner:
         quant.check_format(fmt, self.device, math.gcd(mc.hidden_size, mc.intermediate_size))
         wants_blocks = fmt in ("auto", "int4") and self.device.type == "cpu"
         blocks = load_int4_blocks(files) if wants_blocks else {}
-        fmt = quant.resolve_format(fmt, self.device, blocks)
+        fmt = quant.resolve_format(fmt, self.device, blocks, self.dtype)
+        if fmt != "bf16" and self.dtype == torch.float32:
+            log.warning(
+                "--weights %s with --dtype float32: torch's %s kernel is 3-50x slower in "
+                "float32 than in bfloat16 (use --dtype bfloat16, or --weights auto)", fmt, fmt
+            )
         quant.quantize_model(self.model, fmt, blocks)
         log.info("weights: %s", fmt)
         return fmt

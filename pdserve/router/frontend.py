@@ -9,6 +9,7 @@ import functools
 import hmac
 import json
 import time
+from contextlib import aclosing
 from typing import NamedTuple
 
 import msgspec
@@ -265,12 +266,13 @@ class Frontend:
         ]
         started = set()
         gens = [self.pieces(plan, states, i, request) for i in range(plan.n)]
-        async for i, piece in merge(gens):
-            if plan.echo is not None and i not in started:
-                out[i].prepend(plan.echo, plan.ids, states[0].prompt_logprobs)
-            started.add(i)
-            out[i].add(piece)
-            yield out[i], piece
+        async with aclosing(merge(gens)) as merged:  # closed early: its tasks are cancelled
+            async for i, piece in merged:
+                if plan.echo is not None and i not in started:
+                    out[i].prepend(plan.echo, plan.ids, states[0].prompt_logprobs)
+                started.add(i)
+                out[i].add(piece)
+                yield out[i], piece
 
     def close(self, states: list, status: str) -> None:
         for state in states:
@@ -332,8 +334,9 @@ class Frontend:
     async def whole(self, request, plan: Plan, states: list, rid: str) -> Response:
         status, out = "error", {}
         try:
-            async for choice, _ in self.choices(plan, states, request):
-                out[choice.index] = choice
+            async with aclosing(self.choices(plan, states, request)) as choices:
+                async for choice, _ in choices:
+                    out[choice.index] = choice
             status = "ok"
         except ClientGone:
             status = "cancelled"
@@ -348,10 +351,11 @@ class Frontend:
     async def stream(self, request, plan: Plan, states: list, rid: str, include_usage: bool):
         status = "cancelled"
         try:
-            async for choice, _ in self.choices(plan, states, None):
-                delta = choice.delta()
-                if delta is not None:
-                    yield p.sse(p.chunk_body(rid, self.model_name, [delta], plan.chat))
+            async with aclosing(self.choices(plan, states, None)) as choices:
+                async for choice, _ in choices:
+                    delta = choice.delta()
+                    if delta is not None:
+                        yield p.sse(p.chunk_body(rid, self.model_name, [delta], plan.chat))
             if include_usage:
                 use = self.usage(plan, states)
                 yield p.sse(p.chunk_body(rid, self.model_name, [], plan.chat, use))

@@ -47,13 +47,14 @@ def test_min_max_int4_and_int8_stay_within_half_a_step_of_the_weight():
     assert torch.allclose(lin(x), x @ (lin.q.float() * lin.scales[:, None]).T, atol=1e-4)
 
 
-def test_auto_picks_int4_for_4_bit_files_int8_otherwise_and_dense_on_gpus():
+def test_auto_picks_int4_for_4_bit_files_int8_otherwise_and_dense_on_gpus_and_in_float32():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     some = {"w": Int4Blocks(np.zeros((1, 32), np.uint8), np.ones((1, 1)), np.zeros((1, 1)))}
     assert quant.resolve_format("auto", cpu, some) == "int4"
     assert quant.resolve_format("auto", cpu, {}) == "int8"
     assert quant.resolve_format("auto", gpu, some) == "bf16"
     assert quant.resolve_format("int8", cpu, some) == "int8"
+    assert quant.resolve_format("auto", cpu, some, torch.float32) == "bf16"  # no fast kernel
 
 
 def test_formats_that_cannot_run_say_what_to_use():

@@ -204,3 +204,24 @@ def test_cli_reports_a_missing_model_clearly():
     )
     assert out.returncode == 2
     assert "/nonexistent/model.gguf does not exist" in out.stderr
+
+
+def test_a_replayed_request_continues_as_if_it_had_not_moved(llm):
+    """Migration replays prompt + tokens already streamed (`num_replayed`): the grammar is
+    advanced over them and the penalties count them, so the continuation is the same."""
+    from pdserve.engine.guided import GuideSpec
+
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "A cat as JSON."}])
+    params = SamplingParams(
+        max_tokens=24, frequency_penalty=0.8, guide=GuideSpec("json_object"), ignore_eos=True
+    )
+    whole = llm.generate(ids, params)[0].token_ids
+    k = 9
+    eng = llm.engine
+    seq = eng.add_request(
+        ids + whole[:k], SamplingParams(**{**vars(params), "max_tokens": 24 - k}), replayed=k
+    )
+    while eng.has_work():
+        eng.step()
+    assert len(whole) > k and whole[k:] == seq.output_token_ids
+    assert_clean(llm)

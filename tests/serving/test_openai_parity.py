@@ -129,6 +129,19 @@ def test_n_streams_every_choice_to_its_end(server):
     assert text[0] and text[0] == text[1] and set(finish) == {0, 1}
 
 
+def test_a_client_that_leaves_an_n_stream_frees_every_choice(server):
+    body = {"prompt": PROMPT, "max_tokens": 200, "n": 3, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        seen = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+            if len(seen) == 3:
+                break  # every choice is streaming: hang up
+    assert seen == {0, 1, 2}
+    assert_no_blocks_held(server)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_with_top_logprobs(server, stream):
     kw = dict(

@@ -104,7 +104,9 @@ class ModelRunner:
         if fmt != "bf16" and self.dtype == torch.float32:
             log.warning(
                 "--weights %s with --dtype float32: torch's %s kernel is 3-50x slower in "
-                "float32 than in bfloat16 (use --dtype bfloat16, or --weights auto)", fmt, fmt
+                "float32 than in bfloat16 (use --dtype bfloat16, or --weights auto)",
+                fmt,
+                fmt,
             )
         quant.quantize_model(self.model, fmt, blocks)
         log.info("weights: %s", fmt)

@@ -95,6 +95,28 @@ def _router_args(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY, else none)",
     )
     p.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="accept these API keys (one 'KEY [REQUESTS_PER_S]' per line; a rate limits that "
+        "key: 429 beyond it); each key is a tenant for fair admission under overload",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=64,
+        metavar="N",
+        help="at --max-inflight, requests of one tenant that may wait for a turn (fairly: "
+        "lowest priority value, then the tenant with the fewest in flight); more: 429",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a request waits for a turn at --max-inflight before a 429",
+    )
+    p.add_argument(
         "--model-name", default=None, help="name served in /v1/models (default: file name)"
     )
     p.add_argument(

@@ -46,6 +46,7 @@ def make_frontend(args):
     from pdserve.model.tokenizer import load_chat_template
     from pdserve.protocol.channel import require_secret_for, resolve_secret
     from pdserve.router.core import RouterCore
+    from pdserve.router.fairness import RateLimits
     from pdserve.router.frontend import Frontend
     from pdserve.router.metrics import register_workers
 
@@ -58,7 +59,18 @@ def make_frontend(args):
     tokenizer = load_tokenizer(args.model)
     if args.chat_template:
         tokenizer = tokenizer.with_chat_template(load_chat_template(args.chat_template))
-    return Frontend(core, tokenizer, name, api_key=args.api_key)
+    if args.max_waiting < 0 or not args.queue_timeout > 0:
+        raise ValueError("--max-waiting must be >= 0 and --queue-timeout > 0")
+    limits = RateLimits.from_file(args.api_keys) if args.api_keys else None
+    return Frontend(
+        core,
+        tokenizer,
+        name,
+        api_key=args.api_key,
+        limits=limits,
+        max_waiting=args.max_waiting,
+        queue_timeout_s=args.queue_timeout,
+    )
 
 
 def router(args) -> int:

@@ -99,6 +99,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                 "status": "ok" if ok else "starting",
                 "workers": workers,
                 "kv_store_blocks_known": len(frontend.core.store_index),
+                "admission": frontend.gate.snapshot(),
             },
             status_code=200 if ok else 503,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import hmac
 import json
 import time
@@ -23,6 +24,7 @@ from pdserve.router import metrics, tools
 from pdserve.router import protocol as p
 from pdserve.router.admission import Overloaded
 from pdserve.router.core import RouterCore
+from pdserve.router.fairness import Gate, RateLimits, Ticket
 from pdserve.router.output import Choice, Piece
 from pdserve.router.placement import NoWorker
 from pdserve.router.state import RequestState
@@ -41,24 +43,61 @@ class Frontend:
         model_name: str,
         api_key: str | None = None,
         request_timeout_s: float = 600.0,
+        limits: RateLimits | None = None,
+        max_waiting: int = 64,
+        queue_timeout_s: float = 30.0,
     ):
         self.core, self.tok, self.model_name = core, tokenizer, model_name
         self.api_key, self.request_timeout_s = api_key, request_timeout_s
+        self.limits = limits  # --api-keys: the accepted keys and their rate limits
+        self.gate = Gate(core.config.max_inflight, max_waiting, queue_timeout_s)
         # a token's text in logprobs (special tokens shown)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda t: tokenizer.decode([t], skip_special_tokens=False)
         )
 
-    def check_auth(self, request: Request) -> None:
-        if self.api_key is None:
-            return
+    def check_auth(self, request: Request) -> str | None:
+        """The request's API key once accepted (None when no key is required)."""
+        if self.api_key is None and self.limits is None:
+            return None
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+        keys = [self.api_key] if self.api_key is not None else []
+        keys += list(self.limits.rates) if self.limits is not None else []
+        # compare with every key (no early exit), so the time taken does not tell which matched
+        if not sum(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
             raise p.APIError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
+        return given
+
+    @staticmethod
+    def tenant_of(request: Request, req, key: str | None) -> str:
+        """Who the request counts against for fairness: its API key (never shown: a hash),
+        else the X-Tenant header, else the `user` field, else "anonymous"."""
+        if key:
+            return "key-" + hashlib.sha256(key.encode()).hexdigest()[:10]
+        return request.headers.get("x-tenant") or req.user or "anonymous"
+
+    async def admit(self, request: Request, req, key: str | None, weight: int) -> Ticket:
+        """Rate limit of the key, then a fair turn at capacity (router/fairness.py)."""
+        try:
+            if self.limits is not None and key:
+                self.limits.check(key)
+            return await self.gate.enter(self.tenant_of(request, req, key), req.priority, weight)
+        except Overloaded as exc:
+            raise self.overloaded(exc) from None
+
+    @staticmethod
+    def overloaded(exc: Overloaded) -> p.APIError:
+        metrics.REJECTED.labels(exc.reason).inc()
+        return p.APIError(
+            429,
+            f"the server is at capacity: {exc}; retry after the indicated delay",
+            code="overloaded",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
 
     def check_model(self, model: str | None) -> None:
         if model not in (None, self.model_name):
@@ -193,13 +232,7 @@ class Frontend:
         try:
             return self.core.submit(ids, params, near)
         except Overloaded as exc:
-            metrics.REJECTED.labels(exc.reason).inc()
-            raise p.APIError(
-                429,
-                f"the server is at capacity: {exc}; retry after the indicated delay",
-                code="overloaded",
-                headers={"Retry-After": str(exc.retry_after_s)},
-            ) from None
+            raise self.overloaded(exc) from None
         except NoWorker:
             metrics.REJECTED.labels("no_worker").inc()
             raise p.APIError(
@@ -274,7 +307,8 @@ class Frontend:
                 out[i].add(piece)
                 yield out[i], piece
 
-    def close(self, states: list, status: str) -> None:
+    def close(self, states: list, status: str, ticket: Ticket) -> None:
+        self.gate.leave(ticket)
         for state in states:
             if state is not None:
                 self.core.finish(state, abort=status != "ok" or not state.finished)
@@ -317,21 +351,26 @@ class Frontend:
         return b"".join(chunks)
 
     async def complete(self, request: Request, chat: bool) -> Response:
-        self.check_auth(request)
+        key = self.check_auth(request)
         req = p.parse(await self.read_body(request), p.ChatRequest if chat else p.CompletionRequest)
         plan = self.prepare(req, chat)
-        states: list[RequestState | None] = [self.submit(plan.ids, plan.params)]
+        ticket = await self.admit(request, req, key, plan.n)
+        try:
+            states: list[RequestState | None] = [self.submit(plan.ids, plan.params)]
+        except BaseException:
+            self.gate.leave(ticket)
+            raise
         states += [None] * (plan.n - 1)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self.stream(request, plan, states, rid, include_usage),
+                self.stream(request, plan, states, rid, include_usage, ticket),
                 media_type="text/event-stream",
             )
-        return await self.whole(request, plan, states, rid)
+        return await self.whole(request, plan, states, rid, ticket)
 
-    async def whole(self, request, plan: Plan, states: list, rid: str) -> Response:
+    async def whole(self, request, plan: Plan, states: list, rid: str, ticket) -> Response:
         status, out = "error", {}
         try:
             async with aclosing(self.choices(plan, states, request)) as choices:
@@ -342,13 +381,13 @@ class Frontend:
             status = "cancelled"
             return Response(status_code=499)
         finally:
-            self.close(states, status)
+            self.close(states, status, ticket)
         body = [out[i].whole() for i in sorted(out)]
         return JSONResponse(
             p.completion_body(rid, self.model_name, body, self.usage(plan, states), plan.chat)
         )
 
-    async def stream(self, request, plan: Plan, states: list, rid: str, include_usage: bool):
+    async def stream(self, request, plan, states, rid, include_usage, ticket):
         status = "cancelled"
         try:
             async with aclosing(self.choices(plan, states, None)) as choices:
@@ -366,7 +405,7 @@ class Frontend:
             yield p.sse(exc.body())
             yield p.sse("[DONE]")
         finally:  # also runs when the client disconnects (the generator is closed)
-            self.close(states, status)
+            self.close(states, status, ticket)
 
 
 class Plan(NamedTuple):

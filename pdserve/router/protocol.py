@@ -84,7 +84,8 @@ class _Sampling(_Strict):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (vLLM)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id for the operator's logs; no effect on the output
+    user: str | None = None  # the tenant when no API key or X-Tenant header says (fairness)
+    priority: int = 0  # extension (vLLM): under overload, lower values are admitted first
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None  # older vLLM names of structured_outputs
@@ -234,6 +235,7 @@ def _check_sampling(req) -> None:
             "max_completion_tokens must be >= 1",
         ),
         (not 0 <= req.temperature <= 2, "temperature", "temperature must be between 0 and 2"),
+        (abs(req.priority) >= 2**31, "priority", "priority must be in (-2^31, 2^31)"),
         (not 0 < req.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
         (not 0 <= req.top_k < 2**31, "top_k", "top_k must be in [0, 2^31) (0 = off)"),
         (req.seed is not None and not 0 <= req.seed < 2**63, "seed", "seed must be in [0, 2^63)"),

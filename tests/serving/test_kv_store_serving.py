@@ -28,6 +28,16 @@ def store_hits(server: Server) -> dict[str, int]:
     return {wid: w.get("store_hit_tokens", 0) for wid, w in server.health()["workers"].items()}
 
 
+def wait_store_hits(server: Server, tokens: int) -> None:
+    """Store hits come with each worker's next heartbeat after the turn that made them."""
+    wait_until(
+        lambda: sum(store_hits(server).values()) >= tokens,
+        30,
+        f"store hits of >= {tokens} tokens in the workers' load reports",
+        state=lambda: store_hits(server),
+    )
+
+
 def wait_store_known(server: Server, blocks: int) -> None:
     """Offload is asynchronous; heartbeats tell the router what the store holds. Wait until it
     knows of `blocks` blocks (a fixed sleep flaked on a busy machine: the next turn then looked
@@ -84,8 +94,7 @@ def test_outputs_identical_with_store_and_warm_turns_hit_it(store_server, disagg
     turn2 = turn1 + first + "\nUser: And zone 7?\nAssistant:"
     second = complete(store_server, turn2)["choices"][0]["text"]
     assert second == complete(disagg_server, turn2)["choices"][0]["text"]
-    hits = store_hits(store_server)
-    assert sum(hits.values()) >= 400, hits  # the surviving worker loaded the shared prefix
+    wait_store_hits(store_server, 400)  # the surviving worker loaded the shared prefix
     metrics = httpx.get(store_server.url + "/metrics").text
     assert 'pdserve_cache_temperature_total{cache="warm"}' in metrics
 

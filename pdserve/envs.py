@@ -13,6 +13,7 @@ from pathlib import Path
 API_KEY = "PDSERVE_API_KEY"
 CACHE_DIR = "PDSERVE_CACHE_DIR"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+KV_FAULT = "PDSERVE_KV_FAULT"
 KV_STAGING = "PDSERVE_KV_STAGING"
 MODEL = "PDSERVE_MODEL"
 NIXL_LOG_LEVEL = "NIXL_LOG_LEVEL"
@@ -52,6 +53,21 @@ def step_log_dir() -> Path | None:
     """`PDSERVE_STEP_LOG`: a directory where every engine logs its steps (see `StepLog`)."""
     value = os.environ.get(STEP_LOG)
     return Path(value) if value else None
+
+
+def kv_fault() -> tuple[str, int] | None:
+    """`PDSERVE_KV_FAULT=KIND:EVERY` (tests only): the tcp KV sender injects fault KIND (reset,
+    truncate, corrupt) into every EVERY-th layer it sends; see kv_transfer/tcp.py `TcpFault`."""
+    value = os.environ.get(KV_FAULT)
+    if not value:
+        return None
+    kind, _, every = value.partition(":")
+    if kind not in ("reset", "truncate", "corrupt") or not every.isdigit() or int(every) < 1:
+        raise ValueError(
+            f"{KV_FAULT}={value!r}: expected KIND:EVERY with KIND reset, truncate or corrupt "
+            "and EVERY >= 1 (a test-only switch)"
+        )
+    return kind, int(every)
 
 
 def kv_staging() -> bool:

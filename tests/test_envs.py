@@ -71,3 +71,14 @@ def test_step_log_dir_and_kv_staging(monkeypatch, tmp_path):
     monkeypatch.setenv(envs.STEP_LOG, "")
     monkeypatch.setenv(envs.KV_STAGING, "0")
     assert (envs.step_log_dir(), envs.kv_staging()) == (None, False)
+
+
+def test_kv_fault_switch_is_parsed_or_refused(monkeypatch):
+    monkeypatch.delenv(envs.KV_FAULT, raising=False)
+    assert envs.kv_fault() is None
+    monkeypatch.setenv(envs.KV_FAULT, "reset:3")
+    assert envs.kv_fault() == ("reset", 3)
+    for bad in ("explode:3", "reset", "reset:0", "reset:x"):
+        monkeypatch.setenv(envs.KV_FAULT, bad)
+        with pytest.raises(ValueError, match="KIND:EVERY"):
+            envs.kv_fault()

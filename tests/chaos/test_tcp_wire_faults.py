@@ -1,0 +1,47 @@
+"""KV pushes that break on the wire between real processes (`PDSERVE_KV_FAULT`, the tcp
+sender's test-only switch): a connection reset mid-layer, a frame cut short, a corrupted frame.
+Every request still completes with the tokens the offline engine gives (the decode worker
+prefills it itself), and no block is left held on either side."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from servers import Server
+
+from pdserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, " * 12]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def expected():
+    llm = LLM(dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return {p: llm.generate(p, params)[0].text for p in PROMPTS}
+
+
+def counter(server: Server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize("kind", ["reset", "truncate", "corrupt"])
+def test_a_push_broken_on_the_wire_costs_time_not_tokens(kind, expected):
+    env = {"PDSERVE_KV_FAULT": f"{kind}:4"}  # every 4th layer the prefill worker sends
+    with Server(
+        "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0", env=env
+    ) as server:  # fmt: skip
+        for prompt in PROMPTS * 2:
+            r = httpx.post(
+                server.url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                      "temperature": 0},
+                timeout=120,
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected[prompt], (kind, prompt)
+        assert counter(server, "pdserve_kv_transfer_failures_total") >= 1
+        server.wait_idle_and_clean()  # every block free on both workers, integrity intact

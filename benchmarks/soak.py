@@ -1,0 +1,168 @@
+"""Soak: `pdserve serve` (1 prefill + 1 decode worker) under the mixed workload for a long time,
+sampling every process's RSS, open file descriptors and threads, and the workers' free KV
+blocks, every `--sample-s` seconds. Prints the growth over the last two thirds of the run, the
+blocks still held at the end, and TTFT/ITL p99 of the first and last fifths; writes the samples
+(soak.json) and a plot (soak.png) to `--out`.
+
+    .venv/bin/python benchmarks/soak.py [--rate 0.4] [--duration 600] [--out soak-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _servers import server  # noqa: E402
+
+PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def tree(root: int) -> dict[int, str]:
+    """pid -> a name for the serve process and its descendants (router, workers)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [w.decode(errors="replace") for w in cmd if w]
+        role = next((words[i + 1] for i, w in enumerate(words[:-1]) if w == "--worker-id"), None)
+        out[pid] = role or ("router" if pid == root else " ".join(words[2:4]))
+        todo += [c for c, p in parents.items() if p == pid]
+    return out
+
+
+def sample(pid: int) -> dict | None:
+    try:
+        rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return None
+    return {"rss_mb": rss_pages * PAGE_KB / 1024, "fds": fds, "threads": threads}
+
+
+def sampler(root: int, health_url: str, every_s: float, stop: threading.Event, out: list):
+    t0 = time.monotonic()
+    while not stop.is_set():
+        row = {"t": round(time.monotonic() - t0, 1), "procs": {}}
+        for pid, name in tree(root).items():
+            s = sample(pid)
+            if s is not None:
+                row["procs"][name] = s
+        try:
+            workers = httpx.get(health_url, timeout=10).json()["workers"]
+            row["held_blocks"] = {
+                w: v["total_blocks"] - v["free_blocks"] for w, v in workers.items()
+            }
+        except (httpx.HTTPError, KeyError, ValueError):
+            row["held_blocks"] = None
+        out.append(row)
+        stop.wait(every_s)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rate", type=float, default=0.4, help="requests/s (Poisson)")
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    ap.add_argument("--sample-s", type=float, default=10.0)
+    ap.add_argument("--out", default="soak-results")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    samples: list[dict] = []
+    stop = threading.Event()
+    serve = server("disagg")
+    with serve as url:
+        root = serve.proc.pid  # pdserve serve: the router; its children the workers
+        health = url.removesuffix("/v1") + "/health"
+        thread = threading.Thread(target=sampler, args=(root, health, args.sample_s, stop, samples))
+        thread.start()
+        bench = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url, "--workload", "mixed",
+                 "--rate", str(args.rate), "--duration", str(args.duration), "--out",
+                 str(out / "bench"), "--no-progress"]  # fmt: skip
+        subprocess.run(bench, check=True)
+        time.sleep(2 * args.sample_s)  # the idle tail: what is still held after the load
+        stop.set()
+        thread.join()
+    (out / "soak.json").write_text(json.dumps(samples))
+    report(samples, out, args)
+    return 0
+
+
+def report(samples: list[dict], out: Path, args) -> None:
+    results = json.loads((out / "bench" / "results.json").read_text())
+    records = [r for run in results["runs"] for r in run["records"]]
+    ok = [r for r in records if r.get("status") == "ok"]
+    fifth = args.duration / 5
+
+    def p99(rs, key):
+        vals = [x for r in rs for x in (r[key] if isinstance(r[key], list) else [r[key]])]
+        return float(np.percentile(vals, 99)) if vals else float("nan")
+
+    first = [r for r in ok if r["start_s"] < fifth]
+    last = [r for r in ok if r["start_s"] >= args.duration - fifth]
+    print(f"\nrequests {len(records)}, ok {len(ok)}, errors {len(records) - len(ok)}")
+    ttft, itl = (
+        (p99(first, "ttft_s"), p99(last, "ttft_s")),
+        (p99(first, "itl_s"), p99(last, "itl_s")),
+    )
+    print(f"TTFT p99 first/last fifth: {ttft[0]:.2f} / {ttft[1]:.2f} s; "
+          f"ITL p99: {itl[0] * 1e3:.0f} / {itl[1] * 1e3:.0f} ms")  # fmt: skip
+    loaded = [s for s in samples if s["t"] <= args.duration]
+    start = loaded[len(loaded) // 3]
+    end = loaded[-1]
+    print(f"{'process':<12} {'RSS start':>10} {'RSS end':>9} {'growth (last 2/3)':>18} "
+          f"{'fds':>9} {'threads':>9}")  # fmt: skip
+    for name in end["procs"]:
+        a, b = start["procs"].get(name), end["procs"][name]
+        first_s = loaded[0]["procs"].get(name, b)
+        if a is None:
+            continue
+        growth = (b["rss_mb"] - a["rss_mb"]) / a["rss_mb"] * 100
+        fds, threads = f"{first_s['fds']}->{b['fds']}", f"{first_s['threads']}->{b['threads']}"
+        print(f"{name:<12} {first_s['rss_mb']:>8.0f}MB {b['rss_mb']:>7.0f}MB {growth:>16.1f} % "
+              f"{fds:>9} {threads:>9}")  # fmt: skip
+    print(f"blocks held at the end (idle): {samples[-1].get('held_blocks')}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for name in end["procs"]:
+            pts = [(s["t"], s["procs"][name]["rss_mb"]) for s in samples if name in s["procs"]]
+            ax.plot(*zip(*pts, strict=True), label=name)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("RSS (MB)")
+        ax.legend()
+        fig.savefig(out / "soak.png", dpi=100, bbox_inches="tight")
+        print(f"plot: {out / 'soak.png'}")
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

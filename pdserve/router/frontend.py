@@ -152,6 +152,10 @@ class Frontend:
                 param="prompt",
                 code="context_length_exceeded",
             )
+        if any(t >= self.tok.vocab_size for t in req.stop_token_ids or ()):
+            raise p.APIError(
+                400, f"stop_token_ids must be in [0, {self.tok.vocab_size})", param="stop_token_ids"
+            )
         keep_output = max_tokens != 0  # 0: completions with echo, the prompt's logprobs only
         max_tokens = min(max_tokens or window - len(ids), window - len(ids))
         params = m.Params(

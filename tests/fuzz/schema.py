@@ -33,7 +33,10 @@ RULES = {  # what protocol._check_sampling, _check_unsupported and Frontend.prep
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
     "stop_token_ids": {
-        "anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}}, NULL]
+        "anyOf": [
+            {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB - 1}},
+            NULL,
+        ]
     },
     "top_logprobs": NULL,  # needs logprobs=true (a dependency the schema does not express)
     # output constraints and tools need a valid schema / a tool template: covered by their tests
@@ -60,6 +63,7 @@ RULES = {  # what protocol._check_sampling, _check_unsupported and Frontend.prep
             "function_call",
         )
     },  # fmt: skip
+    "priority": {"type": "integer", "minimum": -(2**31) + 1, "maximum": 2**31 - 1},
     "best_of": {"anyOf": [{"const": 1}, NULL]},
     "service_tier": {"anyOf": [{"enum": ["auto", "default"]}, NULL]},
     "store": {"anyOf": [{"const": False}, NULL]},

@@ -56,16 +56,18 @@ def step_log_dir() -> Path | None:
 
 
 def kv_fault() -> tuple[str, int] | None:
-    """`PDSERVE_KV_FAULT=KIND:EVERY` (tests only): the tcp KV sender injects fault KIND (reset,
-    truncate, corrupt) into every EVERY-th layer it sends; see kv_transfer/tcp.py `TcpFault`."""
+    """`PDSERVE_KV_FAULT=KIND:EVERY` (tests only): the tcp KV connector breaks every EVERY-th
+    layer: the sender (reset, truncate, corrupt) or the receiver (stall); see
+    kv_transfer/wire_faults.py `TcpFault`."""
     value = os.environ.get(KV_FAULT)
     if not value:
         return None
     kind, _, every = value.partition(":")
-    if kind not in ("reset", "truncate", "corrupt") or not every.isdigit() or int(every) < 1:
+    kinds = ("reset", "truncate", "corrupt", "stall")
+    if kind not in kinds or not every.isdigit() or int(every) < 1:
         raise ValueError(
-            f"{KV_FAULT}={value!r}: expected KIND:EVERY with KIND reset, truncate or corrupt "
-            "and EVERY >= 1 (a test-only switch)"
+            f"{KV_FAULT}={value!r}: expected KIND:EVERY with KIND reset, truncate, corrupt or "
+            "stall and EVERY >= 1 (a test-only switch)"
         )
     return kind, int(every)
 

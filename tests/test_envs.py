@@ -78,6 +78,8 @@ def test_kv_fault_switch_is_parsed_or_refused(monkeypatch):
     assert envs.kv_fault() is None
     monkeypatch.setenv(envs.KV_FAULT, "reset:3")
     assert envs.kv_fault() == ("reset", 3)
+    monkeypatch.setenv(envs.KV_FAULT, "stall:40")
+    assert envs.kv_fault() == ("stall", 40)
     for bad in ("explode:3", "reset", "reset:0", "reset:x"):
         monkeypatch.setenv(envs.KV_FAULT, bad)
         with pytest.raises(ValueError, match="KIND:EVERY"):

@@ -11,7 +11,6 @@ import collections
 import socket
 import threading
 
-from pdserve import envs
 from pdserve.kv_transfer import fp8
 from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.memory import byte_views, paired_runs
@@ -28,42 +27,7 @@ from pdserve.kv_transfer.wire import (
     send_frame,
     shutdown_socket,
 )
-
-
-class TcpFault:
-    """Test-only fault injection between real processes (`PDSERVE_KV_FAULT=KIND:EVERY`): every
-    EVERY-th layer this process sends goes wrong on the wire. reset: half the payload, then
-    the connection is reset (RST); truncate: half the payload, then the sender closes its side
-    (EOF mid-frame); corrupt: a frame of garbage where the layer's header belongs. The link then
-    fails as a real one would, and everything above (acks, `wait`, leases, local fallback) must
-    cope."""
-
-    def __init__(self, kind: str, every: int) -> None:
-        self.kind, self.every = kind, every
-        self._count = 0
-        self._lock = threading.Lock()
-
-    @classmethod
-    def from_env(cls) -> TcpFault | None:
-        spec = envs.kv_fault()
-        return cls(*spec) if spec else None
-
-    def due(self) -> bool:
-        with self._lock:
-            self._count += 1
-            return self._count % self.every == 0
-
-    def inject(self, sock: socket.socket, header: LayerHeader, payload: bytes) -> None:
-        if self.kind == "corrupt":
-            sock.sendall((64).to_bytes(4, "big") + b"\xff" * 64)  # not a msgpack LayerHeader
-        else:
-            send_frame(sock, header)
-            sock.sendall(payload[: len(payload) // 2])
-            if self.kind == "reset":  # SO_LINGER 0: close sends RST, not FIN
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-            else:
-                sock.shutdown(socket.SHUT_WR)
-        raise ConnectionError(f"injected KV fault: {self.kind} ({envs.KV_FAULT})")
+from pdserve.kv_transfer.wire_faults import TcpFault
 
 
 class TcpLink(Link):
@@ -109,7 +73,7 @@ class TcpLink(Link):
         header = LayerHeader(job.transfer_id, job.layer, list(job.src_ids), list(job.dst_ids),
                              job.nbytes, self._sender.encoding)  # fmt: skip
         fault = self._sender.fault
-        if fault is not None and fault.due():
+        if fault is not None and fault.kind != "stall" and fault.due():
             payload = b"".join(bytes(v[r.src : r.src + r.count])
                                for v in (self._sender._k_bytes[job.layer],
                                          self._sender._v_bytes[job.layer])

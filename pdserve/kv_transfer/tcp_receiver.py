@@ -30,6 +30,7 @@ from pdserve.kv_transfer.wire import (
     server_handshake,
     shutdown_socket,
 )
+from pdserve.kv_transfer.wire_faults import TcpFault
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -62,6 +63,7 @@ class TcpReceiver(TableReceiver):
             )
         super().__init__(layout, k_caches, v_caches)
         self._handshake_timeout_s = handshake_timeout_s
+        self._fault = TcpFault.from_env()  # None unless a test switched it on
         self._scratch = bytearray(1 << 20)  # late or refused data is read into this and dropped
         self._acceptor = Acceptor(
             host,
@@ -95,6 +97,8 @@ class TcpReceiver(TableReceiver):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while True:
                 header = recv_frame(conn, LayerHeader)
+                if self._fault is not None and self._fault.kind == "stall" and self._fault.due():
+                    self._fault.stall()
                 error = self._receive_layer(conn, header, peer)
                 send_frame(conn, LayerAck(header.transfer_id, header.layer, error))
         except HandshakeRefused as exc:

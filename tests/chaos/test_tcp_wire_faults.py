@@ -45,3 +45,24 @@ def test_a_push_broken_on_the_wire_costs_time_not_tokens(kind, expected):
             assert r.json()["choices"][0]["text"] == expected[prompt], (kind, prompt)
         assert counter(server, "pdserve_kv_transfer_failures_total") >= 1
         server.wait_idle_and_clean()  # every block free on both workers, integrity intact
+
+
+def test_a_receiver_that_stops_reading_costs_the_transfer_timeout_not_tokens(expected):
+    """The decode worker's receiver stops reading at its 40th layer header (the second
+    request's 10th layer): the prefill worker's wait times out (30 s), the decode worker
+    prefills the prompt itself, and nothing lands afterwards."""
+    env = {"PDSERVE_KV_FAULT": "stall:40"}
+    with Server(
+        "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0", env=env
+    ) as server:  # fmt: skip
+        for prompt in PROMPTS[:2]:
+            r = httpx.post(
+                server.url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                      "temperature": 0},
+                timeout=120,
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected[prompt], prompt
+        assert counter(server, "pdserve_kv_transfer_failures_total") == 1
+        server.wait_idle_and_clean()

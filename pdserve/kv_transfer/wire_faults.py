@@ -1,0 +1,53 @@
+"""Test-only wire faults of the tcp KV connector (`PDSERVE_KV_FAULT`; see `TcpFault`)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from pdserve import envs
+from pdserve.kv_transfer.wire import LayerHeader, send_frame
+
+STALL_S = 40.0  # a stalled receiver outlasts the prefill worker's 30 s transfer timeout
+
+
+class TcpFault:
+    """Test-only fault injection between real processes (`PDSERVE_KV_FAULT=KIND:EVERY`): every
+    EVERY-th layer goes wrong on the wire. Sender side: reset: half the payload, then the
+    connection is reset (RST); truncate: half the payload, then the sender closes its side (EOF
+    mid-frame); corrupt: a frame of garbage where the layer's header belongs. Receiver side:
+    stall: the receiver stops reading after a layer's header for `STALL_S` (longer than the
+    sender's transfer timeout), lands nothing and drops the connection. Everything above (acks,
+    `wait`, leases, local fallback) must cope."""
+
+    def __init__(self, kind: str, every: int) -> None:
+        self.kind, self.every = kind, every
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> TcpFault | None:
+        spec = envs.kv_fault()
+        return cls(*spec) if spec else None
+
+    def due(self) -> bool:
+        with self._lock:
+            self._count += 1
+            return self._count % self.every == 0
+
+    def inject(self, sock: socket.socket, header: LayerHeader, payload: bytes) -> None:
+        if self.kind == "corrupt":
+            sock.sendall((64).to_bytes(4, "big") + b"\xff" * 64)  # not a msgpack LayerHeader
+        else:
+            send_frame(sock, header)
+            sock.sendall(payload[: len(payload) // 2])
+            if self.kind == "reset":  # SO_LINGER 0: close sends RST, not FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+            else:
+                sock.shutdown(socket.SHUT_WR)
+        raise ConnectionError(f"injected KV fault: {self.kind} ({envs.KV_FAULT})")
+
+    def stall(self) -> None:
+        """Receiver side: stop reading, then give up on the connection (nothing landed)."""
+        threading.Event().wait(STALL_S)
+        raise ConnectionError(f"injected KV fault: stall ({envs.KV_FAULT})")

@@ -28,21 +28,25 @@ def counter(server: Server, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
+def assert_expected_answers(server: Server, prompts: list[str], expected: dict) -> None:
+    for prompt in prompts:
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                  "temperature": 0},
+            timeout=120,
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected[prompt], prompt
+
+
 @pytest.mark.parametrize("kind", ["reset", "truncate", "corrupt"])
 def test_a_push_broken_on_the_wire_costs_time_not_tokens(kind, expected):
     env = {"PDSERVE_KV_FAULT": f"{kind}:4"}  # every 4th layer the prefill worker sends
     with Server(
         "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0", env=env
     ) as server:  # fmt: skip
-        for prompt in PROMPTS * 2:
-            r = httpx.post(
-                server.url + "/v1/completions",
-                json={"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                      "temperature": 0},
-                timeout=120,
-            )  # fmt: skip
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == expected[prompt], (kind, prompt)
+        assert_expected_answers(server, PROMPTS * 2, expected)
         assert counter(server, "pdserve_kv_transfer_failures_total") >= 1
         server.wait_idle_and_clean()  # every block free on both workers, integrity intact
 
@@ -55,14 +59,6 @@ def test_a_receiver_that_stops_reading_costs_the_transfer_timeout_not_tokens(exp
     with Server(
         "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0", env=env
     ) as server:  # fmt: skip
-        for prompt in PROMPTS[:2]:
-            r = httpx.post(
-                server.url + "/v1/completions",
-                json={"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                      "temperature": 0},
-                timeout=120,
-            )  # fmt: skip
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == expected[prompt], prompt
+        assert_expected_answers(server, PROMPTS[:2], expected)
         assert counter(server, "pdserve_kv_transfer_failures_total") == 1
         server.wait_idle_and_clean()

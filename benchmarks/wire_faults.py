@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _servers import metric, server  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _servers import metric  # noqa: E402
+from servers import Server  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 
@@ -38,10 +39,12 @@ def one(url: str, prompt: str) -> tuple[str, str | None]:
 
 
 def run_kind(kind: str, args, expected: dict[str, str]) -> dict:
-    os.environ["PDSERVE_KV_FAULT"] = f"{kind}:{args.every}"  # for the server's processes
+    env = {"PDSERVE_KV_FAULT": f"{kind}:{args.every}"}
     counts = {"requests": 0, "ok": 0, "wrong": 0, "error": 0, "hung": 0}
     t0 = time.monotonic()
-    with server("disagg", "--dtype", "float32", "--local-prefill-threshold", "0") as url:
+    flags = ("--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0")
+    with Server(*flags, env=env) as server:
+        url = server.url + "/v1"
         pool = concurrent.futures.ThreadPoolExecutor(args.concurrency)
         i = 0
         while metric(url, "pdserve_kv_transfer_failures_total") < args.faults:
@@ -56,18 +59,11 @@ def run_kind(kind: str, args, expected: dict[str, str]) -> dict:
                 else:
                     counts[status] += 1
         counts["faults"] = int(metric(url, "pdserve_kv_transfer_failures_total"))
-        health = httpx.get(url.removesuffix("/v1") + "/health", timeout=30).json()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # the last aborts land with the next heartbeats
-            workers = health["workers"].values()
-            leaked = sum(w["total_blocks"] - w["free_blocks"] for w in workers)
-            bad = [w["integrity_error"] for w in workers if w["integrity_error"]]
-            if not leaked and not bad:
-                break
-            time.sleep(0.5)
-            health = httpx.get(url.removesuffix("/v1") + "/health", timeout=30).json()
-        counts["leaked_blocks"], counts["integrity_errors"] = leaked, len(bad)
-    del os.environ["PDSERVE_KV_FAULT"]
+        workers = server.settle(30)  # report what is left rather than stop
+        counts["leaked_blocks"] = sum(
+            w["total_blocks"] - w["free_blocks"] for w in workers.values()
+        )
+        counts["integrity_errors"] = sum(w["integrity_error"] is not None for w in workers.values())
     counts["seconds"] = round(time.monotonic() - t0)
     return counts
 

@@ -73,12 +73,8 @@ class TcpLink(Link):
         header = LayerHeader(job.transfer_id, job.layer, list(job.src_ids), list(job.dst_ids),
                              job.nbytes, self._sender.encoding)  # fmt: skip
         fault = self._sender.fault
-        if fault is not None and fault.kind != "stall" and fault.due():
-            payload = b"".join(bytes(v[r.src : r.src + r.count])
-                               for v in (self._sender._k_bytes[job.layer],
-                                         self._sender._v_bytes[job.layer])
-                               for r in paired_runs(job.src_ids, job.dst_ids))  # fmt: skip
-            fault.inject(self._sock, header, payload)
+        if fault is not None and fault.due():
+            fault.inject(self._sock, header)
         send_frame(self._sock, header)
         self._sender._write_payload(self._sock, job)
 
@@ -131,7 +127,7 @@ class TcpSender(QueuedSender):
         self.encoding = compression or "raw"
         self._k_bytes = byte_views(k_caches)
         self._v_bytes = byte_views(v_caches)
-        self.fault = TcpFault.from_env()  # None unless a test switched it on
+        self.fault = TcpFault.from_env(receiver=False)  # None unless a test switched it on
 
     def _check_endpoint(self, endpoint: str) -> None:
         parse_endpoint(endpoint, self.scheme)

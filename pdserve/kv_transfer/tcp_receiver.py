@@ -63,7 +63,7 @@ class TcpReceiver(TableReceiver):
             )
         super().__init__(layout, k_caches, v_caches)
         self._handshake_timeout_s = handshake_timeout_s
-        self._fault = TcpFault.from_env()  # None unless a test switched it on
+        self._fault = TcpFault.from_env(receiver=True)  # None unless a test switched it on
         self._scratch = bytearray(1 << 20)  # late or refused data is read into this and dropped
         self._acceptor = Acceptor(
             host,
@@ -97,7 +97,7 @@ class TcpReceiver(TableReceiver):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while True:
                 header = recv_frame(conn, LayerHeader)
-                if self._fault is not None and self._fault.kind == "stall" and self._fault.due():
+                if self._fault is not None and self._fault.due():
                     self._fault.stall()
                 error = self._receive_layer(conn, header, peer)
                 send_frame(conn, LayerAck(header.transfer_id, header.layer, error))

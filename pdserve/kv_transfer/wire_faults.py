@@ -9,6 +9,7 @@ from pdserve import envs
 from pdserve.kv_transfer.wire import LayerHeader, send_frame
 
 STALL_S = 40.0  # a stalled receiver outlasts the prefill worker's 30 s transfer timeout
+RECEIVER_KINDS = ("stall",)
 
 
 class TcpFault:
@@ -26,21 +27,25 @@ class TcpFault:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls) -> TcpFault | None:
+    def from_env(cls, receiver: bool) -> TcpFault | None:
+        """The switched-on fault if it is one of this side's (None otherwise)."""
         spec = envs.kv_fault()
-        return cls(*spec) if spec else None
+        if spec is None or (spec[0] in RECEIVER_KINDS) != receiver:
+            return None
+        return cls(*spec)
 
     def due(self) -> bool:
         with self._lock:
             self._count += 1
             return self._count % self.every == 0
 
-    def inject(self, sock: socket.socket, header: LayerHeader, payload: bytes) -> None:
+    def inject(self, sock: socket.socket, header: LayerHeader) -> None:
+        """Sender side: break this layer on the wire (its bytes do not matter: it fails)."""
         if self.kind == "corrupt":
             sock.sendall((64).to_bytes(4, "big") + b"\xff" * 64)  # not a msgpack LayerHeader
         else:
             send_frame(sock, header)
-            sock.sendall(payload[: len(payload) // 2])
+            sock.sendall(bytes(header.nbytes // 2))
             if self.kind == "reset":  # SO_LINGER 0: close sends RST, not FIN
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
             else:

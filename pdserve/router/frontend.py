@@ -51,6 +51,7 @@ class Frontend:
         self.api_key, self.request_timeout_s = api_key, request_timeout_s
         self.limits = limits  # --api-keys: the accepted keys and their rate limits
         self.gate = Gate(core.config.max_inflight, max_waiting, queue_timeout_s)
+        self.eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         # a token's text in logprobs (special tokens shown)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda t: tokenizer.decode([t], skip_special_tokens=False)
@@ -108,6 +109,23 @@ class Frontend:
                 code="model_not_found",
             )
 
+    def check_token_ids(self, ids, param: str) -> None:
+        if any(not 0 <= t < self.tok.vocab_size for t in ids):
+            raise p.APIError(
+                400, f"{param} must be token ids in [0, {self.tok.vocab_size})", param=param
+            )
+
+    def chat_ids(
+        self, req, tool_list: list | None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The conversation of a chat or /tokenize request through the chat template."""
+        try:
+            return self.tok.apply_chat_template(
+                p.messages_of(req), add_generation_prompt, tools=tool_list
+            )
+        except ValueError as exc:
+            raise p.APIError(400, str(exc), param="messages") from None
+
     def prepare(self, req, chat: bool) -> Plan:
         """Validate a parsed request against the model and turn it into a Plan (400s here)."""
         self.check_model(req.model)
@@ -132,10 +150,7 @@ class Frontend:
             prompt = p.prompt_of(req)
             ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
             max_tokens = 16 if req.max_tokens is None else req.max_tokens
-            if any(t < 0 or t >= self.tok.vocab_size for t in ids):
-                raise p.APIError(
-                    400, f"prompt token ids must be in [0, {self.tok.vocab_size})", param="prompt"
-                )
+            self.check_token_ids(ids, "prompt")
             if req.echo:
                 echo = prompt if isinstance(prompt, str) else self.tok.decode(ids)
             want_logprobs, k = req.logprobs is not None, req.logprobs or 0
@@ -152,10 +167,7 @@ class Frontend:
                 param="prompt",
                 code="context_length_exceeded",
             )
-        if any(t >= self.tok.vocab_size for t in req.stop_token_ids or ()):
-            raise p.APIError(
-                400, f"stop_token_ids must be in [0, {self.tok.vocab_size})", param="stop_token_ids"
-            )
+        self.check_token_ids(req.stop_token_ids or (), "stop_token_ids")
         keep_output = max_tokens != 0  # 0: completions with echo, the prompt's logprobs only
         max_tokens = min(max_tokens or window - len(ids), window - len(ids))
         params = m.Params(
@@ -185,12 +197,7 @@ class Frontend:
             raise p.APIError(400, "send exactly one of prompt, content or messages")
         if req.messages is not None:
             listed = tools.tools_for_template(req.tools) if req.tools else None
-            try:
-                ids = self.tok.apply_chat_template(
-                    p.messages_of(req), req.add_generation_prompt, tools=listed
-                )
-            except ValueError as exc:
-                raise p.APIError(400, str(exc), param="messages") from None
+            ids = self.chat_ids(req, listed, req.add_generation_prompt)
         else:
             ids = self.tok.encode(req.prompt or req.content or "", req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": self.core.max_model_len, "tokens": ids}
@@ -201,10 +208,7 @@ class Frontend:
     def detokenize(self, req: p.DetokenizeRequest) -> dict:
         """vLLM's `prompt` and llama.cpp's `content`: the same text."""
         self.check_model(req.model)
-        if any(not 0 <= t < self.tok.vocab_size for t in req.tokens):
-            raise p.APIError(
-                400, f"tokens must be ids in [0, {self.tok.vocab_size})", param="tokens"
-            )
+        self.check_token_ids(req.tokens, "tokens")
         text = self.tok.decode(req.tokens)
         return {"prompt": text, "content": text}
 
@@ -224,11 +228,7 @@ class Frontend:
                 "--chat-template llama3_json_tools (or a template file that renders `tools`)",
                 param="tools",
             )
-        listed = tools.tools_for_template(req.tools) if use else None
-        try:
-            ids = self.tok.apply_chat_template(p.messages_of(req), tools=listed)
-        except ValueError as exc:
-            raise p.APIError(400, str(exc), param="messages") from None
+        ids = self.chat_ids(req, tools.tools_for_template(req.tools) if use else None)
         schema = tools.tool_call_schema(req.tools, choice) if use else None
         return ids, use, GuideSpec("json_schema", json.dumps(schema)) if schema else None
 
@@ -270,11 +270,7 @@ class Frontend:
                 retry = {"Retry-After": "2"} if ev[1] == 503 else None
                 raise p.APIError(ev[1], ev[2], headers=retry)
             _, token, finish, logprobs = ev
-            text = (
-                stop.push(dec.push(token))
-                if token is not None and token not in self.core_eos
-                else ""
-            )
+            text = stop.push(dec.push(token)) if token is not None and token not in self.eos else ""
             if stop.hit:
                 yield Piece(text, "stop", token, logprobs)
                 return
@@ -321,10 +317,6 @@ class Frontend:
     def usage(self, plan: Plan, states: list) -> dict:
         done = sum(len(s.tokens) for s in states if s is not None) if plan.keep_output else 0
         return p.usage(len(plan.ids), done)
-
-    @property
-    def core_eos(self) -> set[int]:
-        return {self.tok.eos_token_id} if self.tok.eos_token_id is not None else set()
 
     def record(self, state: RequestState, status: str) -> None:
         metrics.REQUESTS.labels(status).inc()

@@ -187,7 +187,6 @@ def parse(body: bytes, kind: type):
 # anything but what pdserve does anyway. {field: (allowed values, what to do instead)}
 UNSUPPORTED = {
     "suffix": ((None,), "insertion (suffix) is not supported; send the prompt only"),
-    "best_of": ((None, 1), "best_of is not supported; use n and pick the best yourself"),
     "service_tier": ((None, "auto", "default"), "there is one service tier here; leave it unset"),
     "store": ((None, False), "completions are not stored here; leave store unset"),
     "metadata": ((None,), "metadata is only for stored completions; leave it unset"),
@@ -212,8 +211,12 @@ def _check_unsupported(req) -> None:
     for name, (allowed, message) in UNSUPPORTED.items():
         if getattr(req, name) not in allowed:
             raise APIError(400, message, param=name)
-    if req.best_of not in (None, 1, req.n):
-        raise APIError(400, "best_of is not supported; use n", param="best_of")
+    if req.best_of not in (None, 1, req.n):  # best_of = n is n
+        raise APIError(
+            400,
+            "best_of other than n is not supported; use n and pick the best yourself",
+            param="best_of",
+        )
 
 
 def _check_sampling(req) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from servers import Server
+from servers import Server, metric
 
 from pdserve import LLM, SamplingParams
 
@@ -21,11 +21,6 @@ def expected():
     llm = LLM(dtype="float32", device="cpu")
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     return {p: llm.generate(p, params)[0].text for p in PROMPTS}
-
-
-def counter(server: Server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def assert_expected_answers(server: Server, prompts: list[str], expected: dict) -> None:
@@ -47,7 +42,7 @@ def test_a_push_broken_on_the_wire_costs_time_not_tokens(kind, expected):
         "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0", env=env
     ) as server:  # fmt: skip
         assert_expected_answers(server, PROMPTS * 2, expected)
-        assert counter(server, "pdserve_kv_transfer_failures_total") >= 1
+        assert metric(server.url, "pdserve_kv_transfer_failures_total") >= 1
         server.wait_idle_and_clean()  # every block free on both workers, integrity intact
 
 
@@ -60,5 +55,5 @@ def test_a_receiver_that_stops_reading_costs_the_transfer_timeout_not_tokens(exp
         "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0", env=env
     ) as server:  # fmt: skip
         assert_expected_answers(server, PROMPTS[:2], expected)
-        assert counter(server, "pdserve_kv_transfer_failures_total") == 1
+        assert metric(server.url, "pdserve_kv_transfer_failures_total") == 1
         server.wait_idle_and_clean()

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from servers import Server
+from servers import Server, metric
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -72,11 +72,6 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def metric(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
-
-
 def assert_no_blocks_held(server) -> None:
     """Every request ended on its workers (an abort after a client error lands shortly)."""
 
@@ -91,14 +86,16 @@ def test_n_shares_the_prompt_and_disagg_transfers_its_kv_once(disagg_server):
     c = client(disagg_server)
     prompt = PROMPT + " and the capital of Germany is"
     one = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
-    remote = metric(disagg_server, 'pdserve_prefill_decisions_total{where="remote"}')
+    remote = metric(disagg_server.url, 'pdserve_prefill_decisions_total{where="remote"}')
     prefix = "Q: name three colours. A:" * 8  # > one block, not cached yet
     r = c.completions.create(model=MODEL, prompt=prefix, max_tokens=8, temperature=0, n=3)
     assert [ch.index for ch in r.choices] == [0, 1, 2]
     assert len({ch.text for ch in r.choices}) == 1  # greedy: the same three times
     assert r.usage.completion_tokens == 3 * 8
     # one remote prefill (one KV transfer); the other two used the KV on the decode worker
-    assert metric(disagg_server, 'pdserve_prefill_decisions_total{where="remote"}') == remote + 1
+    assert (
+        metric(disagg_server.url, 'pdserve_prefill_decisions_total{where="remote"}') == remote + 1
+    )
     again = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=2)
     assert all(ch.text == one.choices[0].text for ch in again.choices)
 

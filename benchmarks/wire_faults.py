@@ -1,10 +1,12 @@
-"""KV pushes broken on the wire between real processes, many times per kind: for each fault
-(reset mid-layer, frame cut short, garbage frame; `PDSERVE_KV_FAULT`, the tcp sender's
-test-only switch) a `pdserve serve --mode disagg` (float32, every prompt through the prefill
-pool) gets requests until the router has counted `--faults` failed pushes. Every answer is
-compared with the offline engine's greedy tokens; at the end every block must be free.
+"""KV pushes broken on the wire between real processes, many times per kind and transport:
+for each fault (reset mid-layer, frame cut short, garbage frame, a receiver that stops reading;
+`PDSERVE_KV_FAULT`, the tcp and nixl connectors' test-only switch) a `pdserve serve --mode
+disagg` (float32, every prompt through the prefill pool, --transfer-timeout-s 2) gets requests
+until the router has counted `--faults` failed pushes. Every answer is compared with the
+offline engine's greedy tokens; at the end every block must be free.
 
     .venv/bin/python benchmarks/wire_faults.py [--faults 100] [--every 4] [--concurrency 4]
+        [--transports tcp,nixl] [--kinds reset,truncate,corrupt,stall]
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ def one(url: str, prompt: str) -> tuple[str, str | None]:
     return ("ok", r.json()["choices"][0]["text"]) if r.status_code == 200 else ("error", None)
 
 
-def run_kind(kind: str, args, expected: dict[str, str]) -> dict:
+def run_kind(kind: str, transport: str, args, expected: dict[str, str]) -> dict:
     env = {"PDSERVE_KV_FAULT": f"{kind}:{args.every}"}
     counts = {"requests": 0, "ok": 0, "wrong": 0, "error": 0, "hung": 0}
     t0 = time.monotonic()
-    flags = ("--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0")
+    flags = ("--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0",
+             "--kv-transport", transport, "--transfer-timeout-s", "2")  # fmt: skip
     with Server(*flags, env=env) as server:
         url = server.url + "/v1"
         pool = concurrent.futures.ThreadPoolExecutor(args.concurrency)
@@ -75,16 +78,18 @@ def main() -> int:
     ap.add_argument("--faults", type=int, default=100, help="failed pushes per kind")
     ap.add_argument("--every", type=int, default=4, help="every N-th layer sent is broken")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--kinds", default="reset,truncate,corrupt")
+    ap.add_argument("--kinds", default="reset,truncate,corrupt,stall")
+    ap.add_argument("--transports", default="tcp,nixl")
     args = ap.parse_args()
     llm = LLM(dtype="float32", device="cpu")
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = {p: llm.generate(p, params)[0].text for p in PROMPTS}
     del llm
     rows = []
-    for kind in args.kinds.split(","):
-        rows.append((kind, run_kind(kind, args, expected)))
-        print(kind, rows[-1][1], flush=True)
+    for transport in args.transports.split(","):
+        for kind in args.kinds.split(","):
+            rows.append((f"{transport} {kind}", run_kind(kind, transport, args, expected)))
+            print(*rows[-1], flush=True)
     cols = ["faults", "requests", "ok", "wrong", "error", "hung", "leaked_blocks",
             "integrity_errors", "seconds"]  # fmt: skip
     print("\n| fault | " + " | ".join(cols) + " |")

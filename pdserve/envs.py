@@ -56,8 +56,8 @@ def step_log_dir() -> Path | None:
 
 
 def kv_fault() -> tuple[str, int] | None:
-    """`PDSERVE_KV_FAULT=KIND:EVERY` (tests only): the tcp KV connector breaks every EVERY-th
-    layer: the sender (reset, truncate, corrupt) or the receiver (stall); see
+    """`PDSERVE_KV_FAULT=KIND:EVERY` (tests only): the tcp or nixl KV connector breaks every
+    EVERY-th layer: the sender (reset, truncate, corrupt) or the receiver (stall); see
     kv_transfer/wire_faults.py `TcpFault`."""
     value = os.environ.get(KV_FAULT)
     if not value:

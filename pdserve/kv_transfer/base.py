@@ -164,6 +164,26 @@ class KVSender(ABC):
         """
 
     @abstractmethod
+    def settled(self, transfer_id: str) -> bool:
+        """Whether `wait(transfer_id)` would return at once (every queued layer acknowledged,
+        or the transfer failed); never blocks."""
+
+    @abstractmethod
+    def wait_change(self, timeout_s: float) -> None:
+        """Block until some transfer makes progress or fails, or `timeout_s` passes: lets a
+        caller that polls `settled` sleep without missing an acknowledgement."""
+
+    @abstractmethod
+    def cancel(self, transfer_id: str, reason: str) -> TransferResult:
+        """Fail `transfer_id` with `reason` unless it already ended, and return as `wait` does:
+        once the sender no longer reads its source blocks (an in-flight layer is cut)."""
+
+    @abstractmethod
+    def close_endpoint(self, endpoint: str) -> None:
+        """Drop the connection to `endpoint` (a receiver that stopped acknowledging, or died);
+        layers still queued to it fail. A later `send_layer` to it connects afresh."""
+
+    @abstractmethod
     def stats(self) -> TransferStats:
         """Counters since construction."""
 

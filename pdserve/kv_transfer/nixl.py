@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import NamedTuple
 
 import msgspec
@@ -34,7 +35,7 @@ from pdserve.kv_transfer.send_queue import Job
 from pdserve.kv_transfer.tcp import TcpSender
 from pdserve.kv_transfer.tcp_receiver import TcpReceiver
 from pdserve.kv_transfer.transfer_table import WriteTicket
-from pdserve.kv_transfer.wire import ClientHello, LayerHeader, ProtocolError
+from pdserve.kv_transfer.wire import ClientHello, LayerHeader, ProtocolError, wait_hangup
 
 log = logging.getLogger(__name__)
 INSTALL_HINT = (
@@ -44,6 +45,8 @@ INSTALL_HINT = (
 _READ_TIMEOUT_S = 30.0
 _FINISH_WAIT_S = 10.0  # a READ given up may run on this long before its peer is disconnected
 _SPIN_S = 1e-3  # poll without sleeping this long: most layer READs finish within it
+_HANGUP_CHECK_S = 0.01  # how often a READ under way checks that its sender still waits for it
+_IDLE_PROGRESS_S = 0.005  # an idle sender still answers a READ of a layer it gave up this fast
 
 
 def _nixl_api():
@@ -126,21 +129,29 @@ class NixlAgent:
         remote: np.ndarray,
         peer_agent: str,
         timeout_s: float = _READ_TIMEOUT_S,
+        hung_up: Callable[[], bool] | None = None,
     ) -> None:
         """READ the (N, 3) rows (address, length, 0) of `remote` into those of `local`; wait for
         it. TimeoutError past `timeout_s` (once the READ has ended: no byte lands in `local`
-        after this returns or raises), ConnectionError if it failed."""
+        after this returns or raises), ConnectionError if it failed, or if `hung_up()` says
+        the sender gave it up (then the peer is disconnected at once, which ends the READ)."""
         with self.lock:
             local_d = self.agent.get_xfer_descs(local, "DRAM")
             remote_d = self.agent.get_xfer_descs(remote, "DRAM")
             handle = self.agent.initialize_xfer("READ", local_d, remote_d, peer_agent)
             state = self.agent.transfer(handle)
-        start = time.monotonic()
+        start = next_check = time.monotonic()
         while state == "PROC":
-            waited = time.monotonic() - start
+            now = time.monotonic()
+            waited = now - start
             if waited > timeout_s:
                 self._finish(handle, peer_agent)
                 raise TimeoutError(f"NIXL READ from {peer_agent} took over {timeout_s} s")
+            if hung_up is not None and now >= next_check:
+                next_check = now + _HANGUP_CHECK_S
+                if hung_up():
+                    self._finish(handle, peer_agent, wait_s=0.0)
+                    raise ConnectionError(f"the sender {peer_agent} hung up during a READ")
             time.sleep(0 if waited < _SPIN_S else 1e-4)  # then back off: two cores are shared
             with self.lock:
                 state = self.agent.check_xfer_state(handle)
@@ -149,16 +160,16 @@ class NixlAgent:
         if state != "DONE":
             raise ConnectionError(f"NIXL READ from {peer_agent} failed ({state})")
 
-    def _finish(self, handle, peer_agent: str) -> None:
+    def _finish(self, handle, peer_agent: str, wait_s: float = _FINISH_WAIT_S) -> None:
         """Wait for a READ that `read` gave up to end, so that none of its bytes lands after
         `read` has returned (the caller frees or reuses the destination then). Releasing the
         handle does not stop a READ under way (seen with UCX over tcp: the bytes landed after
         the release). A peer that does not end it within `_FINISH_WAIT_S` is disconnected,
         which fails every transfer with it."""
-        if self._ended(handle, _FINISH_WAIT_S):
+        if self._ended(handle, wait_s):
             return
-        log.warning("a NIXL READ from %s given up %.0f s ago is still under way: disconnecting "
-                    "the peer", peer_agent, _FINISH_WAIT_S)  # fmt: skip
+        log.warning("a NIXL READ from %s is still under way %.0f s after it was given up: "
+                    "disconnecting the peer", peer_agent, wait_s)  # fmt: skip
         with self.lock:
             if self.peers.pop(peer_agent, None) is not None:
                 self.agent.remove_remote_agent(peer_agent)
@@ -170,13 +181,18 @@ class NixlAgent:
         """Poll a READ for up to `seconds`; once it is no longer under way, release its handle
         and return True."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        while True:
             with self.lock:
-                if self.agent.check_xfer_state(handle) != "PROC":
+                try:
+                    ended = self.agent.check_xfer_state(handle) != "PROC"
+                except Exception:  # NIXL_ERR_NOT_FOUND: its peer was disconnected, it ended
+                    return True
+                if ended:
                     handle.release()
                     return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(1e-3)
-        return False
 
     def close(self) -> None:
         with self.lock:
@@ -238,10 +254,10 @@ class NixlSender(TcpSender):
         needs the target to answer connection wire-up (and, over UCX's TCP transport, the data
         itself). NIXL's own progress thread would do it by spinning a core even when idle."""
         while not self._stop.is_set():
-            if not self._tracker.wait_busy(timeout_s=0.5):
-                continue
-            self._agent.progress()
-            time.sleep(5e-5)
+            busy = self._tracker.wait_busy(timeout_s=_IDLE_PROGRESS_S)
+            self._agent.progress()  # idle too: a receiver may still READ a layer given up
+            if busy:
+                time.sleep(5e-5)
 
     def close(self) -> None:
         super().close()
@@ -291,7 +307,7 @@ class NixlReceiver(TcpReceiver):
         # (N, 3) rows of (address, length, device id): every run of K, then of V
         remote = np.concatenate([np.stack([b + src, size, zero], 1) for b in remote_base])
         local = np.concatenate([np.stack([b + dst, size, zero], 1) for b in local_base])
-        self._agent.read(local, remote, peer.agent)
+        self._agent.read(local, remote, peer.agent, hung_up=lambda: wait_hangup(conn, 0))
 
     def close(self) -> None:
         super().close()

@@ -106,14 +106,32 @@ class SendTracker:
                 p.error = p.error or error
             self._cond.notify_all()
 
+    def settled(self, transfer_id: str) -> bool:
+        """Whether `wait` would return at once: every queued layer acknowledged, or failed."""
+        with self._cond:
+            p = self._progress.get(transfer_id)
+            return p is None or p.error is not None or p.acked == p.queued
+
+    def wait_change(self, timeout_s: float) -> None:
+        """Block until some transfer makes progress or fails, or the timeout."""
+        with self._cond:
+            self._cond.wait(timeout_s)
+
     def wait(
-        self, transfer_id: str, timeout_s: float, abort: Callable[[str], None]
+        self,
+        transfer_id: str,
+        timeout_s: float,
+        abort: Callable[[str], None],
+        fail: str | None = None,
     ) -> TransferResult:
-        """See `KVSender.wait`; `abort(transfer_id)` cuts a layer that is still being read."""
+        """See `KVSender.wait` (and `cancel`: `fail` is the reason); `abort(transfer_id)` cuts
+        a layer that is still being read."""
         with self._cond:
             p = self._progress.get(transfer_id)
             if p is None:
                 return TransferResult(True, 0, 0.0, None)
+            if fail is not None:
+                p.error = p.error or fail
             done = self._cond.wait_for(lambda: p.error or p.acked == p.queued, timeout_s)
             if not done:
                 p.error = (
@@ -121,7 +139,9 @@ class SendTracker:
                     "acknowledged by the receiver"
                 )
             if p.error is not None and p.reading:
-                self._cond.wait_for(lambda: not p.reading, _ERROR_GRACE_S if done else 0.0)
+                self._cond.wait_for(
+                    lambda: not p.reading, _ERROR_GRACE_S if done and fail is None else 0.0
+                )
         if p.error is not None and p.reading:
             abort(transfer_id)
         with self._cond:
@@ -266,6 +286,15 @@ class QueuedSender(KVSender):
     def wait(self, transfer_id: str, timeout_s: float) -> TransferResult:
         return self._tracker.wait(transfer_id, timeout_s, self._abort)
 
+    def settled(self, transfer_id: str) -> bool:
+        return self._tracker.settled(transfer_id)
+
+    def wait_change(self, timeout_s: float) -> None:
+        self._tracker.wait_change(timeout_s)
+
+    def cancel(self, transfer_id: str, reason: str) -> TransferResult:
+        return self._tracker.wait(transfer_id, 0.0, self._abort, fail=reason)
+
     def _abort(self, transfer_id: str) -> None:
         with self._lock:
             channels = list(self._channels.values())
@@ -276,8 +305,6 @@ class QueuedSender(KVSender):
         return self._stats.snapshot()
 
     def close_endpoint(self, endpoint: str) -> None:
-        """Drop the connection and thread kept for `endpoint` (e.g. its decode worker died);
-        layers still queued to it fail. A later send_layer to it reconnects."""
         with self._lock:
             channel = self._channels.pop(endpoint, None)
         if channel is not None:

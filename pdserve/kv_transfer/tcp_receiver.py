@@ -98,7 +98,7 @@ class TcpReceiver(TableReceiver):
             while True:
                 header = recv_frame(conn, LayerHeader)
                 if self._fault is not None and self._fault.due():
-                    self._fault.stall()
+                    self._fault.stall(conn)
                 error = self._receive_layer(conn, header, peer)
                 send_frame(conn, LayerAck(header.transfer_id, header.layer, error))
         except HandshakeRefused as exc:

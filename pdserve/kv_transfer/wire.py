@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
+import select
 import socket
 import struct
 from typing import TypeVar
@@ -182,6 +183,14 @@ def shutdown_socket(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass  # already closed or never connected
+
+
+def wait_hangup(sock: socket.socket, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for the peer to close or reset `sock`: True if it did. Sees the
+    hang-up behind bytes not yet read (POLLRDHUP), so it reads nothing."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def _mac(secret: bytes | None, label: bytes, a: bytes, b: bytes) -> bytes:

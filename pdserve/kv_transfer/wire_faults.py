@@ -6,9 +6,9 @@ import socket
 import threading
 
 from pdserve import envs
-from pdserve.kv_transfer.wire import LayerHeader, send_frame
+from pdserve.kv_transfer.wire import LayerHeader, send_frame, wait_hangup
 
-STALL_S = 40.0  # a stalled receiver outlasts the prefill worker's 30 s transfer timeout
+STALL_S = 120.0  # a stalled receiver waits this long at most for the sender to give up
 RECEIVER_KINDS = ("stall",)
 
 
@@ -17,9 +17,9 @@ class TcpFault:
     EVERY-th layer goes wrong on the wire. Sender side: reset: half the payload, then the
     connection is reset (RST); truncate: half the payload, then the sender closes its side (EOF
     mid-frame); corrupt: a frame of garbage where the layer's header belongs. Receiver side:
-    stall: the receiver stops reading after a layer's header for `STALL_S` (longer than the
-    sender's transfer timeout), lands nothing and drops the connection. Everything above (acks,
-    `wait`, leases, local fallback) must cope."""
+    stall: the receiver stops reading after a layer's header until the sender hangs up (its
+    transfer timeout; `STALL_S` at most), lands nothing and drops the connection. Everything
+    above (acks, timeouts, leases, local fallback) must cope."""
 
     def __init__(self, kind: str, every: int) -> None:
         self.kind, self.every = kind, every
@@ -52,7 +52,8 @@ class TcpFault:
                 sock.shutdown(socket.SHUT_WR)
         raise ConnectionError(f"injected KV fault: {self.kind} ({envs.KV_FAULT})")
 
-    def stall(self) -> None:
-        """Receiver side: stop reading, then give up on the connection (nothing landed)."""
-        threading.Event().wait(STALL_S)
+    def stall(self, conn: socket.socket) -> None:
+        """Receiver side: stop reading until the sender hangs up, then drop the connection
+        (nothing landed)."""
+        wait_hangup(conn, STALL_S)
         raise ConnectionError(f"injected KV fault: stall ({envs.KV_FAULT})")

@@ -10,7 +10,7 @@ from pdserve.config import DECODE_CHUNK_SIZE
 from pdserve.engine.cli import add_engine_args
 from pdserve.kv_transfer.registry import TRANSPORTS
 from pdserve.launch import commands
-from pdserve.protocol.messages import ROUTER_TIMEOUT_S
+from pdserve.protocol.messages import ROUTER_TIMEOUT_S, TRANSFER_TIMEOUT_S
 from pdserve.router.config import MODES, RouterConfig
 
 
@@ -158,6 +158,7 @@ def register(sub) -> None:
         "in one step). Co-located workers use --chunk-size",
     )
     p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS, help="KV transfer backend")
+    _transfer_timeout_arg(p)
     p.add_argument(
         "--startup-timeout-s",
         type=float,
@@ -223,6 +224,7 @@ def register(sub) -> None:
         "--cpus", default=None, help="pin to these cores, e.g. 0 or 2-3 (threads follow)"
     )
     p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS)
+    _transfer_timeout_arg(p)
     p.add_argument(
         "--router-timeout-s",
         type=float,
@@ -245,3 +247,16 @@ def register(sub) -> None:
     )
     add_engine_args(p)
     p.set_defaults(func=commands.worker)
+
+
+def _transfer_timeout_arg(p) -> None:
+    p.add_argument(
+        "--transfer-timeout-s",
+        type=float,
+        default=TRANSFER_TIMEOUT_S,
+        metavar="S",
+        help="a prefill worker gives up a KV push that its decode worker has not acknowledged "
+        f"S seconds after the prompt was computed (default {TRANSFER_TIMEOUT_S:g}); the decode "
+        "worker then prefills the prompt itself. Only that request waits: the prefill worker "
+        "computes other prompts meanwhile",
+    )

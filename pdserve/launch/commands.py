@@ -135,6 +135,7 @@ def serve(args) -> int:
         )
     if store_endpoint:
         base_argv += ["--kv-store", store_endpoint]
+    base_argv += ["--transfer-timeout-s", str(args.transfer_timeout_s)]
 
     gpus = visible_gpus() if args.device in ("auto", "cuda") else 0
     devices = gpu_per_worker(args.device, len(plan.workers), gpus)
@@ -209,5 +210,6 @@ def worker(args) -> int:
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,
         router_timeout_s=args.router_timeout_s,
+        transfer_timeout_s=args.transfer_timeout_s,
     )
     return run_worker(config)

@@ -197,4 +197,5 @@ Message = (
     | RouterBeat
 )
 ROUTER_TIMEOUT_S = 15.0  # default silence of the router before a worker drops its requests
+TRANSFER_TIMEOUT_S = 30.0  # default wait of a prefill worker for its push's acknowledgements
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt fits; anything larger is refused

@@ -3,7 +3,9 @@ into the decode worker's blocks as soon as that layer's forward pass ends.
 
 It is the engine's KV connector: `after_layer` queues the layer's blocks of every prompt that
 completes in the step, and `request_finished` keeps a finished prompt's blocks held until the
-push is acknowledged (`finish`), when the router gets PrefillDone with the first token.
+push is acknowledged (`settle`), when the router gets PrefillDone with the first token. Pushes
+are awaited without blocking the loop: a decode worker that stops reading costs its own
+requests the transfer timeout, never the other prompts queued on this worker.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pdserve.protocol import messages as m
 from pdserve.serving.decode_side import prompt_logprobs, to_sampling
 from pdserve.serving.kv_staging import HostStaging
 
+PUSH_GRACE_S = 0.2  # how long a step's end waits for its pushes before the next step
+
 
 @dataclass
 class Outgoing:
@@ -29,6 +33,8 @@ class Outgoing:
     dst_block_ids: list[int]
     first_block: int
     started: float = field(default_factory=time.monotonic)
+    done: StepOutput | None = None  # the prompt is computed; its push awaits acknowledgement
+    computed: float = 0.0  # when; its push is given up transfer_timeout_s later
 
 
 class PrefillSide(KVConnector):
@@ -44,10 +50,11 @@ class PrefillSide(KVConnector):
         self.transfer_timeout_s, self.staging = transfer_timeout_s, staging
         self.block_size = engine.config.block_size
         self.outgoing: dict[str, Outgoing] = {}  # request -> push destination
+        self.pushing: dict[str, Outgoing] = {}  # computed, push not yet acknowledged
 
     @property
     def request_ids(self) -> set[str]:
-        return set(self.outgoing)
+        return set(self.outgoing) | set(self.pushing)
 
     def on_prefill(self, msg: m.Prefill) -> None:
         first = msg.num_cached_tokens // self.block_size
@@ -88,33 +95,70 @@ class PrefillSide(KVConnector):
 
     # -- after the step --------------------------------------------------------------------
     def finish(self, outs: list[StepOutput]) -> None:
-        """Wait for the pushes of the prompts just computed, free their blocks, and report
-        each to the router with its first token (None if the push failed)."""
+        """The prompts just computed wait for their pushes' acknowledgements (`settle`). The
+        last layers are usually acknowledged within milliseconds: wait up to PUSH_GRACE_S for
+        them before the next step (whose prompts would otherwise delay this first token)."""
+        now = time.monotonic()
+        done = []
         for o in outs:
             out = self.outgoing.pop(o.seq.request_id, None)
-            if out is None:
+            if out is not None:
+                out.done, out.computed = o, now
+                self.pushing[o.seq.request_id] = out
+                done.append(o.seq.request_id)
+        grace = now + PUSH_GRACE_S
+        while not all(map(self.sender.settled, done)) and time.monotonic() < grace:
+            self.sender.wait_change(grace - time.monotonic())
+        self.settle()
+
+    def settle(self) -> None:
+        """Report every push that ended (acknowledged, failed, or past the transfer timeout):
+        free its blocks and send PrefillDone with the first token (None if the push failed)."""
+        now = time.monotonic()
+        for rid, out in list(self.pushing.items()):
+            if self.sender.settled(rid):
+                res = self.sender.wait(rid, 0.0)
+            elif now >= out.computed + self.transfer_timeout_s:
+                res = self.sender.cancel(
+                    rid, f"timed out after {self.transfer_timeout_s:g} s: the decode worker did "
+                    "not acknowledge every layer (--transfer-timeout-s)",
+                )  # fmt: skip
+                # a receiver that stopped reading stalls everything behind on that connection
+                self.sender.close_endpoint(out.endpoint)
+            else:
                 continue
-            t = time.monotonic()
-            res = self.sender.wait(o.seq.request_id, self.transfer_timeout_s)
-            exposed = time.monotonic() - t
-            self.engine.release(o.seq.request_id)
-            if self.staging is not None:
-                self.staging.release(o.seq.request_id)
+            del self.pushing[rid]
+            self._release(rid)
+            o = out.done
             self.send(
                 m.PrefillDone(
-                    o.seq.request_id,
+                    rid,
                     o.new_token if res.ok else None,
                     error=res.error,
                     transfer_bytes=res.bytes_sent,
                     transfer_s=res.seconds,
-                    prefill_s=time.monotonic() - out.started,
-                    exposed_s=exposed,
+                    prefill_s=now - out.started,
+                    exposed_s=now - out.computed,
                     logprobs=m.Logprobs.of(o.logprobs),
                     prompt_logprobs=prompt_logprobs(o.seq),
                 )
             )
 
+    def wait_settle(self, timeout_s: float) -> None:
+        """Idle loop: sleep until a push makes progress (or the timeout), then settle."""
+        if self.pushing:
+            self.sender.wait_change(timeout_s)
+            self.settle()
+
+    def _release(self, rid: str) -> None:
+        self.engine.release(rid)
+        if self.staging is not None:
+            self.staging.release(rid)
+
     def abort(self, rid: str) -> None:
         self.outgoing.pop(rid, None)
-        if self.staging is not None:
+        if self.pushing.pop(rid, None) is not None:  # stop reading its blocks before they free
+            self.sender.cancel(rid, "request aborted")
+            self._release(rid)
+        elif self.staging is not None:
             self.staging.release(rid)

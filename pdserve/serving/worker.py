@@ -32,6 +32,7 @@ from pdserve.serving.prefill_side import PrefillSide
 from pdserve.serving.store_link import StoreLink
 
 log = logging.getLogger("pdserve.worker")
+PUSH_POLL_S = 0.002  # an idle prefill worker with pushes in flight reads the router this often
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class WorkerConfig:
     worker_id: str
     kv_transport: str = "tcp"
     kv_host: str = "127.0.0.1"
-    transfer_timeout_s: float = 30.0
+    transfer_timeout_s: float = m.TRANSFER_TIMEOUT_S  # --transfer-timeout-s
     router_timeout_s: float = m.ROUTER_TIMEOUT_S  # router silence before its requests drop
     kv_store: str | None = None  # endpoint of a `pdserve store` (tcp://host:port)
 
@@ -241,7 +242,8 @@ class Worker:
         next_beat = 0.0
         while self.running:
             busy = self.engine.has_work()
-            if self.sock.poll(0 if busy else 20):
+            pushing = self.prefill is not None and bool(self.prefill.pushing)
+            if self.sock.poll(0 if busy or pushing else 20):
                 while self.sock.poll(0):
                     msg = self.codec.decode(self.sock.recv_multipart())
                     if msg is not None:
@@ -257,6 +259,8 @@ class Worker:
                     self.engine.release(rid)
             if self.engine.has_work():
                 self.step()
+            elif pushing:  # only acknowledgements to wait for: sleep until one comes
+                self.prefill.wait_settle(PUSH_POLL_S)
             if time.monotonic() >= next_beat:
                 self.reporter.publish()
                 next_beat = time.monotonic() + HEARTBEAT_S / 2

@@ -10,6 +10,7 @@ from factories import make_engine, make_model_files, run_to_completion
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_receiver, make_sender
+from pdserve.kv_transfer.inproc import FaultPlan
 from pdserve.kv_transfer.memory import layout_of
 from pdserve.protocol import messages as m
 from pdserve.serving.decode_side import DecodeSide
@@ -60,6 +61,8 @@ def _prefill(prefill: PrefillSide, sent: list, placement: m.Placement) -> m.Pref
     engine = prefill.engine
     while engine.has_work():
         prefill.finish(engine.step())
+    while prefill.pushing:
+        prefill.wait_settle(0.05)
     [done] = sent
     return done
 
@@ -161,4 +164,59 @@ def test_an_aborted_push_frees_the_prefill_workers_blocks(pair):
     prefill.abort("r0")
     prefill.engine.abort("r0")
     assert not prefill.request_ids and not prefill.engine.has_work() and not p_sent
+    _clean(prefill.engine)
+
+
+def _compute(prefill: PrefillSide, rid: str, placement: m.Placement) -> None:
+    prefill.on_prefill(
+        m.Prefill(rid, PROMPT, PARAMS, placement.kv_endpoint, placement.block_ids, 0)
+    )
+    while prefill.engine.has_work():
+        prefill.finish(prefill.engine.step())
+
+
+def test_a_push_that_is_never_acknowledged_holds_only_its_own_request(pair, files, reference):
+    """A decode worker that stops taking a push (here: a push delayed 60 s) costs that request
+    the transfer timeout; a prompt for another decode worker is computed, pushed and reported
+    meanwhile, and the stuck one ends with an error and frees its blocks."""
+    decode, d_sent, prefill, p_sent = pair
+    prefill.transfer_timeout_s = 1.0
+    prefill.sender.faults = FaultPlan(delay_s=60, transfer_ids=frozenset({"stuck"}))
+    other_engine = make_engine(files, role="decode", kv_cache_gb=KV_GB)
+    other_rx = make_receiver("inproc", decode.layout, other_engine.runner.k_caches,
+                             other_engine.runner.v_caches)  # fmt: skip
+    other_rx.start()
+    other_sent = []
+    other = DecodeSide(other_engine, decode.layout, other_sent.append, "d1", other_rx)
+    other_engine.connect(other)
+    try:
+        decode.on_admit(m.Admit("stuck", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
+        other.on_admit(m.Admit("fast", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
+        _compute(prefill, "stuck", d_sent[0])
+        assert "stuck" in prefill.pushing and not p_sent  # its push waits for acknowledgement
+        _compute(prefill, "fast", other_sent[0])
+        while not p_sent:
+            prefill.wait_settle(0.05)
+        [done] = p_sent
+        assert (done.request_id, done.first_token, done.error) == ("fast", reference[0], None)
+        assert "stuck" in prefill.pushing  # not given up yet: the timeout is 1 s
+        while prefill.pushing:
+            prefill.wait_settle(0.05)
+        stuck = p_sent[1]
+        assert stuck.request_id == "stuck" and stuck.first_token is None
+        assert stuck.error.startswith("timed out after 1 s")
+        _clean(prefill.engine)
+    finally:
+        other_rx.close()
+
+
+def test_aborting_a_request_whose_push_is_in_flight_frees_its_blocks(pair):
+    decode, d_sent, prefill, p_sent = pair
+    prefill.sender.faults = FaultPlan(delay_s=60)
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
+    _compute(prefill, "r0", d_sent[0])
+    assert "r0" in prefill.pushing
+    prefill.abort("r0")  # the worker's abort: the side first, then the engine
+    prefill.engine.abort("r0")
+    assert not prefill.request_ids and not p_sent
     _clean(prefill.engine)

@@ -1,5 +1,6 @@
-"""KV pushes that break on the wire between real processes (`PDSERVE_KV_FAULT`, the tcp
-sender's test-only switch): a connection reset mid-layer, a frame cut short, a corrupted frame.
+"""KV pushes that break on the wire between real processes (`PDSERVE_KV_FAULT`, the tcp and
+nixl connectors' test-only switch): a connection reset mid-layer, a frame cut short, a corrupted
+frame, a receiver that stops reading.
 Every request still completes with the tokens the offline engine gives (the decode worker
 prefills it itself), and no block is left held on either side."""
 
@@ -29,31 +30,38 @@ def assert_expected_answers(server: Server, prompts: list[str], expected: dict) 
             server.url + "/v1/completions",
             json={"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
                   "temperature": 0},
-            timeout=120,
+            timeout=30,  # a fault costs a local prefill or the 2 s transfer timeout, never more
         )  # fmt: skip
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected[prompt], prompt
 
 
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
 @pytest.mark.parametrize("kind", ["reset", "truncate", "corrupt"])
-def test_a_push_broken_on_the_wire_costs_time_not_tokens(kind, expected):
+def test_a_push_broken_on_the_wire_costs_time_not_tokens(kind, transport, expected):
     env = {"PDSERVE_KV_FAULT": f"{kind}:4"}  # every 4th layer the prefill worker sends
     with Server(
-        "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0", env=env
+        "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0",
+        "--kv-transport", transport, env=env,
     ) as server:  # fmt: skip
         assert_expected_answers(server, PROMPTS * 2, expected)
         assert metric(server.url, "pdserve_kv_transfer_failures_total") >= 1
         server.wait_idle_and_clean()  # every block free on both workers, integrity intact
 
 
-def test_a_receiver_that_stops_reading_costs_the_transfer_timeout_not_tokens(expected):
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_a_receiver_that_stops_reading_costs_the_transfer_timeout_not_tokens(transport, expected):
     """The decode worker's receiver stops reading at its 40th layer header (the second
-    request's 10th layer): the prefill worker's wait times out (30 s), the decode worker
-    prefills the prompt itself, and nothing lands afterwards."""
+    request's 10th layer): the prefill worker gives the push up after --transfer-timeout-s
+    and drops that connection, the decode worker prefills the prompt itself, nothing lands
+    afterwards, and the next pushes go through a new connection."""
     env = {"PDSERVE_KV_FAULT": "stall:40"}
     with Server(
-        "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0", env=env
+        "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0",
+        "--kv-transport", transport, "--transfer-timeout-s", "2", env=env,
     ) as server:  # fmt: skip
-        assert_expected_answers(server, PROMPTS[:2], expected)
+        assert_expected_answers(server, PROMPTS, expected)
         assert metric(server.url, "pdserve_kv_transfer_failures_total") == 1
+        remote = 'pdserve_prefill_decisions_total{where="remote"}'
+        assert metric(server.url, remote) == len(PROMPTS)
         server.wait_idle_and_clean()

@@ -107,29 +107,34 @@ def main() -> int:
         stop.set()
         thread.join()
     (out / "soak.json").write_text(json.dumps(samples))
-    report(samples, out, args)
-    return 0
+    return 0 if report(samples, out, args) else 1
 
 
-def report(samples: list[dict], out: Path, args) -> None:
+def report(samples: list[dict], out: Path, args) -> bool:
+    """Print the figures and a PASS/FAIL line per target; True if all pass."""
     results = json.loads((out / "bench" / "results.json").read_text())
     records = [r for run in results["runs"] for r in run["records"]]
     ok = [r for r in records if r.get("status") == "ok"]
-    fifth = args.duration / 5
+    window = min(300.0, args.duration / 5)  # first and last 5 minutes (a fifth if shorter)
 
     def p99(rs, key):
         vals = [x for r in rs for x in (r[key] if isinstance(r[key], list) else [r[key]])]
         return float(np.percentile(vals, 99)) if vals else float("nan")
 
-    first = [r for r in ok if r["start_s"] < fifth]
-    last = [r for r in ok if r["start_s"] >= args.duration - fifth]
+    first = [r for r in ok if r["start_s"] < window]
+    last = [r for r in ok if r["start_s"] >= args.duration - window]
     print(f"\nrequests {len(records)}, ok {len(ok)}, errors {len(records) - len(ok)}")
     ttft, itl = (
         (p99(first, "ttft_s"), p99(last, "ttft_s")),
         (p99(first, "itl_s"), p99(last, "itl_s")),
     )
-    print(f"TTFT p99 first/last fifth: {ttft[0]:.2f} / {ttft[1]:.2f} s; "
+    print(f"TTFT p99 first/last {window:.0f} s: {ttft[0]:.2f} / {ttft[1]:.2f} s; "
           f"ITL p99: {itl[0] * 1e3:.0f} / {itl[1] * 1e3:.0f} ms")  # fmt: skip
+    verdicts = {
+        "no errors": len(ok) == len(records),
+        "TTFT p99 last within 20 % of first": ttft[1] <= 1.2 * ttft[0],
+        "ITL p99 last within 20 % of first": itl[1] <= 1.2 * itl[0],
+    }
     loaded = [s for s in samples if s["t"] <= args.duration]
     start = loaded[len(loaded) // 3]
     end = loaded[-1]
@@ -141,10 +146,15 @@ def report(samples: list[dict], out: Path, args) -> None:
         if a is None:
             continue
         growth = (b["rss_mb"] - a["rss_mb"]) / a["rss_mb"] * 100
+        verdicts[f"{name} RSS growth < 5 %"] = growth < 5
         fds, threads = f"{first_s['fds']}->{b['fds']}", f"{first_s['threads']}->{b['threads']}"
         print(f"{name:<12} {first_s['rss_mb']:>8.0f}MB {b['rss_mb']:>7.0f}MB {growth:>16.1f} % "
               f"{fds:>9} {threads:>9}")  # fmt: skip
-    print(f"blocks held at the end (idle): {samples[-1].get('held_blocks')}")
+    held = samples[-1].get("held_blocks")
+    print(f"blocks held at the end (idle): {held}")
+    verdicts["no block held at the end"] = held is not None and not any(held.values())
+    for what, passed in verdicts.items():
+        print(f"{'PASS' if passed else 'FAIL'}  {what}")
     try:
         import matplotlib
 
@@ -162,6 +172,7 @@ def report(samples: list[dict], out: Path, args) -> None:
         print(f"plot: {out / 'soak.png'}")
     except ImportError:
         pass
+    return all(verdicts.values())
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+from pdserve import envs as _envs
+
+_envs.bound_kernel_caches()  # before any kernel exists: every pdserve import comes through here
+
 __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"
 

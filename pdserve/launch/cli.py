@@ -216,7 +216,14 @@ def register(sub) -> None:
         "heartbeats, and serves requests the router places on it.",
     )
     p.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
-    p.add_argument("--router", required=True, help="the router's control endpoint, tcp://HOST:PORT")
+    p.add_argument(
+        "--router",
+        required=True,
+        action="append",
+        help="the router's control endpoint, tcp://HOST:PORT. Repeat it to serve two or more "
+        "routers at once (active-active: a load balancer in front of them fails over); each "
+        "request's messages go to the router that placed it, heartbeats to all",
+    )
     p.add_argument(
         "--worker-id", default=None, help="stable id (a restarted worker re-registers under it)"
     )

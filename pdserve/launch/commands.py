@@ -205,7 +205,7 @@ def worker(args) -> int:
     config = WorkerConfig(
         kv_store=args.kv_store,
         engine=engine,
-        router=args.router,
+        routers=tuple(args.router),
         worker_id=args.worker_id or f"{args.role}-{os.getpid()}",
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 
 import msgspec
@@ -41,6 +42,8 @@ class RouterCore:
         # put or load shows the store holds a block, dropped when the store reports evicting
         # it. A stale entry only means the decode worker computes more than expected.
         self.store_index: set[int] = set()
+        # unique across routers sharing workers (active-active), and across restarts
+        self._prefix = f"r{secrets.token_hex(3)}-"
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self.expected = (0, 1)  # (prefill, decode-capable) workers to register before `ready`
@@ -218,7 +221,7 @@ class RouterCore:
         metrics.CACHE_TEMPERATURE.labels("warm" if choice.warm else "cold").inc()
         metrics.PREFILL_DECISIONS.labels("remote" if choice.remote else "local").inc()
         state = RequestState(
-            f"r{next(self._ids)}",
+            f"{self._prefix}{next(self._ids)}",
             prompt,
             params,
             choice.remote,

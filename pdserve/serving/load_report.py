@@ -1,5 +1,5 @@
 """A worker's load reports: the engine thread snapshots its load, KV events and integrity
-(`publish`); a thread of its own sends them to the router every HEARTBEAT_S on a socket of its
+(`publish`); a thread of its own sends them to each router every HEARTBEAT_S on sockets of its
 own (`loop`), so that a long prefill step never looks like a dead worker."""
 
 from __future__ import annotations
@@ -51,10 +51,13 @@ class LoadReporter:
     def loop(self) -> None:
         """Own thread and socket, until the worker stops."""
         w = self.worker
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{w.config.worker_id}#hb".encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(w.config.router)
+        socks = []
+        for endpoint in w.config.routers:  # each router gets every beat (and every KV event)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"{w.config.worker_id}#hb".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            socks.append(sock)
         while w.running:
             events = [self.events.popleft() for _ in range(len(self.events))]
             held, gone = split_index_events(
@@ -68,6 +71,9 @@ class LoadReporter:
                 offloaded=held,
                 store_removed=gone,
             )
-            sock.send_multipart(w.codec.encode(beat))
+            frames = w.codec.encode(beat)
+            for sock in socks:
+                sock.send_multipart(frames)
             time.sleep(HEARTBEAT_S)
-        sock.close()
+        for sock in socks:
+            sock.close()

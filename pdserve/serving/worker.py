@@ -32,19 +32,44 @@ from pdserve.serving.prefill_side import PrefillSide
 from pdserve.serving.store_link import StoreLink
 
 log = logging.getLogger("pdserve.worker")
+SEND_QUEUE = 100_000  # messages queued for a router before they are dropped (it is gone)
 PUSH_POLL_S = 0.002  # an idle prefill worker with pushes in flight reads the router this often
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     engine: EngineConfig
-    router: str  # tcp://host:port of the router's control socket
+    routers: tuple[str, ...]  # tcp://host:port of each router's control socket (one or more)
     worker_id: str
     kv_transport: str = "tcp"
     kv_host: str = "127.0.0.1"
     transfer_timeout_s: float = m.TRANSFER_TIMEOUT_S  # --transfer-timeout-s
     router_timeout_s: float = m.ROUTER_TIMEOUT_S  # router silence before its requests drop
     kv_store: str | None = None  # endpoint of a `pdserve store` (tcp://host:port)
+
+
+class RouterLink:
+    """This worker's control connection to one router: when it last spoke, and whether the
+    worker dropped its requests after a silence (it registers again when the router speaks)."""
+
+    def __init__(self, endpoint: str, worker_id: str) -> None:
+        self.endpoint = endpoint
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        self.sock.connect(endpoint)
+        self.seen = time.monotonic()
+        self.orphaned = False
+
+    def send(self, frames: list[bytes]) -> None:
+        """Queue a message; never blocks the engine loop on a router that is gone (one that
+        has SEND_QUEUE messages unread is: its requests are dropped when its silence times
+        out)."""
+        try:
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("the router at %s reads nothing: message dropped", self.endpoint)
 
 
 class Worker:
@@ -100,18 +125,26 @@ class Worker:
             connectors.append(self.decode)
         self.engine.connect(combine(connectors))
         self.sides = [side for side in (self.decode, self.prefill) if side is not None]
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, config.worker_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(config.router)
+        self.links = [RouterLink(r, config.worker_id) for r in config.routers]
+        self.owner: dict[str, RouterLink] = {}  # request -> the router that placed it here
         self.running = True
-        self.router_seen = time.monotonic()  # when the router last said anything
-        self.orphaned = False  # dropped everything after a silent router; register again
         self.reporter = LoadReporter(self)
 
     # -- control plane -------------------------------------------------------------------
     def send(self, msg) -> None:
-        self.sock.send_multipart(self.codec.encode(msg))
+        """To the router that placed the message's request (to every router if none did); a
+        batch of tokens is split between the routers whose requests it carries."""
+        if isinstance(msg, m.Tokens) and len(self.links) > 1:
+            parts: dict[RouterLink | None, list[m.TokenOut]] = {}
+            for item in msg.items:
+                parts.setdefault(self.owner.get(item.request_id), []).append(item)
+            for link, items in parts.items():
+                for target in [link] if link is not None else self.links:
+                    target.send(self.codec.encode(m.Tokens(msg.worker_id, items)))
+            return
+        link = self.owner.get(getattr(msg, "request_id", None))
+        for target in [link] if link is not None else self.links:
+            target.send(self.codec.encode(msg))
 
     def registration(self) -> m.Register:
         receiver = self.decode.receiver if self.decode else None
@@ -128,33 +161,53 @@ class Worker:
         )
 
     def register(self, timeout_s: float = 60.0) -> None:
-        self.send(self.registration())
-        if not self.sock.poll(int(timeout_s * 1000)):
-            raise RuntimeError(f"the router at {self.config.router} did not answer registration")
-        ack = self.codec.decode(self.sock.recv_multipart())
-        if not isinstance(ack, m.RegisterAck) or not ack.ok:
-            raise RuntimeError(f"the router refused this worker: {getattr(ack, 'error', ack)}")
+        """Register with every router; return once one has accepted (the others accept
+        when they answer: a router that is down gets the registration when it comes up)."""
+        for link in self.links:
+            link.send(self.codec.encode(self.registration()))
+        poller = zmq.Poller()
+        for link in self.links:
+            poller.register(link.sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(int(left * 1000)):
+                link = next(x for x in self.links if x.sock is sock)
+                ack = self.codec.decode(sock.recv_multipart())
+                if not isinstance(ack, m.RegisterAck):
+                    continue
+                if not ack.ok:
+                    raise RuntimeError(f"the router at {link.endpoint} refused this worker: "
+                                       f"{ack.error}")  # fmt: skip
+                link.seen = time.monotonic()
+                return
+        routers = ", ".join(x.endpoint for x in self.links)
+        raise RuntimeError(f"no router answered registration in {timeout_s:g} s ({routers})")
 
-    def handle(self, msg: m.Message) -> None:
-        """Act on one message from the router; a request that fails is reported, never the
-        worker brought down."""
-        self.router_seen = time.monotonic()
-        if self.orphaned and not isinstance(msg, m.Reset):  # the router is back: rejoin it
-            self.orphaned = False  # (it declares our old self lost: what it held migrates)
-            self.send(self.registration())
+    def handle(self, msg: m.Message, link: RouterLink) -> None:
+        """Act on one message from the router of `link`; a request that fails is reported,
+        never the worker brought down."""
+        link.seen = time.monotonic()
+        if link.orphaned and not isinstance(msg, m.Reset):  # the router is back: rejoin it
+            link.orphaned = False  # (it declares our old self lost: what it held migrates)
+            link.send(self.codec.encode(self.registration()))
+        rid = getattr(msg, "request_id", None)
+        if isinstance(msg, (m.Admit, m.Prefill)):
+            self.owner[rid] = link
+        elif rid is not None and self.owner.get(rid, link) is not link:
+            log.warning("ignored %s for %s from a router that did not place it",
+                        type(msg).__name__, rid)  # fmt: skip
+            return
         try:
-            self.dispatch(msg)
+            self.dispatch(msg, link)
         except ValueError as exc:  # a request the engine refuses: tell the client why
-            self.send(m.Failed(getattr(msg, "request_id", "?"), str(exc), 400))
+            self.send(m.Failed(rid or "?", str(exc), 400))
         except Exception as exc:  # a bug must fail one request, never the worker
             log.exception("failed to handle %s", type(msg).__name__)
-            if hasattr(msg, "request_id"):
-                self.abort(msg.request_id)
-                self.send(
-                    m.Failed(msg.request_id, f"worker error: {type(exc).__name__}: {exc}", 500)
-                )
+            if rid is not None:
+                self.abort(rid)
+                self.send(m.Failed(rid, f"worker error: {type(exc).__name__}: {exc}", 500))
 
-    def dispatch(self, msg: m.Message) -> None:
+    def dispatch(self, msg: m.Message, link: RouterLink) -> None:
         match msg:
             case m.Admit() if self.decode is not None:
                 self.decode.on_admit(msg)
@@ -167,10 +220,13 @@ class Worker:
             case m.Abort():
                 self.abort(msg.request_id)
             case m.Reset():
-                self.reset()
+                self.reset(link)
             case m.RegisterAck(ok=False):
                 log.error("the router refused this worker: %s", msg.error)
                 self.running = False
+            case m.Shutdown() if len(self.links) > 1:  # that router leaves; serve the others
+                self.drop(link)
+                link.orphaned = True  # (registers again if it comes back)
             case m.Shutdown():
                 self.running = False
             case m.RegisterAck() | m.RouterBeat():
@@ -190,29 +246,47 @@ class Worker:
             self.abort(rid)
         for rid in list(self.engine.scheduler.held):
             self.engine.release(rid)
+        self.owner.clear()
         return len(rids)
 
-    def orphan(self, now: float) -> None:
-        """The router has been silent for --router-timeout-s (it died, or the network did):
-        its clients are gone, so free what it had placed here, and register again when a
-        router speaks (a new one on its address answers our heartbeats with Reset)."""
-        silent = now - self.router_seen
-        n = self.drop_all()
-        self.orphaned = True
+    def drop(self, link: RouterLink) -> int:
+        """Abort the requests `link`'s router placed here (all of them with one router)."""
+        if len(self.links) == 1:
+            return self.drop_all()
+        rids = [rid for rid, owner in self.owner.items() if owner is link]
+        for rid in rids:
+            self.abort(rid)
+            del self.owner[rid]
+        return len(rids)
+
+    def forget_finished(self) -> None:
+        """Drop the owners of requests that left this worker."""
+        live = set(self.engine.requests).union(
+            self.engine.scheduler.held, *(side.request_ids for side in self.sides)
+        )
+        for rid in [rid for rid in self.owner if rid not in live]:
+            del self.owner[rid]
+
+    def orphan(self, link: RouterLink, now: float) -> None:
+        """A router has been silent for --router-timeout-s (it died, or the network did):
+        its clients are gone, so free what it had placed here, and register again when it
+        speaks (a new one on its address answers our heartbeats with Reset)."""
+        n = self.drop(link)
+        link.orphaned = True
         log.warning(
             "no word from the router at %s for %.0f s: dropped %d requests and freed their "
-            "blocks; waiting for a router", self.config.router, silent, n,
+            "blocks; waiting for a router", link.endpoint, now - link.seen, n,
         )  # fmt: skip
 
-    def reset(self) -> None:
+    def reset(self, link: RouterLink) -> None:
         """The router declared us dead (e.g. we stalled) and moved our requests elsewhere, or
         it does not know us (a new router on the old one's address; the old one's clients are
-        gone): drop every request, free every block, and register again (with our prefix
+        gone): drop its requests, free their blocks, and register again (with our prefix
         cache's hashes, which a new router's index starts from)."""
-        self.orphaned = False
-        n = self.drop_all()
+        link.orphaned = False
+        n = self.drop(link)
         log.warning("router reset this worker: dropped %d requests, registering again", n)
-        self.send(self.registration())
+        link.send(self.codec.encode(self.registration()))
 
     # -- engine ---------------------------------------------------------------------------
     def step(self) -> None:
@@ -240,17 +314,22 @@ class Worker:
             flush=True,
         )
         next_beat = 0.0
+        poller = zmq.Poller()
+        for link in self.links:
+            poller.register(link.sock, zmq.POLLIN)
         while self.running:
             busy = self.engine.has_work()
             pushing = self.prefill is not None and bool(self.prefill.pushing)
-            if self.sock.poll(0 if busy or pushing else 20):
-                while self.sock.poll(0):
-                    msg = self.codec.decode(self.sock.recv_multipart())
-                    if msg is not None:
-                        self.handle(msg)
-            silent = time.monotonic() - self.router_seen  # (checked after reading what came)
-            if not self.orphaned and silent > self.config.router_timeout_s:
-                self.orphan(time.monotonic())
+            if poller.poll(0 if busy or pushing else 20):
+                for link in self.links:
+                    while link.sock.poll(0):
+                        msg = self.codec.decode(link.sock.recv_multipart())
+                        if msg is not None:
+                            self.handle(msg, link)
+            now = time.monotonic()  # (silence is checked after reading what came)
+            for link in self.links:
+                if not link.orphaned and now - link.seen > self.config.router_timeout_s:
+                    self.orphan(link, now)
             if self.decode is not None and self.decode.has_waiting():
                 self.decode.try_place()
                 self.decode.expire_leases(time.monotonic())
@@ -263,6 +342,7 @@ class Worker:
                 self.prefill.wait_settle(PUSH_POLL_S)
             if time.monotonic() >= next_beat:
                 self.reporter.publish()
+                self.forget_finished()
                 next_beat = time.monotonic() + HEARTBEAT_S / 2
         self.close()
 
@@ -272,4 +352,5 @@ class Worker:
         for c in (receiver, sender, self.store):
             if c is not None:
                 c.close()
-        self.sock.close()
+        for link in self.links:
+            link.sock.close()

@@ -5,6 +5,9 @@ it; the worker never exits."""
 
 from __future__ import annotations
 
+import json
+import threading
+
 import httpx
 from servers import Command, free_port, unclean
 from waiting import wait_until
@@ -58,3 +61,73 @@ def test_workers_rejoin_a_restarted_router_which_serves_the_same_tokens():
                 "the worker idle and clean",
             )
             assert list(workers) == ["w0"]
+
+
+def _stream_text(url: str, body: dict, out: dict) -> None:
+    """Stream a completion into out["text"]; out["error"] if it ended with an error."""
+    text = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        out["error"] = chunk["error"]
+                    elif chunk.get("usage"):
+                        out["tokens"] = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices"):
+                        text.append(chunk["choices"][0]["text"])
+    except httpx.HTTPError as exc:
+        out["error"] = str(exc)
+    out["text"] = "".join(text)
+
+
+def test_two_routers_share_a_worker_and_one_dying_costs_only_its_own_streams():
+    """Active-active: one worker registered with two routers serves both (the same greedy
+    tokens); kill -9 of one router mid-stream ends only that router's stream (the worker drops
+    it after --router-timeout-s), while the other router's stream, running on the same worker,
+    completes with every token."""
+    a_port, b_port = free_port(), free_port()
+    with _router(a_port) as a, _router(b_port) as b, Command(
+        "worker", "--role", "both", "--router", f"tcp://127.0.0.1:{a_port}",
+        "--router", f"tcp://127.0.0.1:{b_port}", "--worker-id", "w0", "--kv-cache-gb", "0.25",
+        "--router-timeout-s", "3", ready=r"worker w0 \(both\) ready",
+    ) as worker:  # fmt: skip
+        a_url, b_url = a.match[1], b.match[1]
+        for url in (a_url, b_url):
+            wait_until(lambda u=url: _serving(u), 60, f"the worker registered with {url}")
+        texts = [
+            httpx.post(u + "/v1/completions", json=BODY, timeout=60).json()["choices"][0]["text"]
+            for u in (a_url, b_url)
+        ]
+        assert texts[0] == texts[1]
+        n = 300  # B's stream outlasts A's death and the worker's 3 s silence timeout
+        long = {**BODY, "max_tokens": n, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        a_out, b_out = {}, {}
+        threads = [
+            threading.Thread(target=_stream_text, args=(b_url, long, b_out)),
+            threading.Thread(target=_stream_text, args=(a_url, long, a_out)),
+        ]
+        for t in threads:
+            t.start()
+        wait_until(
+            lambda: (
+                httpx.get(b_url + "/health", timeout=10).json()["workers"]["w0"]["running"] == 2
+            ),
+            30,
+            "both streams running on the worker",
+        )
+        a.kill()
+        for t in threads:
+            t.join(120)
+        assert "error" not in b_out and b_out.get("text"), (b_out, worker.lines[-20:])
+        assert b_out["tokens"] == n
+        assert "error" in a_out or len(a_out.get("text", "")) < len(b_out["text"])
+        assert any("dropped 1 requests and freed their blocks" in x for x in worker.lines)
+        assert worker.proc.poll() is None
+        wait_until(
+            lambda: not unclean(httpx.get(b_url + "/health", timeout=10).json()["workers"]),
+            30,
+            "the worker idle and clean",
+        )

@@ -76,6 +76,7 @@ class Config:
     fault_every_s: float = 6.0
     timeout_s: float = 120.0
     seed: int = 0
+    kv_transport: str = "tcp"
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.concurrency < 1 or self.max_tokens < 1:
@@ -215,7 +216,8 @@ def summarize(results, expected: list[str], cluster: Cluster, cfg: Config) -> di
 
 def run(cfg: Config) -> dict:
     global START
-    cluster = Cluster(Server(*SERVE_ARGS), Path(tempfile.mkdtemp(prefix="pdserve-chaos-")))
+    server = Server(*SERVE_ARGS, "--kv-transport", cfg.kv_transport)
+    cluster = Cluster(server, Path(tempfile.mkdtemp(prefix="pdserve-chaos-")))
     try:
         expected = baselines(cluster, cfg)
         stop, log = threading.Event(), []
@@ -248,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=120.0, help="a request is hung after this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
+    ap.add_argument(
+        "--kv-transport", default="tcp", choices=["tcp", "nixl"],
+        help="KV transport between the workers: the kills then cut pushes on that path",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     cfg = Config(
         args.requests,
@@ -256,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         args.fault_every_s,
         args.timeout_s,
         args.seed,
+        args.kv_transport,
     )
     report = run(cfg)
     for key, value in report.items():

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,15 @@ def test_kv_fault_switch_is_parsed_or_refused(monkeypatch):
         monkeypatch.setenv(envs.KV_FAULT, bad)
         with pytest.raises(ValueError, match="KIND:EVERY"):
             envs.kv_fault()
+
+
+def test_kernel_caches_are_bounded_at_import_unless_the_operator_set_them():
+    """Shape-keyed CPU kernel caches (oneDNN's and PyTorch's) are bounded in every process that
+    imports pdserve, before torch creates a kernel; an operator's own value is kept."""
+    code = "import os, pdserve; print(*(os.environ[n] for n in pdserve.envs.KERNEL_CACHES))"
+    env = {k: v for k, v in os.environ.items() if k not in envs.KERNEL_CACHES}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == [str(envs.KERNEL_CACHE_ENTRIES)] * 2, out.stderr
+    env["LRU_CACHE_CAPACITY"] = "7"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == [str(envs.KERNEL_CACHE_ENTRIES), "7"], out.stderr

@@ -61,6 +61,7 @@ class RouterLink:
         self.sock.connect(endpoint)
         self.seen = time.monotonic()
         self.orphaned = False
+        self.shut_down = False  # the router told this worker to stop (it is shutting down)
 
     def send(self, frames: list[bytes]) -> None:
         """Queue a message; never blocks the engine loop on a router that is gone (one that
@@ -187,8 +188,8 @@ class Worker:
         """Act on one message from the router of `link`; a request that fails is reported,
         never the worker brought down."""
         link.seen = time.monotonic()
-        if link.orphaned and not isinstance(msg, m.Reset):  # the router is back: rejoin it
-            link.orphaned = False  # (it declares our old self lost: what it held migrates)
+        if link.orphaned and not isinstance(msg, m.Reset | m.Shutdown):  # it is back: rejoin
+            link.orphaned = link.shut_down = False  # (it declares our old self lost)
             link.send(self.codec.encode(self.registration()))
         rid = getattr(msg, "request_id", None)
         if isinstance(msg, (m.Admit, m.Prefill)):
@@ -224,11 +225,13 @@ class Worker:
             case m.RegisterAck(ok=False):
                 log.error("the router refused this worker: %s", msg.error)
                 self.running = False
-            case m.Shutdown() if len(self.links) > 1:  # that router leaves; serve the others
-                self.drop(link)
-                link.orphaned = True  # (registers again if it comes back)
-            case m.Shutdown():
-                self.running = False
+            case m.Shutdown():  # the worker stops once every router it serves has
+                link.shut_down = True
+                if all(x.shut_down for x in self.links):
+                    self.running = False
+                else:  # serve the others; register again if this one comes back
+                    self.drop(link)
+                    link.orphaned = True
             case m.RegisterAck() | m.RouterBeat():
                 pass
             case _:

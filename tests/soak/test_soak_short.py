@@ -1,0 +1,40 @@
+"""The soak benchmark's short version (`benchmarks/soak.py --duration 120`): `pdserve serve`
+(1 P + 1 D) under the mixed workload for two minutes. Every request completes, no KV block is
+held once the load stops, open fds and threads do not grow, and no process's RSS grows by more
+than 5 % over the last two thirds of the run (the 30-minute run is the benchmark's; its figures
+are in docs/reliability.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+DURATION_S = 120
+
+
+def test_two_minutes_of_mixed_load_leave_nothing_behind(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SOAK), "--duration", str(DURATION_S), "--sample-s", "5",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=DURATION_S + 300,
+    )  # fmt: skip
+    report = proc.stdout[-3000:] + proc.stderr[-3000:]
+    samples = json.loads((tmp_path / "soak.json").read_text())
+    results = json.loads((tmp_path / "bench" / "results.json").read_text())
+    records = [r for run in results["runs"] for r in run["records"]]
+    assert records and all(r.get("status") == "ok" for r in records), report
+    assert not any(samples[-1]["held_blocks"].values()), report
+    loaded = [s for s in samples if s["t"] <= DURATION_S]
+    settled, end = loaded[len(loaded) // 3], loaded[-1]
+    assert set(end["procs"]) >= {"router", "prefill-0", "decode-1"}, end["procs"]
+    for name, last in end["procs"].items():
+        start = settled["procs"][name]
+        assert last["fds"] <= start["fds"] + 2, (name, start, last)
+        assert last["threads"] <= start["threads"] + 2, (name, start, last)
+        assert last["rss_mb"] < 1.05 * start["rss_mb"], (name, start, last, report)

@@ -166,6 +166,39 @@ def register(sub) -> None:
         help="how long the workers may take to register before serve gives up (default 300)",
     )
     p.add_argument(
+        "--launcher",
+        choices=["local", "ray"],
+        default="local",
+        help="local: the workers are processes of this machine, pinned to its cores (default); "
+        "ray: each worker is a Ray actor on a Ray cluster (--ray-address), placed by "
+        "--prefill-resources/--decode-resources and node labels pdserve/role=prefill|decode, "
+        "restarted by Ray if it dies (needs pdserve[ray])",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="auto|HOST:PORT",
+        help="--launcher ray: the cluster to join (auto: the one `ray start` runs on this "
+        "host); none given: start a local one on this machine's cores, as ray.init() does",
+    )
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-resources",
+            default=None,
+            metavar="JSON",
+            help=f"--launcher ray: the Ray resources of each {role} worker as JSON, e.g. "
+            "'{\"CPU\": 2}' or '{\"GPU\": 1}' (default: one CPU, and one GPU when the cluster "
+            "has GPUs; its engine gets as many threads as CPUs)",
+        )
+        p.add_argument(
+            f"--{role}-args",
+            default=None,
+            metavar="FLAGS",
+            help=f"engine flags for the {role} pool only, either launcher, e.g. "
+            + ('"--chunk-size 1024"' if role == "prefill" else '"--max-num-seqs 128"')
+            + " (given after the shared ones, so they win)",
+        )
+    p.add_argument(
         "--no-restart",
         action="store_true",
         help="do not restart a worker that exits (by default it is restarted with a backoff "

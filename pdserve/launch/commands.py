@@ -102,6 +102,26 @@ def engine_argv(args) -> list[str]:
     return argv
 
 
+def phase_argv(text: str | None, flag: str) -> list[str]:
+    """One pool's own engine flags (`--prefill-args "--chunk-size 1024"`), checked now."""
+    import shlex
+
+    from pdserve.engine.cli import add_engine_args
+
+    argv = shlex.split(text or "")
+    check = argparse.ArgumentParser(prog=f"pdserve serve {flag}", add_help=False)
+    add_engine_args(check)
+    check.add_argument("--transfer-timeout-s", type=float)
+    try:
+        _, unknown = check.parse_known_args(argv)
+    except SystemExit as exc:
+        raise ValueError(f"{flag} {text!r}: not valid engine flags") from exc
+    if unknown:
+        raise ValueError(f"{flag}: {' '.join(unknown)} is not an engine flag (see `pdserve worker "
+                         "--help`)")  # fmt: skip
+    return argv
+
+
 def serve(args) -> int:
     """`pdserve serve`: the router, then its workers (and a KV store) as subprocesses."""
     from pdserve.launch.local import (
@@ -124,8 +144,20 @@ def serve(args) -> int:
         os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
+    role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
+                 "decode": phase_argv(args.decode_args, "--decode-args")}  # fmt: skip
+    role_argv["both"] = role_argv["decode"]
     frontend = make_frontend(args)
-    procs = WorkerProcs(restart=not args.no_restart)
+    if args.launcher == "ray":
+        from pdserve.kv_transfer.wire import is_loopback
+        from pdserve.launch.ray_launcher import RayWorkers, parse_resources
+
+        pools = {r: parse_resources(getattr(args, f"{r}_resources"), f"--{r}-resources")
+                 for r in ("prefill", "decode")}  # fmt: skip
+        public = not is_loopback(args.control_host)
+        procs = RayWorkers(args.ray_address, pools, public, restart=not args.no_restart)
+    else:
+        procs = WorkerProcs(restart=not args.no_restart)
     base_argv = engine_argv(args)
 
     store_endpoint = args.kv_store_endpoint
@@ -137,7 +169,7 @@ def serve(args) -> int:
         base_argv += ["--kv-store", store_endpoint]
     base_argv += ["--transfer-timeout-s", str(args.transfer_timeout_s)]
 
-    gpus = visible_gpus() if args.device in ("auto", "cuda") else 0
+    gpus = visible_gpus() if args.device in ("auto", "cuda") and args.launcher == "local" else 0
     devices = gpu_per_worker(args.device, len(plan.workers), gpus)
     if gpus == 1 and args.mode == "disagg":
         print(
@@ -156,6 +188,7 @@ def serve(args) -> int:
             chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
             if chunk:
                 argv += ["--chunk-size", str(chunk)]
+            argv += role_argv[role]  # last: the pool's own settings win
             procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport)
         n_pre = sum(r == "prefill" for r, _ in plan.workers)
         try:
@@ -169,7 +202,7 @@ def serve(args) -> int:
         procs.forward_output()
         url = f"http://{args.host}:{port}"
         layout = ", ".join(
-            f"{r}@cpu{c}" + (f"+{d}" if d else "")
+            (f"{r}@ray" if args.launcher == "ray" else f"{r}@cpu{c}") + (f"+{d}" if d else "")
             for (r, c), d in zip(plan.workers, devices, strict=True)
         )
         print(f"pdserve ready: {url}/v1 ({args.mode}: {layout})", flush=True)
@@ -189,20 +222,23 @@ def serve(args) -> int:
 def worker(args) -> int:
     """`pdserve worker`: one engine process that joins a router."""
     from pdserve.launch.local import pin_cpus, run_worker
-    from pdserve.serving.worker import WorkerConfig
 
     n = pin_cpus(args.cpus)
-    threads = args.threads or n
+    return run_worker(worker_config(args, threads=args.threads or n))
+
+
+def worker_config(args, threads: int | None = None, placement: tuple = ()):
+    """The WorkerConfig of `pdserve worker`'s flags (the Ray launcher's actors use it too)."""
+    from dataclasses import replace
+
+    from pdserve.serving.worker import WorkerConfig
+
     engine = engine_config_from_args(args, role=args.role)
-    if threads:
-        from dataclasses import replace
-
-        engine = replace(engine, num_threads=threads)
+    if threads or args.threads:
+        engine = replace(engine, num_threads=threads or args.threads)
     if args.role == "prefill":  # a prefill worker computes whole prompts: no chunking
-        from dataclasses import replace
-
         engine = replace(engine, chunk_size=None)
-    config = WorkerConfig(
+    return WorkerConfig(
         kv_store=args.kv_store,
         engine=engine,
         routers=tuple(args.router),
@@ -211,5 +247,5 @@ def worker(args) -> int:
         kv_host=args.kv_host,
         router_timeout_s=args.router_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s,
+        placement=placement,
     )
-    return run_worker(config)

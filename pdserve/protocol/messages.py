@@ -56,6 +56,7 @@ class Register(msgspec.Struct, tag=True):
     pid: int = 0
     has_store: bool = False  # loads prefixes from / offloads blocks to a KV store
     cached: list[int] = []  # block hashes in its prefix cache (a new router's index starts here)
+    placement: dict[str, str] = {}  # where it runs: host; under Ray its node and actor ids
 
 
 class RegisterAck(msgspec.Struct, tag=True):

@@ -90,7 +90,12 @@ def build_app(frontend: Frontend) -> FastAPI:
         report (block counts, queues, integrity) so operators and tests see nothing leaked."""
         alive = frontend.core.alive()
         workers = {
-            w.worker_id: {"role": w.role, **(msgspec.structs.asdict(w.load) if w.load else {})}
+            w.worker_id: {
+                "role": w.role,
+                "pid": w.pid,
+                **w.placement,
+                **(msgspec.structs.asdict(w.load) if w.load else {}),
+            }
             for w in alive
         }
         ok = frontend.core.ready

@@ -104,7 +104,7 @@ class RouterCore:
             self.worker_lost(old, "it re-registered (restarted)")
         self.workers[wid] = WorkerInfo(
             wid, msg.role, msg.layout, msg.kv_endpoint, msg.total_blocks, msg.max_model_len,
-            msg.pid, has_store=msg.has_store, cached=set(msg.cached),
+            msg.pid, has_store=msg.has_store, cached=set(msg.cached), placement=msg.placement,
         )  # fmt: skip
         self.send(wid, m.RegisterAck(True))
         log.info("worker %s registered as %s", wid, msg.role)

@@ -24,6 +24,7 @@ class WorkerInfo:
     inflight: set[str] = field(default_factory=set)  # request ids placed here
     alive: bool = True
     has_store: bool = False
+    placement: dict[str, str] = field(default_factory=dict)  # host; Ray node and actor ids
 
     @property
     def can_decode(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ class WorkerConfig:
     transfer_timeout_s: float = m.TRANSFER_TIMEOUT_S  # --transfer-timeout-s
     router_timeout_s: float = m.ROUTER_TIMEOUT_S  # router silence before its requests drop
     kv_store: str | None = None  # endpoint of a `pdserve store` (tcp://host:port)
+    placement: tuple[tuple[str, str], ...] = ()  # reported in /health (e.g. Ray node, actor)
 
 
 class RouterLink:
@@ -129,6 +131,7 @@ class Worker:
         self.links = [RouterLink(r, config.worker_id) for r in config.routers]
         self.owner: dict[str, RouterLink] = {}  # request -> the router that placed it here
         self.running = True
+        self.registered = False  # a router has accepted this worker once
         self.reporter = LoadReporter(self)
 
     # -- control plane -------------------------------------------------------------------
@@ -159,6 +162,7 @@ class Worker:
             max_model_len=self.engine.max_model_len,
             pid=os.getpid(),
             cached=list(self.engine.block_manager.hash_to_block),
+            placement={"host": socket.gethostname(), **dict(self.config.placement)},
         )
 
     def register(self, timeout_s: float = 60.0) -> None:
@@ -180,6 +184,7 @@ class Worker:
                     raise RuntimeError(f"the router at {link.endpoint} refused this worker: "
                                        f"{ack.error}")  # fmt: skip
                 link.seen = time.monotonic()
+                self.registered = True
                 return
         routers = ", ".join(x.endpoint for x in self.links)
         raise RuntimeError(f"no router answered registration in {timeout_s:g} s ({routers})")

@@ -1,0 +1,206 @@
+"""`pdserve serve --launcher ray`: every prefill and decode worker is a Ray actor, placed by Ray
+(resources per pool, node labels `pdserve/role=prefill|decode`) and restarted by Ray when its
+process dies. The router stays in the `serve` process; the actors run the same worker code as
+`pdserve worker` (engine loop, ZeroMQ control to the router, KV straight between actors over
+tcp or nixl: nothing moves through Ray's object store) and register with the router as any
+worker does, so the router learns their addresses from them.
+
+`RayWorkers` has the interface of the local launcher's `WorkerProcs` that `serve` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import traceback
+import warnings
+
+log = logging.getLogger("pdserve.launch")
+ROLE_LABEL = "pdserve/role"
+INSTALL_HINT = (
+    "--launcher ray needs Ray: pip install 'pdserve[ray]' (ray==2.60.0), or use the default "
+    "--launcher local"
+)
+# what the actors inherit from `serve`'s environment (Ray starts them from its own)
+PASSED_ENV = ("PDSERVE_", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY", "HF_")
+RESTART_PAUSE_S = 2.0  # a worker that fails after it served waits this long before Ray restarts it
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise SystemExit(f"pdserve serve: error: {INSTALL_HINT}") from exc
+    return ray
+
+
+def parse_resources(text: str | None, flag: str) -> dict[str, float] | None:
+    """A Ray resource dict from JSON (`{"CPU": 1, "GPU": 1}`), checked; None: the default."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag}: not JSON ({exc.msg}): give e.g. '{{\"CPU\": 1}}'") from exc
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and v >= 0 for k, v in value.items()
+    ):
+        raise ValueError(f"{flag}: expected a JSON object of resource amounts, got {text!r}")
+    return {k: float(v) for k, v in value.items()}
+
+
+class WorkerActor:
+    """One worker in a Ray actor: `__init__` starts the worker's loop on a thread and returns
+    (Ray counts the actor alive once it does). If the loop fails after the worker has served,
+    the process exits so that Ray restarts the actor (`max_restarts`), which registers again
+    under the same worker id; a failure before that (a bad flag, a missing model) is kept for
+    `info`, so `serve` reports it instead of Ray restarting it forever."""
+
+    def __init__(self, argv: list[str], public: bool) -> None:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        self.placement = (
+            ("ray_node_id", ctx.get_node_id()),
+            ("ray_actor_id", ctx.get_actor_id()),
+        )
+        if public:  # other hosts must reach this worker's KV receiver
+            argv = [*argv, "--kv-host", ray.util.get_node_ip_address()]
+        with warnings.catch_warnings():  # Ray's own use of a deprecated API inside it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.restarted = ctx.was_current_actor_reconstructed
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
+        self.thread.start()
+
+    def _run(self, argv: list[str]) -> None:
+        from pdserve.cli import build_parser
+        from pdserve.launch.commands import worker_config
+        from pdserve.serving.worker import Worker
+
+        worker = None
+        try:
+            args = build_parser().parse_args(["worker", *argv])
+            worker = Worker(worker_config(args, placement=self.placement))
+            worker.run()
+        except BaseException:  # noqa: BLE001  (SystemExit from argparse too)
+            self.error = traceback.format_exc()
+            print(self.error, flush=True)
+            if self.restarted or (worker is not None and worker.registered):
+                time.sleep(RESTART_PAUSE_S)
+                os._exit(1)  # Ray restarts the actor
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "error": self.error, **dict(self.placement)}
+
+
+class RayWorkers:
+    """The workers of `pdserve serve --launcher ray`, one actor each."""
+
+    def __init__(
+        self,
+        address: str | None,
+        resources: dict[str, dict[str, float] | None],
+        public: bool,
+        restart: bool = True,
+    ) -> None:
+        self.ray = ray = import_ray()
+        env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV)}
+        options = {"include_dashboard": False, "log_to_driver": True,
+                   "runtime_env": {"env_vars": env}}  # fmt: skip
+        if address:
+            ray.init(address=address, **options)
+        else:  # a local cluster of this machine's cores, as ray.init() starts one
+            ray.init(num_cpus=len(os.sched_getaffinity(0)), **options)
+        self.started_cluster = not address
+        default = {"CPU": 1.0, **({"GPU": 1.0} if ray.cluster_resources().get("GPU") else {})}
+        self.resources = {role: want or default for role, want in resources.items()}
+        self.resources["both"] = self.resources["decode"]
+        self.public, self.restart = public, restart
+        self.roles = {n["Labels"].get(ROLE_LABEL) for n in ray.nodes() if n["Alive"]} - {None}
+        self.actor_class = ray.remote(WorkerActor)
+        self.actors: dict[str, object] = {}
+        self.info_refs: dict[str, object] = {}
+        self.stopping = threading.Event()
+
+    def start(self, worker_id, role, cpus, router, engine_argv, transport) -> None:
+        """Like `WorkerProcs.start` (`cpus` is not used: Ray places by resources)."""
+        want = dict(self.resources[role])
+        num_cpus, num_gpus = want.pop("CPU", 1.0), want.pop("GPU", 0.0)
+        argv = ["--role", role, "--router", router, "--worker-id", worker_id,
+                "--kv-transport", transport, "--threads", str(max(1, int(num_cpus))),
+                *engine_argv]  # fmt: skip
+        options = {
+            "num_cpus": num_cpus,
+            "num_gpus": num_gpus,
+            "resources": want or None,
+            "max_restarts": -1 if self.restart else 0,
+            "max_concurrency": 2,  # `info` answers while the worker thread runs
+            "name": f"pdserve-{worker_id}-{os.getpid()}",
+        }
+        if role in self.roles:  # some node is labelled for this pool: only those take it
+            options["label_selector"] = {ROLE_LABEL: role}
+        actor = self.actor_class.options(**options).remote(argv, self.public)
+        self.actors[worker_id] = actor
+        self.info_refs[worker_id] = actor.info.remote()
+
+    def start_store(self, *_args) -> str:
+        raise ValueError(
+            "--kv-store is not started by --launcher ray: run `pdserve store` on a host and "
+            "give its endpoint with --kv-store-endpoint"
+        )
+
+    def info(self, worker_id: str, timeout_s: float = 10.0) -> dict:
+        return self.ray.get(self.actors[worker_id].info.remote(), timeout=timeout_s)
+
+    def failed(self) -> tuple[str, str] | None:
+        """(worker id, why) of a worker that failed before it served, else None."""
+        for wid, ref in list(self.info_refs.items()):
+            ready, _ = self.ray.wait([ref], timeout=0)
+            if not ready:
+                continue
+            try:
+                error = self.ray.get(ref)["error"]
+            except self.ray.exceptions.RayError as exc:
+                return wid, str(exc)
+            if error:
+                return wid, error
+            self.info_refs[wid] = self.actors[wid].info.remote()  # ask again next time
+        return None
+
+    def supervise(self, interval_s: float = 0.5) -> threading.Thread:
+        """Ray restarts dead actors; report each restart (a new pid)."""
+
+        def watch() -> None:
+            pids: dict[str, int] = {}
+            while not self.stopping.wait(interval_s * 4):
+                for wid, actor in list(self.actors.items()):
+                    try:
+                        pid = self.ray.get(actor.info.remote(), timeout=5)["pid"]
+                    except self.ray.exceptions.RayError:
+                        continue  # dead or restarting: Ray handles it
+                    if wid in pids and pids[wid] != pid:
+                        print(f"pdserve serve: worker {wid} was restarted by Ray (pid {pid})",
+                              flush=True)  # fmt: skip
+                    pids[wid] = pid
+
+        thread = threading.Thread(target=watch, name="ray-supervise", daemon=True)
+        thread.start()
+        return thread
+
+    def forward_output(self) -> None:
+        pass  # Ray forwards the actors' output itself (log_to_driver)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stopping.set()
+        for actor in self.actors.values():
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001  (already gone)
+                pass
+        self.actors.clear()
+        if self.started_cluster:
+            self.ray.shutdown()

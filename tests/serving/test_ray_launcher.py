@@ -1,0 +1,117 @@
+"""`pdserve serve --launcher ray` on a Ray cluster of three nodes on this machine
+(`ray.cluster_utils.Cluster`: a head without CPUs, one node labelled pdserve/role=prefill, one
+labelled pdserve/role=decode). One Ray deployment (1 P + 2 D) serves the module: it answers
+greedy prompts token for token like the local launcher's (`disagg_server`), Ray places each
+pool on its labelled node, and a decode actor killed -9 mid-stream costs no token: the stream
+migrates, Ray restarts the actor, it registers again and serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import httpx
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from servers import Server
+from waiting import wait_until
+
+pytestmark = pytest.mark.slow
+ROLE = "pdserve/role"
+ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+CHAT = [{"role": "user", "content": "Name three rivers."}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.update(ENV)
+    c = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+    c.add_node(num_cpus=1, labels={ROLE: "prefill"})
+    c.add_node(num_cpus=2, labels={ROLE: "decode"})
+    c.wait_for_nodes()
+    ray.init(address=c.address)  # the test's own view of where Ray put things
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_server(cluster):
+    with Server(
+        "--launcher", "ray", "--ray-address", cluster.address, "--mode", "disagg",
+        "--decode", "2", "--dtype", "float32", "--local-prefill-threshold", "0",
+        "--kv-cache-gb", "0.5", env=ENV,
+    ) as server:  # fmt: skip
+        yield server
+
+
+def answers(url: str) -> list[str]:
+    """Completions and chat, streamed and not, greedy."""
+    out = []
+    for path, body in (("completions", {"prompt": "The capital of France is"}),
+                       ("chat/completions", {"messages": CHAT})):  # fmt: skip
+        r = httpx.post(f"{url}/v1/{path}", json={**body, **GREEDY}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        out.append(choice.get("text") or choice["message"]["content"])
+        text = []
+        with httpx.stream("POST", f"{url}/v1/{path}", json={**body, **GREEDY, "stream": True},
+                          timeout=60) as s:  # fmt: skip
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    c = json.loads(line[6:])["choices"][0]
+                    text.append(c.get("text") or c.get("delta", {}).get("content") or "")
+        out.append("".join(text))
+    return out
+
+
+def test_ray_deployment_answers_like_the_local_launcher(ray_server, disagg_server):
+    assert answers(ray_server.url) == answers(disagg_server.url)
+    ray_server.wait_idle_and_clean()
+
+
+def test_each_pool_runs_on_the_node_labelled_for_it(ray_server):
+    labels = {n["NodeID"]: n["Labels"].get(ROLE) for n in ray.nodes() if n["Alive"]}
+    workers = ray_server.health()["workers"]
+    assert {w: labels[v["ray_node_id"]] for w, v in workers.items()} == {
+        "prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"
+    }  # fmt: skip
+    assert all(v["ray_actor_id"] and v["pid"] for v in workers.values())
+
+
+def test_a_decode_actor_killed_mid_stream_costs_no_token_and_ray_restarts_it(ray_server):
+    body = {"prompt": "Once upon a time", **GREEDY, "max_tokens": 80}
+    expected = httpx.post(ray_server.url + "/v1/completions", json=body, timeout=60).json()
+    text = []
+    with httpx.stream("POST", ray_server.url + "/v1/completions",
+                      json={**body, "stream": True}, timeout=60) as s:  # fmt: skip
+        lines = s.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+                break
+        workers = ray_server.health()["workers"]
+        [(victim, pid)] = [(w, v["pid"]) for w, v in workers.items() if v["running"] == 1]
+        os.kill(pid, signal.SIGKILL)
+        for line in lines:
+            if line.startswith("data: {"):
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+    assert "".join(text) == expected["choices"][0]["text"]
+    back = wait_until(
+        lambda: (w := ray_server.health()["workers"].get(victim)) and w["pid"] != pid and w,
+        120,
+        f"Ray to restart {victim} and it to register again",
+    )
+    before = back["prefix_query_tokens"]
+    for i in range(4):  # spread over both decode workers: the restarted one takes some
+        httpx.post(ray_server.url + "/v1/completions",
+                   json={"prompt": f"Request {i}: the sea", **GREEDY}, timeout=60)  # fmt: skip
+    wait_until(
+        lambda: ray_server.health()["workers"][victim]["prefix_query_tokens"] > before,
+        10,
+        f"the restarted {victim} to serve",
+    )
+    ray_server.wait_idle_and_clean()

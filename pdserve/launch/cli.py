@@ -158,7 +158,7 @@ def register(sub) -> None:
         "in one step). Co-located workers use --chunk-size",
     )
     p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS, help="KV transfer backend")
-    _transfer_timeout_arg(p)
+    _kv_push_args(p)
     p.add_argument(
         "--startup-timeout-s",
         type=float,
@@ -264,7 +264,7 @@ def register(sub) -> None:
         "--cpus", default=None, help="pin to these cores, e.g. 0 or 2-3 (threads follow)"
     )
     p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS)
-    _transfer_timeout_arg(p)
+    _kv_push_args(p)
     p.add_argument(
         "--router-timeout-s",
         type=float,
@@ -289,7 +289,15 @@ def register(sub) -> None:
     p.set_defaults(func=commands.worker)
 
 
-def _transfer_timeout_arg(p) -> None:
+def _kv_push_args(p) -> None:
+    p.add_argument(
+        "--kv-compression",
+        choices=["none", "fp8"],
+        default="none",
+        help="KV on the wire from prefill to decode workers: fp8 (e4m3 with a scale per "
+        "block) halves the bytes of a 16-bit cache, for links slower than the CPU; lossy (see "
+        "docs/results.md for its effect on outputs); tcp only (default none)",
+    )
     p.add_argument(
         "--transfer-timeout-s",
         type=float,

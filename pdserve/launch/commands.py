@@ -102,6 +102,14 @@ def engine_argv(args) -> list[str]:
     return argv
 
 
+def check_kv_compression(args) -> None:
+    if args.kv_compression != "none" and args.kv_transport != "tcp":
+        raise ValueError(
+            f"--kv-compression {args.kv_compression} needs --kv-transport tcp: the nixl "
+            "transport moves raw blocks (the receiver reads them in place)"
+        )
+
+
 def phase_argv(text: str | None, flag: str) -> list[str]:
     """One pool's own engine flags (`--prefill-args "--chunk-size 1024"`), checked now."""
     import shlex
@@ -144,6 +152,7 @@ def serve(args) -> int:
         os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
+    check_kv_compression(args)
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
                  "decode": phase_argv(args.decode_args, "--decode-args")}  # fmt: skip
     role_argv["both"] = role_argv["decode"]
@@ -168,6 +177,7 @@ def serve(args) -> int:
     if store_endpoint:
         base_argv += ["--kv-store", store_endpoint]
     base_argv += ["--transfer-timeout-s", str(args.transfer_timeout_s)]
+    base_argv += ["--kv-compression", args.kv_compression]
 
     gpus = visible_gpus() if args.device in ("auto", "cuda") and args.launcher == "local" else 0
     devices = gpu_per_worker(args.device, len(plan.workers), gpus)
@@ -233,6 +243,7 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
 
     from pdserve.serving.worker import WorkerConfig
 
+    check_kv_compression(args)
     engine = engine_config_from_args(args, role=args.role)
     if threads or args.threads:
         engine = replace(engine, num_threads=threads or args.threads)
@@ -248,4 +259,5 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
         router_timeout_s=args.router_timeout_s,
         transfer_timeout_s=args.transfer_timeout_s,
         placement=placement,
+        kv_compression=args.kv_compression,
     )

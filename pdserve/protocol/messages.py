@@ -57,6 +57,7 @@ class Register(msgspec.Struct, tag=True):
     has_store: bool = False  # loads prefixes from / offloads blocks to a KV store
     cached: list[int] = []  # block hashes in its prefix cache (a new router's index starts here)
     placement: dict[str, str] = {}  # where it runs: host; under Ray its node and actor ids
+    kv_compression: str = "none"  # its KV pushes on the wire: none | fp8
 
 
 class RegisterAck(msgspec.Struct, tag=True):

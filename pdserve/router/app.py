@@ -93,6 +93,7 @@ def build_app(frontend: Frontend) -> FastAPI:
             w.worker_id: {
                 "role": w.role,
                 "pid": w.pid,
+                "kv_compression": w.kv_compression,
                 **w.placement,
                 **(msgspec.structs.asdict(w.load) if w.load else {}),
             }

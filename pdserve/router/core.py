@@ -105,6 +105,7 @@ class RouterCore:
         self.workers[wid] = WorkerInfo(
             wid, msg.role, msg.layout, msg.kv_endpoint, msg.total_blocks, msg.max_model_len,
             msg.pid, has_store=msg.has_store, cached=set(msg.cached), placement=msg.placement,
+            kv_compression=msg.kv_compression,
         )  # fmt: skip
         self.send(wid, m.RegisterAck(True))
         log.info("worker %s registered as %s", wid, msg.role)
@@ -281,7 +282,9 @@ class RouterCore:
             w.inflight.discard(msg.request_id)
         if state is None:
             return
-        metrics.KV_BYTES.inc(msg.transfer_bytes)
+        sender = self.workers.get(wid.partition("#")[0])
+        encoding = "fp8" if sender is not None and sender.kv_compression == "fp8" else "raw"
+        metrics.KV_BYTES.labels(encoding).inc(msg.transfer_bytes)
         metrics.KV_SECONDS.inc(msg.transfer_s)
         metrics.KV_EXPOSED.observe(msg.exposed_s)
         if state.placed_at is not None:  # D's blocks waited under lease this long

@@ -12,7 +12,11 @@ ITL = Histogram("pdserve_itl_seconds", "inter-token latency", buckets=_LAT)
 E2E = Histogram("pdserve_e2e_seconds", "end-to-end request latency", buckets=_LAT)
 REQUESTS = Counter("pdserve_requests", "finished requests", ["status"])
 PREFILL_DECISIONS = Counter("pdserve_prefill_decisions", "where prompts were prefilled", ["where"])
-KV_BYTES = Counter("pdserve_kv_transfer_bytes", "KV bytes pushed prefill -> decode")
+KV_BYTES = Counter(
+    "pdserve_kv_transfer_bytes",
+    "KV bytes pushed prefill -> decode, by wire encoding (raw, or fp8: --kv-compression)",
+    ["encoding"],
+)
 KV_SECONDS = Counter("pdserve_kv_transfer_seconds", "seconds spent pushing KV")
 KV_EXPOSED = Histogram(
     "pdserve_kv_transfer_exposed_seconds",

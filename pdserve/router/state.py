@@ -25,6 +25,7 @@ class WorkerInfo:
     alive: bool = True
     has_store: bool = False
     placement: dict[str, str] = field(default_factory=dict)  # host; Ray node and actor ids
+    kv_compression: str = "none"  # what its KV pushes put on the wire
 
     @property
     def can_decode(self) -> bool:

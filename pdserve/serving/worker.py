@@ -48,6 +48,7 @@ class WorkerConfig:
     router_timeout_s: float = m.ROUTER_TIMEOUT_S  # router silence before its requests drop
     kv_store: str | None = None  # endpoint of a `pdserve store` (tcp://host:port)
     placement: tuple[tuple[str, str], ...] = ()  # reported in /health (e.g. Ray node, actor)
+    kv_compression: str = "none"  # --kv-compression: fp8 on the wire (tcp only)
 
 
 class RouterLink:
@@ -106,7 +107,8 @@ class Worker:
         self.decode = self.prefill = self.store = None
         connectors = []
         if self.role == "prefill":
-            sender = make_sender(config.kv_transport, self.layout, *caches)
+            compression = {"none": None}.get(config.kv_compression, config.kv_compression)
+            sender = make_sender(config.kv_transport, self.layout, *caches, compression=compression)
             self.prefill = PrefillSide(
                 self.engine, sender, self.send, config.transfer_timeout_s, self.staging
             )
@@ -163,6 +165,7 @@ class Worker:
             pid=os.getpid(),
             cached=list(self.engine.block_manager.hash_to_block),
             placement={"host": socket.gethostname(), **dict(self.config.placement)},
+            kv_compression=self.config.kv_compression,
         )
 
     def register(self, timeout_s: float = 60.0) -> None:

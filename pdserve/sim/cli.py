@@ -94,6 +94,13 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="bf16", help="weight dtype (default bf16; the profile's "
                    "with --profile)")  # fmt: skip
     g.add_argument("--kv-dtype", help="KV-cache dtype (default: the weight dtype)")
+    g.add_argument(
+        "--kv-compression",
+        choices=("none", "fp8"),
+        default="none",
+        help="KV on the wire between prefill and decode, as `pdserve serve "
+        "--kv-compression`: fp8 halves the bytes of a 16-bit cache (default none)",
+    )
 
 
 def _add_workload_args(p: argparse.ArgumentParser, default_slo: tuple[float, float]) -> None:

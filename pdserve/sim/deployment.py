@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pdserve.config import DECODE_CHUNK_SIZE, EngineConfig
 from pdserve.router.config import RouterConfig
 from pdserve.sim.hardware import Accelerator, Link
+from pdserve.sim.kvmath import dtype_bits, kv_bytes
 from pdserve.sim.latency import Efficiency, LatencyModel
 from pdserve.sim.models import ModelSpec
 
@@ -46,6 +47,15 @@ class Cluster:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     serving: Mapping[str, ServingOverhead] = field(default_factory=dict)
+    kv_wire: str = "none"  # --kv-compression: fp8 puts 8 bits per element on the wire
+
+    def wire_bytes(self, tokens: int) -> float:
+        """Bytes a `tokens`-long prompt's KV puts on the link (FP8: 8 bits per element; its
+        float32 scale per block, < 0.1 % of a block, is left out)."""
+        nbytes = kv_bytes(self.model, tokens, self.kv_dtype)
+        if self.kv_wire == "fp8":
+            return nbytes * min(1.0, 8 / dtype_bits(self.kv_dtype))
+        return nbytes
 
     def overhead(self, mode: str) -> ServingOverhead:
         """The serving overhead of `mode` (zero when none was calibrated)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from pdserve.sim.kvmath import format_duration, kv_bytes
+from pdserve.sim.kvmath import format_duration
 from pdserve.sim.planner import Candidate, Plan, PlanRequest
 
 
@@ -105,7 +105,7 @@ def _verdict(best: dict[str, Candidate]) -> str:
 
 def _transfer_reason(req: PlanRequest, prompt: int, ptp: int) -> str:
     cl, slo = req.cluster, req.slo
-    nbytes = kv_bytes(cl.model, prompt, cl.kv_dtype)
+    nbytes = cl.wire_bytes(prompt)
     bw = cl.link.instance_bytes_per_s(ptp)
     t = nbytes / bw
     last = t / cl.model.num_layers

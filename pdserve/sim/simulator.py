@@ -23,7 +23,6 @@ from pdserve.bench.workload import RequestSpec
 from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.fabric import Fabric
 from pdserve.sim.instance import Instance, SimRequest
-from pdserve.sim.kvmath import kv_bytes_per_token
 from pdserve.sim.latency import steps_to_reach, stretch_time
 from pdserve.sim.stats import weighted_stats
 
@@ -73,7 +72,7 @@ class _Loop:
                 for d in self.decoders:
                     d.idle_budget = budget
         self.fabric = Fabric(cluster.link, cluster.model.num_layers)
-        self.kv_per_token = kv_bytes_per_token(cluster.model, cluster.kv_dtype)
+        self.kv_per_token = cluster.wire_bytes(1)  # on the wire
         self.fabric_version = 0
         # Requests sent to the prefill pool whose first token has not come back: the router's
         # "prefill pool busy" (it counts them until the KV has landed, not just until computed).

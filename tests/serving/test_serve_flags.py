@@ -12,6 +12,9 @@ from servers import run_serve
         (["--decode-chunk-size", "10"], "--decode-chunk-size must be 0 (off) or at least"),
         (["--slo-ttft", "0"], "--slo-ttft must be a positive number of seconds"),
         (["--slo-tpot", "-1"], "--slo-tpot must be a positive number of seconds"),
+        (["--kv-compression", "fp8", "--kv-transport", "nixl"], "needs --kv-transport tcp"),
+        (["--prefill-args", "--chunk-size 1024 --bogus 1"], "--bogus 1 is not an engine flag"),
+        (["--launcher", "ray", "--decode-resources", "{CPU: 1}"], "--decode-resources: not JSON"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(flags, message):

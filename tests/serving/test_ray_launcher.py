@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import httpx
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from servers import Server
+from servers import Server, run_serve
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -115,3 +116,21 @@ def test_a_decode_actor_killed_mid_stream_costs_no_token_and_ray_restarts_it(ray
         f"the restarted {victim} to serve",
     )
     ray_server.wait_idle_and_clean()
+
+
+def test_a_worker_that_cannot_start_fails_the_start_up_with_its_error(cluster):
+    """A worker whose engine refuses its flags is reported with the worker's own error, and
+    serve exits: Ray does not restart it forever."""
+    out = run_serve("--launcher", "ray", "--ray-address", cluster.address, "--mode", "disagg",
+                    "--decode-args", "--max-num-seqs 0", env=ENV)  # fmt: skip
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "worker decode-1 failed to start" in text and "max_num_seqs" in text, text[-3000:]
+
+
+def test_without_ray_installed_the_launcher_says_how_to_install_it(monkeypatch):
+    from pdserve.launch import ray_launcher
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
+    with pytest.raises(SystemExit, match=r"pip install 'pdserve\[ray\]'"):
+        ray_launcher.import_ray()

@@ -10,12 +10,25 @@ from pdserve.config import DECODE_CHUNK_SIZE
 from pdserve.engine.cli import add_engine_args
 from pdserve.kv_transfer.registry import TRANSPORTS
 from pdserve.launch import commands
-from pdserve.protocol.messages import ROUTER_TIMEOUT_S, TRANSFER_TIMEOUT_S
+from pdserve.protocol.messages import DRAIN_TIMEOUT_S, ROUTER_TIMEOUT_S, TRANSFER_TIMEOUT_S
 from pdserve.router.config import MODES, RouterConfig
+
+
+def _drain_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        metavar="S",
+        help=f"on SIGTERM {what} (default {DRAIN_TIMEOUT_S:g}); SIGINT or a second SIGTERM "
+        "stops at once",
+    )
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
     """The router's flags; their defaults are `RouterConfig`'s (its class attributes)."""
+    _drain_arg(p, "refuse new requests (503 + Retry-After) and let those admitted finish, "
+               "for at most S seconds, then stop with exit status 0")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
     p.add_argument(
@@ -265,6 +278,9 @@ def register(sub) -> None:
     )
     p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS)
     _kv_push_args(p)
+    _drain_arg(p, "take nothing new (the routers are told), finish the requests this worker "
+               "holds, then exit 0; past S seconds exit anyway and the routers migrate what is "
+               "left")  # fmt: skip
     p.add_argument(
         "--router-timeout-s",
         type=float,

@@ -86,7 +86,10 @@ def router(args) -> int:
             flush=True,
         )
 
-    return serve_forever(build_app(frontend), args.host, args.port, on_ready=ready)
+    return serve_forever(
+        build_app(frontend), args.host, args.port, on_ready=ready,
+        drain=lambda: frontend.drain(args.drain_timeout_s),
+    )  # fmt: skip
 
 
 def engine_argv(args) -> list[str]:
@@ -178,6 +181,7 @@ def serve(args) -> int:
         base_argv += ["--kv-store", store_endpoint]
     base_argv += ["--transfer-timeout-s", str(args.transfer_timeout_s)]
     base_argv += ["--kv-compression", args.kv_compression]
+    base_argv += ["--drain-timeout-s", str(args.drain_timeout_s)]
 
     gpus = visible_gpus() if args.device in ("auto", "cuda") and args.launcher == "local" else 0
     devices = gpu_per_worker(args.device, len(plan.workers), gpus)
@@ -225,8 +229,9 @@ def serve(args) -> int:
         )
 
     return serve_forever(
-        build_app(frontend), args.host, args.port, on_ready=ready, on_stop=procs.stop
-    )
+        build_app(frontend), args.host, args.port, on_ready=ready, on_stop=procs.stop,
+        drain=lambda: frontend.drain(args.drain_timeout_s),
+    )  # fmt: skip
 
 
 def worker(args) -> int:
@@ -260,4 +265,5 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
         transfer_timeout_s=args.transfer_timeout_s,
         placement=placement,
         kv_compression=args.kv_compression,
+        drain_timeout_s=args.drain_timeout_s,
     )

@@ -33,7 +33,12 @@ def run_worker(config) -> int:
     from pdserve.serving.worker import Worker
 
     worker = Worker(config)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "running", False))
+
+    def on_term(*_) -> None:  # drain; a second SIGTERM stops at once
+        worker.running = worker.running and not worker.drain_requested
+        worker.drain_requested = True
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         worker.run()
     except RuntimeError as exc:
@@ -115,14 +120,36 @@ async def wait_ready(core, procs, n_prefill: int, n_decode: int, timeout_s: floa
         procs.supervise()
 
 
-def serve_forever(app, host: str, port: int, on_ready=None, on_stop=None) -> int:
-    """Runs uvicorn with the router app; on_ready(port) after startup; on_stop on exit."""
+def serve_forever(app, host: str, port: int, on_ready=None, on_stop=None, drain=None) -> int:
+    """Runs uvicorn with the router app; on_ready(port) after startup; on_stop on exit. With
+    `drain` (a coroutine function), SIGTERM first awaits it (the server stops admitting and
+    lets what it admitted finish), then stops: exit status 0. SIGINT, or a second SIGTERM,
+    stops at once."""
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
 
     async def main():
+        loop = asyncio.get_running_loop()
+        if drain is not None:
+            immediate = server.handle_exit
+            draining: list[asyncio.Task | None] = []
+
+            async def drain_then_exit() -> None:
+                await drain()
+                server.should_exit = True  # no captured signal: uvicorn exits with status 0
+
+            def handle_exit(sig, frame) -> None:
+                if sig == signal.SIGTERM and not draining:
+                    draining.append(None)  # at once: a second SIGTERM stops immediately
+                    loop.call_soon_threadsafe(
+                        lambda: draining.append(loop.create_task(drain_then_exit()))
+                    )
+                else:
+                    immediate(sig, frame)
+
+            server.handle_exit = handle_exit  # uvicorn installs it as its signal handler
         task = asyncio.create_task(server.serve())
         while not server.started:
             if task.done():

@@ -200,6 +200,10 @@ class WorkerProcs:
     def _exited(self, child: Child, code: int, now: float) -> None:
         child.pump.join(2.0)  # its last lines
         last = "".join(child.tail).rstrip()
+        if code == 0 and child.restart:  # it drained and left on purpose (SIGTERM, scale-down)
+            child.gone = True
+            print(f"pdserve serve: {child.name} drained and exited; not restarted", flush=True)
+            return
         if not child.restart:
             child.gone = True
             print(

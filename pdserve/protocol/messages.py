@@ -177,6 +177,20 @@ class RouterBeat(msgspec.Struct, tag=True):
     hears nothing for its --router-timeout-s frees what it held (see Worker.orphan)."""
 
 
+class Draining(msgspec.Struct, tag=True):
+    """Worker -> router: it is draining (SIGTERM, scale-down): place nothing new on it; what
+    it holds finishes there."""
+
+    worker_id: str
+
+
+class Leaving(msgspec.Struct, tag=True):
+    """Worker -> router: it exits now, drained (nothing left) or past its drain deadline (what
+    it still holds migrates). Not a failure."""
+
+    worker_id: str
+
+
 class Reset(msgspec.Struct, tag=True):
     """Router -> a worker it had declared dead, or does not know (the router restarted): drop
     every request, free blocks, register again."""
@@ -197,7 +211,10 @@ Message = (
     | Shutdown
     | Reset
     | RouterBeat
+    | Draining
+    | Leaving
 )
 ROUTER_TIMEOUT_S = 15.0  # default silence of the router before a worker drops its requests
 TRANSFER_TIMEOUT_S = 30.0  # default wait of a prefill worker for its push's acknowledgements
+DRAIN_TIMEOUT_S = 30.0  # default time a draining worker or server lets its requests finish
 MAX_MESSAGE_BYTES = 64 << 20  # a 1M-token prompt fits; anything larger is refused

@@ -94,6 +94,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                 "role": w.role,
                 "pid": w.pid,
                 "kv_compression": w.kv_compression,
+                "draining": w.draining,
                 **w.placement,
                 **(msgspec.structs.asdict(w.load) if w.load else {}),
             }

@@ -86,6 +86,8 @@ class RouterCore:
                 self.on_tokens(wid, msg)
             case m.Failed():
                 self.on_failed(msg)
+            case m.Draining() | m.Leaving():
+                self.on_drain(wid, msg)
             case _:  # router-to-worker messages: a worker never sends them
                 log.warning("ignored %s from %s", type(msg).__name__, wid)
 
@@ -142,11 +144,22 @@ class RouterCore:
             if now - w.last_seen > self.config.heartbeat_timeout_s:
                 self.worker_lost(w, f"no heartbeat for {now - w.last_seen:.1f}s")
 
-    def worker_lost(self, w: WorkerInfo, why: str) -> None:
+    def on_drain(self, wid: str, msg: m.Draining | m.Leaving) -> None:
+        w = self.workers.get(msg.worker_id)
+        if w is None or not w.alive or wid != msg.worker_id:
+            return
+        if isinstance(msg, m.Draining):
+            w.draining = True
+            log.info("worker %s is draining: nothing new is placed on it", wid)
+        else:
+            self.worker_lost(w, "it drained and left", failure=False)
+
+    def worker_lost(self, w: WorkerInfo, why: str, failure: bool = True) -> None:
         """Stop routing to w; migrate or re-prefill every request it held."""
-        log.warning("worker %s lost: %s", w.worker_id, why)
+        (log.warning if failure else log.info)("worker %s lost: %s", w.worker_id, why)
         w.alive = False
-        metrics.WORKER_FAILURES.inc()
+        if failure:
+            metrics.WORKER_FAILURES.inc()
         for rid in list(w.inflight):
             state = self.requests.get(rid)
             if state is None or state.finished:

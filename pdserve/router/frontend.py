@@ -9,6 +9,7 @@ import functools
 import hashlib
 import hmac
 import json
+import logging
 import time
 from contextlib import aclosing
 from typing import NamedTuple
@@ -29,6 +30,8 @@ from pdserve.router.output import Choice, Piece
 from pdserve.router.placement import NoWorker
 from pdserve.router.state import RequestState
 from pdserve.router.stop import StopChecker
+
+log = logging.getLogger("pdserve.router")
 
 
 class ClientGone(Exception):
@@ -51,6 +54,7 @@ class Frontend:
         self.api_key, self.request_timeout_s = api_key, request_timeout_s
         self.limits = limits  # --api-keys: the accepted keys and their rate limits
         self.gate = Gate(core.config.max_inflight, max_waiting, queue_timeout_s)
+        self.draining = False  # SIGTERM of serve: refuse new requests, finish admitted ones
         self.eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         # a token's text in logprobs (special tokens shown)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
@@ -83,6 +87,12 @@ class Frontend:
 
     async def admit(self, request: Request, req, key: str | None, weight: int) -> Ticket:
         """Rate limit of the key, then a fair turn at capacity (router/fairness.py)."""
+        if self.draining:
+            metrics.REJECTED.labels("draining").inc()
+            raise p.APIError(
+                503, "the server is shutting down and takes no new requests; retry on another "
+                "replica", headers={"Retry-After": "5"},
+            )  # fmt: skip
         try:
             if self.limits is not None and key:
                 self.limits.check(key)
@@ -345,6 +355,17 @@ class Frontend:
                 raise p.APIError(413, f"request body exceeds the {p.MAX_BODY_BYTES}-byte limit")
             chunks.append(chunk)
         return b"".join(chunks)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (503 + Retry-After) and wait up to `timeout_s` for the admitted
+        ones to finish (`pdserve serve` on SIGTERM)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        log.warning("draining: %d requests in flight, waiting up to %g s",
+                    len(self.core.requests), timeout_s)  # fmt: skip
+        while self.core.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        log.warning("drained: %d requests left", len(self.core.requests))
 
     async def complete(self, request: Request, chat: bool) -> Response:
         key = self.check_auth(request)

@@ -41,7 +41,8 @@ class ClusterView:
         requests: Iterable[RequestState],
         store_index: Set[int] = frozenset(),
     ) -> ClusterView:
-        return cls(tuple(w for w in workers if w.alive), prefill_queues(requests), store_index)
+        live = tuple(w for w in workers if w.alive and not w.draining)  # (places new work)
+        return cls(live, prefill_queues(requests), store_index)
 
     @property
     def decoders(self) -> list[WorkerInfo]:

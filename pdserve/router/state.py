@@ -26,6 +26,7 @@ class WorkerInfo:
     has_store: bool = False
     placement: dict[str, str] = field(default_factory=dict)  # host; Ray node and actor ids
     kv_compression: str = "none"  # what its KV pushes put on the wire
+    draining: bool = False  # takes nothing new; what it holds finishes there
 
     @property
     def can_decode(self) -> bool:

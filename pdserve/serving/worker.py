@@ -49,6 +49,7 @@ class WorkerConfig:
     kv_store: str | None = None  # endpoint of a `pdserve store` (tcp://host:port)
     placement: tuple[tuple[str, str], ...] = ()  # reported in /health (e.g. Ray node, actor)
     kv_compression: str = "none"  # --kv-compression: fp8 on the wire (tcp only)
+    drain_timeout_s: float = m.DRAIN_TIMEOUT_S  # --drain-timeout-s: SIGTERM -> finish, exit
 
 
 class RouterLink:
@@ -134,6 +135,8 @@ class Worker:
         self.owner: dict[str, RouterLink] = {}  # request -> the router that placed it here
         self.running = True
         self.registered = False  # a router has accepted this worker once
+        self.drain_requested = False  # set by SIGTERM (a signal handler: just a flag)
+        self.draining_since: float | None = None
         self.reporter = LoadReporter(self)
 
     # -- control plane -------------------------------------------------------------------
@@ -299,6 +302,27 @@ class Worker:
         log.warning("router reset this worker: dropped %d requests, registering again", n)
         link.send(self.codec.encode(self.registration()))
 
+    def holds_work(self) -> bool:
+        return self.engine.has_work() or any(side.request_ids for side in self.sides)
+
+    def drain(self, now: float) -> None:
+        """SIGTERM: tell the routers to place nothing new here, finish what this worker holds
+        (streams, prefills, pushes), then leave; past --drain-timeout-s leave anyway, and the
+        routers migrate what is left (no token lost or repeated)."""
+        if self.draining_since is None:
+            self.draining_since = now
+            self.send(m.Draining(self.config.worker_id))
+            log.warning("draining: finishing %d requests, then exiting (at most %g s)",
+                        len(self.engine.requests), self.config.drain_timeout_s)  # fmt: skip
+        late = now - self.draining_since > self.config.drain_timeout_s
+        if self.holds_work() and not late:
+            return
+        left = len(self.engine.requests)
+        self.send(m.Leaving(self.config.worker_id))
+        self.running = False
+        log.warning("drained in %.1f s; %d requests left to migrate", now - self.draining_since,
+                    left)  # fmt: skip
+
     # -- engine ---------------------------------------------------------------------------
     def step(self) -> None:
         try:
@@ -354,6 +378,8 @@ class Worker:
             if time.monotonic() >= next_beat:
                 self.reporter.publish()
                 self.forget_finished()
+            if self.drain_requested:
+                self.drain(time.monotonic())
                 next_beat = time.monotonic() + HEARTBEAT_S / 2
         self.close()
 
@@ -364,4 +390,5 @@ class Worker:
             if c is not None:
                 c.close()
         for link in self.links:
+            link.sock.setsockopt(zmq.LINGER, 1000)  # the last messages (Leaving) go out
             link.sock.close()

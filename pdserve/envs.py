@@ -35,6 +35,12 @@ def bound_kernel_caches() -> None:
         os.environ.setdefault(name, str(KERNEL_CACHE_ENTRIES))
 
 
+def for_workers(prefixes: tuple[str, ...]) -> dict[str, str]:
+    """The variables whose names start with one of `prefixes`: what a launcher that does not
+    start its workers as children (Ray) hands them explicitly."""
+    return {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
+
+
 def cache_dir() -> Path:
     """Where derived artefacts (e.g. a tokenizer extracted from a GGUF file) are cached."""
     return Path(os.environ.get(CACHE_DIR, Path.home() / ".cache" / "pdserve"))

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from pdserve import envs
 from pdserve.config import EngineConfig
-from pdserve.engine.cli import engine_config_from_args
 from pdserve.router.config import RouterConfig
 
 ENGINE_FLAGS = (
@@ -105,14 +104,6 @@ def engine_argv(args) -> list[str]:
     return argv
 
 
-def check_kv_compression(args) -> None:
-    if args.kv_compression != "none" and args.kv_transport != "tcp":
-        raise ValueError(
-            f"--kv-compression {args.kv_compression} needs --kv-transport tcp: the nixl "
-            "transport moves raw blocks (the receiver reads them in place)"
-        )
-
-
 def phase_argv(text: str | None, flag: str) -> list[str]:
     """One pool's own engine flags (`--prefill-args "--chunk-size 1024"`), checked now."""
     import shlex
@@ -155,6 +146,8 @@ def serve(args) -> int:
         os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
+    from pdserve.launch.local import check_kv_compression
+
     check_kv_compression(args)
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
                  "decode": phase_argv(args.decode_args, "--decode-args")}  # fmt: skip
@@ -236,34 +229,7 @@ def serve(args) -> int:
 
 def worker(args) -> int:
     """`pdserve worker`: one engine process that joins a router."""
-    from pdserve.launch.local import pin_cpus, run_worker
+    from pdserve.launch.local import pin_cpus, run_worker, worker_config
 
     n = pin_cpus(args.cpus)
     return run_worker(worker_config(args, threads=args.threads or n))
-
-
-def worker_config(args, threads: int | None = None, placement: tuple = ()):
-    """The WorkerConfig of `pdserve worker`'s flags (the Ray launcher's actors use it too)."""
-    from dataclasses import replace
-
-    from pdserve.serving.worker import WorkerConfig
-
-    check_kv_compression(args)
-    engine = engine_config_from_args(args, role=args.role)
-    if threads or args.threads:
-        engine = replace(engine, num_threads=threads or args.threads)
-    if args.role == "prefill":  # a prefill worker computes whole prompts: no chunking
-        engine = replace(engine, chunk_size=None)
-    return WorkerConfig(
-        kv_store=args.kv_store,
-        engine=engine,
-        routers=tuple(args.router),
-        worker_id=args.worker_id or f"{args.role}-{os.getpid()}",
-        kv_transport=args.kv_transport,
-        kv_host=args.kv_host,
-        router_timeout_s=args.router_timeout_s,
-        transfer_timeout_s=args.transfer_timeout_s,
-        placement=placement,
-        kv_compression=args.kv_compression,
-        drain_timeout_s=args.drain_timeout_s,
-    )

@@ -29,6 +29,42 @@ def pin_cpus(cpus: str | None) -> int | None:
     return len(ids)
 
 
+def check_kv_compression(args) -> None:
+    if args.kv_compression != "none" and args.kv_transport != "tcp":
+        raise ValueError(
+            f"--kv-compression {args.kv_compression} needs --kv-transport tcp: the nixl "
+            "transport moves raw blocks (the receiver reads them in place)"
+        )
+
+
+def worker_config(args, threads: int | None = None, placement: tuple = ()):
+    """The WorkerConfig of `pdserve worker`'s flags (the Ray launcher's actors use it too)."""
+    from dataclasses import replace
+
+    from pdserve.engine.cli import engine_config_from_args
+    from pdserve.serving.worker import WorkerConfig
+
+    check_kv_compression(args)
+    engine = engine_config_from_args(args, role=args.role)
+    if threads or args.threads:
+        engine = replace(engine, num_threads=threads or args.threads)
+    if args.role == "prefill":  # a prefill worker computes whole prompts: no chunking
+        engine = replace(engine, chunk_size=None)
+    return WorkerConfig(
+        kv_store=args.kv_store,
+        engine=engine,
+        routers=tuple(args.router),
+        worker_id=args.worker_id or f"{args.role}-{os.getpid()}",
+        kv_transport=args.kv_transport,
+        kv_host=args.kv_host,
+        router_timeout_s=args.router_timeout_s,
+        transfer_timeout_s=args.transfer_timeout_s,
+        placement=placement,
+        kv_compression=args.kv_compression,
+        drain_timeout_s=args.drain_timeout_s,
+    )
+
+
 def run_worker(config) -> int:
     from pdserve.serving.worker import Worker
 
@@ -112,7 +148,7 @@ async def wait_ready(core, procs, n_prefill: int, n_decode: int, timeout_s: floa
         if not supervising and core.workers:
             procs.supervise()
             supervising = True
-        if not supervising and (dead := procs.failed()):
+        if (not supervising or procs.start_failures_are_final) and (dead := procs.failed()):
             raise RuntimeError(f"worker {dead[0]} failed to start:\n{dead[1]}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers did not register within {timeout_s:.0f}s")

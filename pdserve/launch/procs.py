@@ -69,6 +69,9 @@ class WorkerProcs:
     """The subprocesses of `pdserve serve`; their output is kept (and forwarded to stderr once
     `forward_output` is called), exits are restarted while `supervise` runs, all stop together."""
 
+    # once one worker has registered, one that fails to start is restarted like any other
+    start_failures_are_final = False
+
     def __init__(self, policy: RestartPolicy | None = None, restart: bool = True):
         self.policy = policy or RestartPolicy()
         self.restart = restart

@@ -18,6 +18,8 @@ import time
 import traceback
 import warnings
 
+from pdserve import envs
+
 log = logging.getLogger("pdserve.launch")
 ROLE_LABEL = "pdserve/role"
 INSTALL_HINT = (
@@ -26,6 +28,7 @@ INSTALL_HINT = (
 )
 # what the actors inherit from `serve`'s environment (Ray starts them from its own)
 PASSED_ENV = ("PDSERVE_", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY", "HF_")
+PLACEMENT_WARNING_S = 20.0  # a worker Ray has not started by then is reported with its needs
 RESTART_PAUSE_S = 2.0  # a worker that fails after it served waits this long before Ray restarts it
 
 
@@ -78,7 +81,7 @@ class WorkerActor:
 
     def _run(self, argv: list[str]) -> None:
         from pdserve.cli import build_parser
-        from pdserve.launch.commands import worker_config
+        from pdserve.launch.local import worker_config
         from pdserve.serving.worker import Worker
 
         worker = None
@@ -100,6 +103,9 @@ class WorkerActor:
 class RayWorkers:
     """The workers of `pdserve serve --launcher ray`, one actor each."""
 
+    # a worker that failed before it ever served keeps its error (Ray would not fix it)
+    start_failures_are_final = True
+
     def __init__(
         self,
         address: str | None,
@@ -108,7 +114,7 @@ class RayWorkers:
         restart: bool = True,
     ) -> None:
         self.ray = ray = import_ray()
-        env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV)}
+        env = envs.for_workers(PASSED_ENV)
         options = {"include_dashboard": False, "log_to_driver": True,
                    "runtime_env": {"env_vars": env}}  # fmt: skip
         if address:
@@ -124,6 +130,7 @@ class RayWorkers:
         self.actor_class = ray.remote(WorkerActor)
         self.actors: dict[str, object] = {}
         self.info_refs: dict[str, object] = {}
+        self.pending: dict[str, tuple[float, str]] = {}  # not yet started: since, what it needs
         self.stopping = threading.Event()
 
     def start(self, worker_id, role, cpus, router, engine_argv, transport) -> None:
@@ -146,6 +153,8 @@ class RayWorkers:
         actor = self.actor_class.options(**options).remote(argv, self.public)
         self.actors[worker_id] = actor
         self.info_refs[worker_id] = actor.info.remote()
+        label = f" on a node labelled {ROLE_LABEL}={role}" if "label_selector" in options else ""
+        self.pending[worker_id] = (time.monotonic(), f"{dict(self.resources[role])}{label}")
 
     def start_store(self, *_args) -> str:
         raise ValueError(
@@ -161,7 +170,14 @@ class RayWorkers:
         for wid, ref in list(self.info_refs.items()):
             ready, _ = self.ray.wait([ref], timeout=0)
             if not ready:
+                since, needs = self.pending.get(wid, (None, ""))
+                if since is not None and time.monotonic() - since > PLACEMENT_WARNING_S:
+                    del self.pending[wid]
+                    print(f"pdserve serve: Ray has not started worker {wid} after "
+                          f"{PLACEMENT_WARNING_S:g} s; it needs {needs}: see `ray status` for "
+                          "what the cluster has free", flush=True)  # fmt: skip
                 continue
+            self.pending.pop(wid, None)
             try:
                 error = self.ray.get(ref)["error"]
             except self.ray.exceptions.RayError as exc:

@@ -122,10 +122,11 @@ def test_a_worker_that_cannot_start_fails_the_start_up_with_its_error(cluster):
     """A worker whose engine refuses its flags is reported with the worker's own error, and
     serve exits: Ray does not restart it forever."""
     out = run_serve("--launcher", "ray", "--ray-address", cluster.address, "--mode", "disagg",
+                    "--prefill", "0", "--decode-resources", '{"CPU": 0}',  # fits beside ray_server
                     "--decode-args", "--max-num-seqs 0", env=ENV)  # fmt: skip
     assert out.returncode != 0
     text = out.stdout + out.stderr
-    assert "worker decode-1 failed to start" in text and "max_num_seqs" in text, text[-3000:]
+    assert "worker decode-0 failed to start" in text and "max_num_seqs" in text, text[-3000:]
 
 
 def test_without_ray_installed_the_launcher_says_how_to_install_it(monkeypatch):

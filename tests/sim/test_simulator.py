@@ -75,6 +75,16 @@ def test_slow_link_transfer_dominates_and_is_shared():
     assert two.kv_bytes_sent == pytest.approx(409_600, rel=1e-9)
 
 
+def test_fp8_on_the_wire_halves_the_bytes_and_the_transfer_of_a_16_bit_cache():
+    """`--kv-compression fp8`, as the simulator and planner see it."""
+    slow = Link("slow", "", 1e6, 1e6)
+    cl = Cluster(MODEL, ACCEL, slow, EFF, "fp16", "fp16", kv_wire="fp8")
+    assert cl.wire_bytes(100) == 102_400  # half of the 204,800 B of the fp16 cache
+    one = simulate(cl, Deployment("disagg"), [req(0, 0.0, 100, 1)], SLO_LOOSE)
+    assert one.records[0].ttft_s == pytest.approx(0.1024, rel=1e-9)
+    assert one.kv_bytes_sent == pytest.approx(102_400, rel=1e-9)
+
+
 def test_chunking_bounds_the_stall_a_long_prompt_causes():
     cl = cluster(get_link("ib-ndr"))
     reqs = [req(0, 0.0, 16, 200), req(1, 0.05, 4000, 1)]

@@ -121,7 +121,8 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
     # The serving path's overhead was measured on this machine: it applies to it alone.
     serving = prof.serving if gpu == "cpu" else {}
     return Cluster(model, accel, _link_of(args, prof), eff, weight_dtype,
-                   args.kv_dtype or weight_dtype, serving, args.kv_compression)  # fmt: skip
+                   args.kv_dtype or weight_dtype, serving,
+                   getattr(args, "kv_compression", "none"))  # fmt: skip
 
 
 def _link_of(args: argparse.Namespace, prof) -> Link:

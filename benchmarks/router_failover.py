@@ -12,7 +12,6 @@ restart a request through A is answered, and the blocks the workers hold once id
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from chaos.cluster import stream  # noqa: E402
 from servers import Command, free_port, unclean  # noqa: E402
 
 ROUTER_READY = r"router on (http://127\.0\.0\.1:\d+)/v1"
@@ -40,28 +40,15 @@ def worker(role: str, wid: str, cpus: str, ports: list[int]) -> Command:
                    ready=rf"worker {wid} \({role}\) ready")  # fmt: skip
 
 
-def stream(url: str, tokens: int, out: dict, started: threading.Event) -> None:
+def one_stream(url: str, tokens: int, out: dict, started: threading.Event) -> None:
     """One streamed completion: out["outcome"] is complete, error or hung; out["tokens"]."""
-    body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
-    out["outcome"], out["tokens"] = "error", 0
+    body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
     try:
-        timeout = httpx.Timeout(10, read=30)
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
-            for line in r.iter_lines():
-                started.set()
-                if line == "data: [DONE]":
-                    out["outcome"] = "complete"
-                elif line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        out["tokens"] = chunk["usage"]["completion_tokens"]
-    except httpx.ReadTimeout:
-        out["outcome"] = "hung"
-    except httpx.HTTPError:
-        pass  # the router died: the connection is cut
+        done = stream(url, body, 30, on_chunk=lambda _: started.set())
     finally:
         started.set()
+    out["outcome"] = {"ok": "complete", "hung": "hung"}.get(done.kind, "error")
+    out["tokens"] = done.completion_tokens or 0
 
 
 def serving(url: str) -> bool:
@@ -89,7 +76,7 @@ def one_round(a: Command, b: Command, a_port: int, args) -> tuple[dict, Command]
     for name, url in (("a", a_url), ("b", b_url)):
         for out in outs[name]:
             started = threading.Event()
-            t = threading.Thread(target=stream, args=(url, args.tokens, out, started))
+            t = threading.Thread(target=one_stream, args=(url, args.tokens, out, started))
             t.start()
             started.wait(60)
             threads.append(t)

@@ -105,17 +105,17 @@ def engine_argv(args) -> list[str]:
 
 
 def phase_argv(text: str | None, flag: str) -> list[str]:
-    """One pool's own engine flags (`--prefill-args "--chunk-size 1024"`), checked now."""
+    """One pool's own worker flags (`--prefill-args "--chunk-size 1024"`), checked now by
+    `pdserve worker`'s own parser (they are appended to its command line)."""
     import shlex
 
-    from pdserve.engine.cli import add_engine_args
+    from pdserve.cli import build_parser
 
     argv = shlex.split(text or "")
-    check = argparse.ArgumentParser(prog=f"pdserve serve {flag}", add_help=False)
-    add_engine_args(check)
-    check.add_argument("--transfer-timeout-s", type=float)
     try:
-        _, unknown = check.parse_known_args(argv)
+        _, unknown = build_parser().parse_known_args(
+            ["worker", "--role", "decode", "--router", "tcp://127.0.0.1:1", *argv]
+        )
     except SystemExit as exc:
         raise ValueError(f"{flag} {text!r}: not valid engine flags") from exc
     if unknown:

@@ -295,7 +295,7 @@ class RouterCore:
             w.inflight.discard(msg.request_id)
         if state is None:
             return
-        sender = self.workers.get(wid.partition("#")[0])
+        sender = self.workers.get(wid)
         encoding = "fp8" if sender is not None and sender.kv_compression == "fp8" else "raw"
         metrics.KV_BYTES.labels(encoding).inc(msg.transfer_bytes)
         metrics.KV_SECONDS.inc(msg.transfer_s)

@@ -11,6 +11,7 @@ import threading
 
 import httpx
 import pytest
+from chaos.cluster import complete
 from servers import Server
 from waiting import wait_until
 
@@ -22,8 +23,8 @@ PROMPTS = [f"Story {i}: the lighthouse keeper" for i in range(8)]
 def complete_all(url: str, prompts: list[str], out: dict, started: threading.Barrier) -> None:
     def one(p: str) -> None:
         started.wait()
-        r = httpx.post(url + "/v1/completions", json={"prompt": p, **GREEDY}, timeout=120)
-        out[p] = (r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else "")
+        done = complete(url, {"prompt": p, **GREEDY}, 120)
+        out[p] = (done.status, done.text)
 
     threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
     for t in threads:
@@ -37,12 +38,7 @@ def test_sigterm_of_a_decode_worker_drains_its_streams():
     with Server(
         "--mode", "disagg", "--decode", "2", "--dtype", "float32", "--kv-cache-gb", "0.25",
     ) as server:  # fmt: skip
-        expected = {
-            p: httpx.post(
-                server.url + "/v1/completions", json={"prompt": p, **GREEDY}, timeout=120
-            ).json()["choices"][0]["text"]  # fmt: skip
-            for p in PROMPTS
-        }
+        expected = {p: complete(server.url, {"prompt": p, **GREEDY}, 120).text for p in PROMPTS}
         out: dict = {}
         started = threading.Barrier(len(PROMPTS) + 1)
         runner = threading.Thread(target=complete_all, args=(server.url, PROMPTS, out, started))

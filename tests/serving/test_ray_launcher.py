@@ -7,7 +7,6 @@ migrates, Ray restarts the actor, it registers again and serves."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -15,6 +14,7 @@ import sys
 import httpx
 import pytest
 import ray
+from chaos.cluster import complete, stream
 from ray.cluster_utils import Cluster
 from servers import Server, run_serve
 from waiting import wait_until
@@ -52,20 +52,11 @@ def ray_server(cluster):
 def answers(url: str) -> list[str]:
     """Completions and chat, streamed and not, greedy."""
     out = []
-    for path, body in (("completions", {"prompt": "The capital of France is"}),
-                       ("chat/completions", {"messages": CHAT})):  # fmt: skip
-        r = httpx.post(f"{url}/v1/{path}", json={**body, **GREEDY}, timeout=60)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        out.append(choice.get("text") or choice["message"]["content"])
-        text = []
-        with httpx.stream("POST", f"{url}/v1/{path}", json={**body, **GREEDY, "stream": True},
-                          timeout=60) as s:  # fmt: skip
-            for line in s.iter_lines():
-                if line.startswith("data: {"):
-                    c = json.loads(line[6:])["choices"][0]
-                    text.append(c.get("text") or c.get("delta", {}).get("content") or "")
-        out.append("".join(text))
+    for body in ({"prompt": "The capital of France is"}, {"messages": CHAT}):
+        for call in (complete, stream):
+            outcome = call(url, {**body, **GREEDY})
+            assert outcome.kind == "ok", outcome
+            out.append(outcome.text)
     return out
 
 
@@ -85,22 +76,18 @@ def test_each_pool_runs_on_the_node_labelled_for_it(ray_server):
 
 def test_a_decode_actor_killed_mid_stream_costs_no_token_and_ray_restarts_it(ray_server):
     body = {"prompt": "Once upon a time", **GREEDY, "max_tokens": 80}
-    expected = httpx.post(ray_server.url + "/v1/completions", json=body, timeout=60).json()
-    text = []
-    with httpx.stream("POST", ray_server.url + "/v1/completions",
-                      json={**body, "stream": True}, timeout=60) as s:  # fmt: skip
-        lines = s.iter_lines()
-        for line in lines:
-            if line.startswith("data: {"):
-                text.append(json.loads(line[6:])["choices"][0]["text"])
-                break
-        workers = ray_server.health()["workers"]
-        [(victim, pid)] = [(w, v["pid"]) for w, v in workers.items() if v["running"] == 1]
-        os.kill(pid, signal.SIGKILL)
-        for line in lines:
-            if line.startswith("data: {"):
-                text.append(json.loads(line[6:])["choices"][0]["text"])
-    assert "".join(text) == expected["choices"][0]["text"]
+    expected = complete(ray_server.url, body)
+    killed: list[tuple[str, int]] = []
+
+    def kill_its_decode_worker(chunks: int) -> None:
+        if chunks == 1:  # the stream is running: kill -9 the decode actor serving it
+            workers = ray_server.health()["workers"]
+            killed.extend((w, v["pid"]) for w, v in workers.items() if v["running"] == 1)
+            os.kill(killed[0][1], signal.SIGKILL)
+
+    out = stream(ray_server.url, body, on_chunk=kill_its_decode_worker)
+    [(victim, pid)] = killed
+    assert (out.kind, out.text) == ("ok", expected.text)
     back = wait_until(
         lambda: (w := ray_server.health()["workers"].get(victim)) and w["pid"] != pid and w,
         120,

@@ -180,7 +180,9 @@ class RayWorkers:
             self.pending.pop(wid, None)
             try:
                 error = self.ray.get(ref)["error"]
-            except self.ray.exceptions.RayError as exc:
+            except self.ray.exceptions.ActorUnavailableError:
+                error = None  # its process died and Ray is restarting it: not the worker's fault
+            except self.ray.exceptions.RayError as exc:  # gone for good
                 return wid, str(exc)
             if error:
                 return wid, error

@@ -122,3 +122,41 @@ def test_without_ray_installed_the_launcher_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
     with pytest.raises(SystemExit, match=r"pip install 'pdserve\[ray\]'"):
         ray_launcher.import_ray()
+
+
+def test_an_actor_ray_is_restarting_during_start_up_is_not_a_failed_start():
+    """Its process died (e.g. Ray's memory monitor) and Ray restarts it: serve waits for it;
+    an actor that is gone for good, or a worker that reported an error, fails the start-up."""
+    from pdserve.launch.ray_launcher import RayWorkers
+
+    class Actor:
+        def __init__(self, answer):
+            self.answer = answer
+            self.info = self
+
+        def remote(self):
+            return self.answer
+
+    class FakeRay:
+        exceptions = ray.exceptions
+
+        @staticmethod
+        def wait(refs, timeout):
+            return refs, []
+
+        @staticmethod
+        def get(ref):
+            if isinstance(ref, Exception):
+                raise ref
+            return ref
+
+    workers = object.__new__(RayWorkers)
+    workers.ray, workers.pending = FakeRay, {}
+    restarting = ray.exceptions.ActorUnavailableError("the actor is restarting", None)
+    workers.actors = {"p0": Actor({"error": None})}
+    workers.info_refs = {"p0": restarting}
+    assert workers.failed() is None
+    workers.info_refs = {"p0": ray.exceptions.ActorDiedError()}
+    assert workers.failed()[0] == "p0"
+    workers.info_refs = {"p0": {"error": "ValueError: max_num_seqs"}}
+    assert workers.failed() == ("p0", "ValueError: max_num_seqs")

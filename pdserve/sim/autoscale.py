@@ -1,0 +1,348 @@
+"""The autoscaler's policy: how many prefill and decode workers to run next, decided with the
+simulator.
+
+Each interval `Autoscaler.decide` gets an `Observation` (the requests that arrived in the last
+window, admitted or refused, with their prompt and output lengths; the TTFT and TPOT p90 the
+clients saw; prompt tokens queued for prefill; the worker counts) and:
+
+1. predicts TTFT p90 and TPOT p90 for candidate P:D counts by simulating the observed load (the
+   observed rate, Poisson arrivals, lengths resampled from the window) on each candidate
+   (`pdserve.sim.simulate`, on a `Cluster` whose speeds the caller calibrates: `calibrated`);
+2. corrects each prediction by how far the same prediction for the counts now running was from
+   what the clients saw (observed / predicted, smoothed and clamped, as Dynamo's SLA planner
+   corrects its profile);
+3. takes the cheapest counts (fewest devices) whose corrected predictions are within `headroom`
+   of both SLOs: the fewest prefill workers that meet TTFT with the most decode workers, then
+   the fewest decode workers that meet TPOT (and still TTFT) with those;
+4. reacts to what prediction missed: a TTFT p90 over the SLO, or prompt tokens queued for
+   prefill growing two intervals running, adds a prefill worker; a TPOT p90 over the SLO adds a
+   decode worker;
+5. grows at once, shrinks slowly: a pool shrinks by one worker only when every target of the
+   last `cooldown_s` was below its size and its last change is `cooldown_s` old.
+
+Every `Decision` carries its reasons in numbers. The same class drives the live server
+(`launch/autoscale.py`) and the simulated day (`benchmarks/autoscale.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import numpy as np
+
+from pdserve.bench.metrics import SLO
+from pdserve.bench.workload import RequestSpec
+from pdserve.sim.deployment import Cluster, Deployment
+from pdserve.sim.latency import Batch
+from pdserve.sim.simulator import simulate
+
+CORRECTION_RANGE = (0.5, 4.0)  # observed / predicted beyond this is noise or a transient
+CORRECTION_SMOOTHING = 0.5  # weight of the newest ratio
+
+
+@dataclass(frozen=True)
+class ScaleBounds:
+    """Pool sizes the autoscaler stays within (`--prefill/--decode` .. `--max-*`)."""
+
+    min_prefill: int = 1
+    max_prefill: int = 1
+    min_decode: int = 1
+    max_decode: int = 1
+
+    def __post_init__(self) -> None:
+        if self.min_prefill < 0 or self.min_decode < 1:
+            raise ValueError("autoscaling needs --prefill >= 0 and --decode >= 1 workers")
+        if self.max_prefill < self.min_prefill:
+            raise ValueError(f"--max-prefill ({self.max_prefill}) must be >= --prefill "
+                             f"({self.min_prefill})")  # fmt: skip
+        if self.max_decode < self.min_decode:
+            raise ValueError(f"--max-decode ({self.max_decode}) must be >= --decode "
+                             f"({self.min_decode})")  # fmt: skip
+
+    def clamp(self, prefill: int, decode: int) -> tuple[int, int]:
+        return (min(self.max_prefill, max(self.min_prefill, prefill)),
+                min(self.max_decode, max(self.min_decode, decode)))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    slo: SLO
+    bounds: ScaleBounds
+    interval_s: float = 5.0  # how often it decides
+    cooldown_s: float = 30.0  # how long a lower target must hold before a pool shrinks
+    headroom: float = 0.8  # plan for p90s at most this share of the SLO
+    horizon_s: float = 60.0  # seconds of the observed load each prediction simulates
+    max_sim_requests: int = 600  # ... at most this many requests
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0 or self.cooldown_s < 0:
+            raise ValueError("--scale-interval must be > 0 and the cooldown >= 0 seconds")
+        if not 0 < self.headroom <= 1:
+            raise ValueError(f"headroom must be in (0, 1], got {self.headroom}")
+
+
+class Observation(NamedTuple):
+    """What the autoscaler saw over the last `window_s` seconds."""
+
+    window_s: float
+    lengths: list[tuple[int, int]]  # (prompt, output) tokens of each arrival, refused ones too
+    prefill: int  # workers live or starting now
+    decode: int
+    ttft_p90: float | None = None  # clients' first tokens in the window (None: none)
+    tpot_p90: float | None = None
+    queued_tokens: int = 0  # prompt tokens waiting for prefill, cluster-wide
+
+    @property
+    def rate(self) -> float:
+        return len(self.lengths) / self.window_s if self.window_s > 0 else 0.0
+
+
+class Prediction(NamedTuple):
+    ttft_p90: float
+    tpot_p90: float
+
+
+class Decision(NamedTuple):
+    prefill: int
+    decode: int
+    reasons: tuple[str, ...]
+    predicted: Prediction | None  # corrected, for the chosen counts (None: no load)
+    target: tuple[int, int]  # what the prediction alone asked for, before the cooldown
+
+    def describe(self, before: tuple[int, int]) -> str:
+        change = f"{before[0]}P+{before[1]}D -> {self.prefill}P+{self.decode}D"
+        if (self.prefill, self.decode) == before:
+            change = f"stay at {self.prefill}P+{self.decode}D"
+        return f"{change}: " + "; ".join(self.reasons)
+
+
+class Autoscaler:
+    def __init__(
+        self, cluster: Cluster, base: Deployment, policy: ScalePolicy, seed: int = 0
+    ) -> None:
+        if base.mode != "disagg":
+            raise ValueError("the autoscaler sizes the prefill and decode pools of --mode disagg")
+        self.cluster, self.base, self.policy = cluster, base, policy
+        self.rng = np.random.default_rng(seed)
+        self.correction = {"ttft": 1.0, "tpot": 1.0}
+        self.targets: deque[tuple[float, int, int]] = deque()  # (time, prefill, decode)
+        self.changed = {"prefill": -math.inf, "decode": -math.inf}  # last change per pool
+        self.queued: deque[int] = deque(maxlen=3)
+        self.now = 0.0
+
+    # -- prediction ------------------------------------------------------------------------
+    def synthetic_load(self, obs: Observation) -> list[RequestSpec]:
+        """The observed load, continued: Poisson arrivals at the observed rate over the
+        horizon, lengths drawn from the window's requests."""
+        pol = self.policy
+        n = max(1, min(pol.max_sim_requests, round(obs.rate * pol.horizon_s)))
+        gaps = self.rng.exponential(1.0 / obs.rate, n)
+        picks = self.rng.integers(0, len(obs.lengths), n)
+        return [RequestSpec(i, float(t), "observed", *obs.lengths[k])
+                for i, (t, k) in enumerate(zip(np.cumsum(gaps), picks, strict=True))]  # fmt: skip
+
+    def predict(self, prefill: int, decode: int, load: list[RequestSpec]) -> Prediction:
+        """Uncorrected TTFT and TPOT p90 of `load` on `prefill`P + `decode`D."""
+        if prefill == 0:  # every prompt prefills on the decode workers
+            dep = replace(self.base, num_prefill=1, num_decode=decode,
+                          local_prefill_threshold=10**9, short_prefills_to_idle_pool=False)  # fmt: skip
+        else:
+            dep = replace(self.base, num_prefill=prefill, num_decode=decode)
+        slo = self.policy.slo
+        result = simulate(self.cluster, dep, load, slo)
+        agg = result.aggregates
+        if not agg["ttft_s"]:  # nothing could run (the KV does not fit): never good enough
+            return Prediction(math.inf, math.inf)
+        return Prediction(agg["ttft_s"]["p90"], (agg["tpot_s"] or {"p90": 0.0})["p90"])
+
+    def corrected(self, p: Prediction) -> Prediction:
+        return Prediction(p.ttft_p90 * self.correction["ttft"],
+                          p.tpot_p90 * self.correction["tpot"])  # fmt: skip
+
+    def update_correction(self, obs: Observation, now_pred: Prediction) -> list[str]:
+        """Move each correction toward observed / predicted for the counts running now."""
+        notes = []
+        for key, seen, pred in (("ttft", obs.ttft_p90, now_pred.ttft_p90),
+                                ("tpot", obs.tpot_p90, now_pred.tpot_p90)):  # fmt: skip
+            if seen is None or not 0 < pred < math.inf:
+                continue
+            ratio = min(CORRECTION_RANGE[1], max(CORRECTION_RANGE[0], seen / pred))
+            w = CORRECTION_SMOOTHING
+            self.correction[key] = (1 - w) * self.correction[key] + w * ratio
+            notes.append(f"{key.upper()} observed/predicted {seen / pred:.2f} "
+                         f"(correction x{self.correction[key]:.2f})")  # fmt: skip
+        return notes
+
+    # -- the decision ----------------------------------------------------------------------
+    def decide(self, obs: Observation, now: float) -> Decision:
+        b = self.policy.bounds
+        self.queued.append(obs.queued_tokens)
+        current = (obs.prefill, obs.decode)
+        reasons: list[str] = []
+        predicted = None
+        if not obs.lengths:
+            target = (b.min_prefill, b.min_decode)
+            reasons.append(f"no arrivals in the last {obs.window_s:.0f} s")
+        else:
+            load = self.synthetic_load(obs)
+            memo: dict[tuple[int, int], Prediction] = {}
+
+            def pred(p: int, d: int) -> Prediction:
+                if (p, d) not in memo:
+                    memo[(p, d)] = self.predict(p, d, load)
+                return self.corrected(memo[(p, d)])
+
+            p_in, l_in = np.median([x[0] for x in obs.lengths]), np.median(
+                [x[1] for x in obs.lengths]
+            )
+            reasons.append(f"arrivals {obs.rate:.2f} req/s (prompt p50 {p_in:.0f}, output p50 "
+                           f"{l_in:.0f} tokens)")  # fmt: skip
+            running = b.clamp(*current)
+            uncorrected = self.predict(*running, load)
+            memo[running] = uncorrected
+            reasons += self.update_correction(obs, uncorrected)
+            target, predicted, why = self.search(pred)
+            reasons.append(why)
+        target = self.react(obs, target, reasons)
+        chosen = self.cooled(target, current, now, reasons)
+        if predicted is not None and chosen != target and obs.lengths:
+            predicted = pred(*chosen)
+        return Decision(*chosen, tuple(reasons), predicted, target)
+
+    def search(self, pred) -> tuple[tuple[int, int], Prediction, str]:
+        """The cheapest counts whose corrected p90s are within the headroom of both SLOs."""
+        pol, b = self.policy, self.policy.bounds
+        ttft_ok = pol.slo.ttft_s * pol.headroom
+        tpot_ok = pol.slo.tpot_s * pol.headroom
+        p = _first(range(b.min_prefill, b.max_prefill + 1),
+                   lambda p: pred(p, b.max_decode).ttft_p90 <= ttft_ok)  # fmt: skip
+        if p is None:
+            best = pred(b.max_prefill, b.max_decode)
+            return ((b.max_prefill, b.max_decode), best,
+                    f"even {b.max_prefill}P+{b.max_decode}D is predicted to miss: TTFT p90 "
+                    f"{best.ttft_p90:.2f} s > {ttft_ok:.2f} s ({pol.headroom:g} x SLO)")  # fmt: skip
+        d = _first(range(b.min_decode, b.max_decode + 1),
+                   lambda d: pred(p, d).tpot_p90 <= tpot_ok and pred(p, d).ttft_p90 <= ttft_ok)  # fmt: skip
+        if d is None:
+            best = pred(p, b.max_decode)
+            return ((p, b.max_decode), best,
+                    f"even {p}P+{b.max_decode}D is predicted to miss: TPOT p90 "
+                    f"{best.tpot_p90 * 1e3:.0f} ms > {tpot_ok * 1e3:.0f} ms")  # fmt: skip
+        best = pred(p, d)
+        why = (f"cheapest meeting {pol.headroom:g} x SLO: {p}P+{d}D, predicted TTFT p90 "
+               f"{best.ttft_p90:.2f} s <= {ttft_ok:.2f} s, TPOT p90 {best.tpot_p90 * 1e3:.0f} ms "
+               f"<= {tpot_ok * 1e3:.0f} ms")  # fmt: skip
+        if p > b.min_prefill:
+            fewer = pred(p - 1, b.max_decode)
+            why += f" ({p - 1}P: TTFT p90 {fewer.ttft_p90:.2f} s)"
+        if d > b.min_decode:
+            fewer = pred(p, d - 1)
+            why += f" ({d - 1}D: TPOT p90 {fewer.tpot_p90 * 1e3:.0f} ms)"
+        return (p, d), best, why
+
+    def react(self, obs: Observation, target: tuple[int, int], reasons: list[str]):
+        """Grow a pool whose observed latency misses the SLO although prediction did not ask."""
+        b, slo = self.policy.bounds, self.policy.slo
+        p, d = target
+        if obs.ttft_p90 is not None and obs.ttft_p90 > slo.ttft_s and p <= obs.prefill:
+            p = obs.prefill + 1
+            reasons.append(f"observed TTFT p90 {obs.ttft_p90:.2f} s > SLO {slo.ttft_s:g} s")
+        q = list(self.queued)
+        if len(q) == 3 and q[0] < q[1] < q[2] and p <= obs.prefill:
+            p = obs.prefill + 1
+            reasons.append(f"prompt tokens queued for prefill grew {q[0]} -> {q[1]} -> {q[2]}")
+        if obs.tpot_p90 is not None and obs.tpot_p90 > slo.tpot_s and d <= obs.decode:
+            d = obs.decode + 1
+            reasons.append(f"observed TPOT p90 {obs.tpot_p90 * 1e3:.0f} ms > SLO "
+                           f"{slo.tpot_s * 1e3:g} ms")  # fmt: skip
+        clamped = b.clamp(p, d)
+        if clamped != (p, d):
+            reasons.append(f"bounded by {b.max_prefill}P+{b.max_decode}D at most, "
+                           f"{b.min_prefill}P+{b.min_decode}D at least")  # fmt: skip
+        return clamped
+
+    def cooled(self, target, current, now: float, reasons: list[str]) -> tuple[int, int]:
+        """Grow at once; shrink one worker at a time, once the lower target has held for the
+        cooldown and the pool's last change is that old."""
+        cool = self.policy.cooldown_s
+        self.targets.append((now, *target))
+        while self.targets and self.targets[0][0] < now - cool:
+            self.targets.popleft()
+        held = now - self.targets[0][0] >= cool - self.policy.interval_s
+        out = []
+        for i, role in enumerate(("prefill", "decode")):
+            want, have = target[i], current[i]
+            if want > have:
+                self.changed[role] = now
+                out.append(want)
+            elif want < have:
+                highest = max(t[1 + i] for t in self.targets)
+                if highest < have and held and now - self.changed[role] >= cool:
+                    self.changed[role] = now
+                    out.append(have - 1)
+                else:
+                    reasons.append(f"{role} pool would shrink to {want}; waits for the "
+                                   f"{cool:g} s cooldown")  # fmt: skip
+                    out.append(have)
+            else:
+                out.append(have)
+        return tuple(out)
+
+
+def _first(values, ok) -> int | None:
+    """The first value for which `ok` holds (values in increasing order)."""
+    for v in values:
+        if ok(v):
+            return v
+    return None
+
+
+def calibrated(
+    cluster: Cluster,
+    prompt_tokens: float,
+    prefill_tok_s: float | None,
+    decode_batch: int,
+    context_tokens: float,
+    decode_step_s: float | None,
+) -> Cluster:
+    """`cluster` with its device's FLOP/s and memory bandwidth scaled so that the latency model
+    gives the measured speeds: a prefill of `prompt_tokens` at `prefill_tok_s`, a decode step
+    of `decode_batch` sequences of `context_tokens` each in `decode_step_s` (what workers report
+    in their heartbeats). A speed not measured (None or 0) leaves its factor as is."""
+    accel = cluster.accel
+    for _ in range(3):  # the two factors interact a little through the roofline's max
+        if prefill_tok_s and prompt_tokens >= 1:
+            want = prompt_tokens / prefill_tok_s
+            n = int(prompt_tokens)
+            f = _solve(lambda k: _with(cluster, flops=k).latency(1).prefill(n), want)
+            accel = replace(accel, peak_flops=accel.peak_flops * f)
+            cluster = replace(cluster, accel=accel)
+        if decode_step_s and decode_batch >= 1:
+            ctx = decode_batch * context_tokens
+            g = _solve(lambda k: _with(cluster, mem=k).latency(1).iteration(
+                Batch(decode_batch, decode_batch, 0, ctx, decode_batch)), decode_step_s)  # fmt: skip
+            accel = replace(accel, mem_bytes_per_s=accel.mem_bytes_per_s * g)
+            cluster = replace(cluster, accel=accel)
+    return cluster
+
+
+def _with(cluster: Cluster, flops: float = 1.0, mem: float = 1.0) -> Cluster:
+    a = cluster.accel
+    return replace(cluster, accel=replace(
+        a, peak_flops=a.peak_flops * flops, mem_bytes_per_s=a.mem_bytes_per_s * mem))  # fmt: skip
+
+
+def _solve(seconds_at, want: float) -> float:
+    """The factor k (1e-4 .. 1e4) at which the decreasing `seconds_at(k)` is closest to `want`
+    (bisection on a log scale; fixed costs may make `want` unreachable: the bound is kept)."""
+    lo, hi = math.log(1e-4), math.log(1e4)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if seconds_at(math.exp(mid)) > want:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2)

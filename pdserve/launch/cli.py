@@ -25,6 +25,37 @@ def _drain_arg(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _autoscale_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "autoscaling (--mode disagg, either launcher; docs/serving.md#autoscaling)"
+    )
+    g.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="size the prefill and decode pools while serving: every --scale-interval the "
+        "simulator, calibrated to the workers' measured speeds, predicts TTFT and TPOT p90 of the "
+        "observed load for candidate counts, and the pools move to the cheapest that meets "
+        "--slo-ttft and --slo-tpot with 20%% headroom (also growing on a measured SLO miss or a "
+        "growing prefill queue). --prefill/--decode are the minimums. Admission then refuses "
+        "only what the largest allowed pools could not serve",
+    )
+    g.add_argument("--max-prefill", type=int, default=None, metavar="N",
+                   help="--autoscale: most prefill workers (default: --prefill)")  # fmt: skip
+    g.add_argument("--max-decode", type=int, default=None, metavar="N",
+                   help="--autoscale: most decode workers (default: --decode)")  # fmt: skip
+    g.add_argument(
+        "--scale-interval", type=float, default=5.0, metavar="S",
+        help="--autoscale: seconds between decisions (default 5); a pool grows at the first "
+        "decision that asks for it",
+    )  # fmt: skip
+    g.add_argument(
+        "--scale-cooldown", type=float, default=60.0, metavar="S",
+        help="--autoscale: a pool shrinks by one worker only once every decision of the last S "
+        "seconds asked for fewer and its last change is S seconds old (default 60); the worker "
+        "drains first (finishes its requests, then leaves)",
+    )  # fmt: skip
+
+
 def _router_args(p: argparse.ArgumentParser) -> None:
     """The router's flags; their defaults are `RouterConfig`'s (its class attributes)."""
     _drain_arg(p, "refuse new requests (503 + Retry-After) and let those admitted finish, "
@@ -159,6 +190,7 @@ def register(sub) -> None:
     p.add_argument(
         "--colocated-workers", type=int, default=1, help="workers in colocated mode (default 1)"
     )
+    _autoscale_args(p)
     p.add_argument(
         "--decode-chunk-size",
         type=int,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from pathlib import Path
 
@@ -25,6 +26,10 @@ ENGINE_FLAGS = (
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The router's settings from the flags `launch.cli` adds (--block-size: the engine's)."""
+    autoscale_max = None
+    if getattr(args, "autoscale", False):
+        autoscale_max = (max(args.prefill, args.max_prefill or 0),
+                         max(args.decode, args.max_decode or 0))  # fmt: skip
     return RouterConfig(
         control_host=args.control_host,
         control_port=args.control_port,
@@ -37,6 +42,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_inflight=args.max_inflight,
         slo_ttft_s=args.slo_ttft,
         slo_tpot_s=args.slo_tpot,
+        autoscale_max=autoscale_max,
     )
 
 
@@ -152,6 +158,14 @@ def serve(args) -> int:
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
                  "decode": phase_argv(args.decode_args, "--decode-args")}  # fmt: skip
     role_argv["both"] = role_argv["decode"]
+    autoscaler = None
+    if args.autoscale:
+        from pdserve.launch.autoscale import make_autoscaler
+        from pdserve.model.loader import load_model_config
+
+        autoscaler = make_autoscaler(args, load_model_config(args.model)[1])
+    elif args.max_prefill is not None or args.max_decode is not None:
+        raise ValueError("--max-prefill/--max-decode bound the autoscaler: add --autoscale")
     frontend = make_frontend(args)
     if args.launcher == "ray":
         from pdserve.kv_transfer.wire import is_loopback
@@ -187,16 +201,29 @@ def serve(args) -> int:
             flush=True,
         )
 
+    def launch(i: int, role: str, cpus: str, device: str | None) -> str:
+        argv = list(base_argv)
+        if device:  # given last, it overrides the --device of base_argv
+            argv += ["--device", device]
+        chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
+        if chunk:
+            argv += ["--chunk-size", str(chunk)]
+        argv += role_argv[role]  # last: the pool's own settings win
+        procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport)
+        return f"{role}-{i}"
+
+    def add_worker(role: str) -> str:
+        """The autoscaler's new worker: the next index; on this machine it shares the cores
+        of its pool's first worker (a GPU each in turn when there are several)."""
+        i = next(indices)
+        cpus = next((c for r, c in plan.workers if r == role), plan.workers[0][1])
+        return launch(i, role, cpus, gpu_per_worker(args.device, i + 1, gpus)[i])
+
+    indices = itertools.count(len(plan.workers))
+
     async def ready(port):
         for i, (role, cpus) in enumerate(plan.workers):
-            argv = list(base_argv)
-            if devices[i]:  # given last, it overrides the --device of base_argv
-                argv += ["--device", devices[i]]
-            chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
-            if chunk:
-                argv += ["--chunk-size", str(chunk)]
-            argv += role_argv[role]  # last: the pool's own settings win
-            procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport)
+            launch(i, role, cpus, devices[i])
         n_pre = sum(r == "prefill" for r, _ in plan.workers)
         try:
             await wait_ready(
@@ -207,11 +234,20 @@ def serve(args) -> int:
             os.kill(os.getpid(), 2)  # stop uvicorn; on_stop stops the other workers
             return
         procs.forward_output()
+        if autoscaler is not None:
+            from pdserve.launch.autoscale import AutoscaleLoop
+
+            AutoscaleLoop(frontend, autoscaler, add_worker, procs.drain,
+                          args.startup_timeout_s).run()  # fmt: skip
         url = f"http://{args.host}:{port}"
         layout = ", ".join(
             (f"{r}@ray" if args.launcher == "ray" else f"{r}@cpu{c}") + (f"+{d}" if d else "")
             for (r, c), d in zip(plan.workers, devices, strict=True)
         )
+        if autoscaler is not None:
+            b = autoscaler.policy.bounds
+            layout += (f"; autoscaling {b.min_prefill}-{b.max_prefill}P, "
+                       f"{b.min_decode}-{b.max_decode}D")  # fmt: skip
         print(f"pdserve ready: {url}/v1 ({args.mode}: {layout})", flush=True)
         print(
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

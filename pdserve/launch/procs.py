@@ -50,6 +50,7 @@ class Child:
     restart_at: float | None = None  # set while it waits to be restarted
     restarts: int = 0
     gone: bool = False  # exited, reported, not to be restarted
+    draining: bool = False  # sent SIGTERM to leave (scale-down): not restarted whatever its exit
     pump: threading.Thread | None = None
 
 
@@ -203,9 +204,13 @@ class WorkerProcs:
     def _exited(self, child: Child, code: int, now: float) -> None:
         child.pump.join(2.0)  # its last lines
         last = "".join(child.tail).rstrip()
-        if code == 0 and child.restart:  # it drained and left on purpose (SIGTERM, scale-down)
+        if code == 0 and (child.restart or child.draining):  # it drained and left on purpose
             child.gone = True
             print(f"pdserve serve: {child.name} drained and exited; not restarted", flush=True)
+            return
+        if child.draining:  # asked to leave before it was ready (SIGTERM during start-up)
+            child.gone = True
+            print(f"pdserve serve: {child.name} stopped (code {code}); not restarted", flush=True)
             return
         if not child.restart:
             child.gone = True
@@ -224,6 +229,18 @@ class WorkerProcs:
             f"{self.policy.window_s:g} s); restarting it in {delay:g} s; its last output:\n{last}",
             flush=True,
         )
+
+    def drain(self, name: str) -> None:
+        """Ask worker `name` to drain and leave (SIGTERM: it finishes what it holds, then
+        exits 0); it is not restarted, whatever its exit."""
+        with self._lock:
+            for child in self.children:
+                if child.name == name and not child.gone:
+                    child.draining = True
+                    if child.restart_at is not None:  # waiting to be restarted: just drop it
+                        child.restart_at, child.gone = None, True
+                    elif child.proc.poll() is None:
+                        child.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every child (no restart after this): SIGTERM, then SIGKILL at `timeout_s`."""

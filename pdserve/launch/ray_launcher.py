@@ -76,6 +76,9 @@ class WorkerActor:
             warnings.simplefilter("ignore", DeprecationWarning)
             self.restarted = ctx.was_current_actor_reconstructed
         self.error: str | None = None
+        self.worker = None
+        self.done = False  # the worker drained and left
+        self.leave = False  # asked to (`drain`)
         self.thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
         self.thread.start()
 
@@ -87,8 +90,10 @@ class WorkerActor:
         worker = None
         try:
             args = build_parser().parse_args(["worker", *argv])
-            worker = Worker(worker_config(args, placement=self.placement))
+            worker = self.worker = Worker(worker_config(args, placement=self.placement))
+            worker.drain_requested = self.leave  # asked to leave while it was starting
             worker.run()
+            self.done = True
         except BaseException:  # noqa: BLE001  (SystemExit from argparse too)
             self.error = traceback.format_exc()
             print(self.error, flush=True)
@@ -97,7 +102,14 @@ class WorkerActor:
                 os._exit(1)  # Ray restarts the actor
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "error": self.error, **dict(self.placement)}
+        return {"pid": os.getpid(), "error": self.error, "done": self.done,
+                **dict(self.placement)}  # fmt: skip
+
+    def drain(self) -> None:
+        """Drain and leave, as `pdserve worker` on SIGTERM (`RayWorkers.drain`)."""
+        self.leave = True
+        if self.worker is not None:
+            self.worker.drain_requested = True
 
 
 class RayWorkers:
@@ -131,6 +143,7 @@ class RayWorkers:
         self.actors: dict[str, object] = {}
         self.info_refs: dict[str, object] = {}
         self.pending: dict[str, tuple[float, str]] = {}  # not yet started: since, what it needs
+        self.draining: set[str] = set()  # asked to drain and leave (scale-down)
         self.stopping = threading.Event()
 
     def start(self, worker_id, role, cpus, router, engine_argv, transport) -> None:
@@ -189,17 +202,31 @@ class RayWorkers:
             self.info_refs[wid] = self.actors[wid].info.remote()  # ask again next time
         return None
 
+    def drain(self, worker_id: str) -> None:
+        """Have the worker drain and leave; its actor is removed once it has (`supervise`)."""
+        actor = self.actors.get(worker_id)
+        if actor is not None:
+            self.draining.add(worker_id)
+            actor.drain.remote()
+
     def supervise(self, interval_s: float = 0.5) -> threading.Thread:
-        """Ray restarts dead actors; report each restart (a new pid)."""
+        """Ray restarts dead actors; report each restart (a new pid). An actor whose worker
+        drained and left is removed."""
 
         def watch() -> None:
             pids: dict[str, int] = {}
-            while not self.stopping.wait(interval_s * 4):
+            while not self.stopping.wait(interval_s * (1 if self.draining else 4)):
                 for wid, actor in list(self.actors.items()):
                     try:
-                        pid = self.ray.get(actor.info.remote(), timeout=5)["pid"]
+                        info = self.ray.get(actor.info.remote(), timeout=5)
                     except self.ray.exceptions.RayError:
                         continue  # dead or restarting: Ray handles it
+                    pid = info["pid"]
+                    if info["done"]:
+                        self.remove(wid)
+                        print(f"pdserve serve: worker {wid} drained and left; its actor is "
+                              "removed", flush=True)  # fmt: skip
+                        continue
                     if wid in pids and pids[wid] != pid:
                         print(f"pdserve serve: worker {wid} was restarted by Ray (pid {pid})",
                               flush=True)  # fmt: skip
@@ -208,6 +235,16 @@ class RayWorkers:
         thread = threading.Thread(target=watch, name="ray-supervise", daemon=True)
         thread.start()
         return thread
+
+    def remove(self, worker_id: str) -> None:
+        actor = self.actors.pop(worker_id, None)
+        self.info_refs.pop(worker_id, None)
+        self.draining.discard(worker_id)
+        if actor is not None:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001  (already gone)
+                pass
 
     def forward_output(self) -> None:
         pass  # Ray forwards the actors' output itself (log_to_driver)

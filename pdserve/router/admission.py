@@ -43,10 +43,17 @@ def check_slo(
 
     TTFT estimate = (prompt tokens waiting for prefill where this one will be prefilled
     + this one's uncached tokens) / that pool's measured prefill tokens/s. TPOT = the decode
-    worker's measured seconds per step while it decodes."""
+    worker's measured seconds per step while it decodes.
+
+    With the autoscaler (`config.autoscale_max`), the pools grow before admission refuses:
+    the TTFT estimate uses the prefill speed the largest allowed pool would have (its measured
+    speed per worker times the allowed count), and TPOT refuses only once the decode pool is at
+    its largest. What such pools could not serve is still refused."""
+    growth = _growth(config, view)
     if config.slo_ttft_s is not None:
         pool = view.prefill_pool if remote else [decode]
         rate = sum(w.load.prefill_tok_s for w in pool if w.load is not None)
+        rate *= growth[0 if remote else 1]
         ahead = view.queued(remote, decode.worker_id)
         if rate > 0 and ahead > 0:
             ttft = (ahead + uncached) / rate
@@ -59,7 +66,8 @@ def check_slo(
                     reason="slo_ttft",
                     retry_after_s=retry_after(ttft - limit),
                 )
-    if config.slo_tpot_s is not None and decode.inflight and decode.load is not None:
+    at_largest = growth[1] <= 1.0
+    if config.slo_tpot_s is not None and decode.inflight and decode.load is not None and at_largest:
         tpot = decode.load.decode_step_s
         if tpot > config.slo_tpot_s * TPOT_HEADROOM:
             raise Overloaded(
@@ -68,6 +76,15 @@ def check_slo(
                 reason="slo_tpot",
                 retry_after_s=2,
             )
+
+
+def _growth(config: RouterConfig, view: ClusterView) -> tuple[float, float]:
+    """How many times larger the prefill and decode pools may still grow (1: they cannot)."""
+    if config.autoscale_max is None:
+        return 1.0, 1.0
+    most_p, most_d = config.autoscale_max
+    p, d = len(view.prefill_pool), len(view.decoders)
+    return (max(1.0, most_p / p) if p else 1.0), (max(1.0, most_d / d) if d else 1.0)
 
 
 def retry_after(seconds: float) -> int:

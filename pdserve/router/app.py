@@ -107,6 +107,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                 "workers": workers,
                 "kv_store_blocks_known": len(frontend.core.store_index),
                 "admission": frontend.gate.snapshot(),
+                **({"autoscale": frontend.autoscale} if frontend.autoscale is not None else {}),
             },
             status_code=200 if ok else 503,
         )

@@ -24,6 +24,9 @@ class RouterConfig:
     # worker's measured time per output token, already misses the target.
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # `serve --autoscale`: the most prefill and decode workers the pools may grow to. Admission
+    # then refuses only what pools of that size could not serve (`admission.check_slo`).
+    autoscale_max: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

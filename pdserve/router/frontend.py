@@ -30,6 +30,7 @@ from pdserve.router.output import Choice, Piece
 from pdserve.router.placement import NoWorker
 from pdserve.router.state import RequestState
 from pdserve.router.stop import StopChecker
+from pdserve.router.traffic import Traffic
 
 log = logging.getLogger("pdserve.router")
 
@@ -55,6 +56,8 @@ class Frontend:
         self.limits = limits  # --api-keys: the accepted keys and their rate limits
         self.gate = Gate(core.config.max_inflight, max_waiting, queue_timeout_s)
         self.draining = False  # SIGTERM of serve: refuse new requests, finish admitted ones
+        self.traffic = Traffic()  # arrivals and latencies, for the autoscaler
+        self.autoscale: dict | None = None  # the autoscaler's last decision (GET /health)
         self.eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         # a token's text in logprobs (special tokens shown)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
@@ -330,15 +333,17 @@ class Frontend:
 
     def record(self, state: RequestState, status: str) -> None:
         metrics.REQUESTS.labels(status).inc()
+        ttft = tpot = None
         if state.first_token_at:
-            metrics.TTFT.observe(state.first_token_at - state.created)
-            metrics.TTFT_BY_CACHE.labels("warm" if state.warm else "cold").observe(
-                state.first_token_at - state.created
-            )
+            ttft = state.first_token_at - state.created
+            metrics.TTFT.observe(ttft)
+            metrics.TTFT_BY_CACHE.labels("warm" if state.warm else "cold").observe(ttft)
             n = len(state.tokens)
             if n > 1:
-                metrics.ITL.observe((state.last_token_at - state.first_token_at) / (n - 1))
+                tpot = (state.last_token_at - state.first_token_at) / (n - 1)
+                metrics.ITL.observe(tpot)
         metrics.E2E.observe(time.monotonic() - state.created)
+        self.traffic.finished(state.arrival, ttft, tpot, len(state.tokens))
 
     async def read_body(self, request: Request) -> bytes:
         """The body, refused with 413 as soon as it is known to exceed the limit (a declared
@@ -371,12 +376,14 @@ class Frontend:
         key = self.check_auth(request)
         req = p.parse(await self.read_body(request), p.ChatRequest if chat else p.CompletionRequest)
         plan = self.prepare(req, chat)
+        arrival = self.traffic.arrived(len(plan.ids), plan.params.max_tokens)
         ticket = await self.admit(request, req, key, plan.n)
         try:
             states: list[RequestState | None] = [self.submit(plan.ids, plan.params)]
         except BaseException:
             self.gate.leave(ticket)
             raise
+        states[0].arrival = arrival
         states += [None] * (plan.n - 1)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import REGISTRY
 
@@ -44,6 +44,18 @@ TTFT_BY_CACHE = Histogram(
     "pdserve_ttft_by_cache_seconds", "TTFT of warm vs cold requests", ["cache"], buckets=_LAT
 )
 REJECTED = Counter("pdserve_rejected", "requests refused by admission control", ["reason"])
+SCALE_EVENTS = Counter(
+    "pdserve_scale_events", "workers the autoscaler started (up) or drained (down)",
+    ["role", "direction"],
+)  # fmt: skip
+AUTOSCALE_TARGET = Gauge(
+    "pdserve_autoscale_target_workers", "workers per role the autoscaler last decided on", ["role"]
+)
+AUTOSCALE_PREDICTED = Gauge(
+    "pdserve_autoscale_predicted_seconds",
+    "the autoscaler's last prediction for the counts it chose (corrected p90), by metric",
+    ["metric"],
+)
 
 
 class WorkerCollector:
@@ -65,6 +77,14 @@ class WorkerCollector:
         self.core = core
 
     def collect(self):
+        live = GaugeMetricFamily(
+            "pdserve_workers", "live workers per role (draining ones left out)", labels=["role"]
+        )
+        for role in ("prefill", "decode", "both"):
+            live.add_metric(
+                [role], sum(w.role == role and not w.draining for w in self.core.alive())
+            )
+        yield live
         families = {
             f: GaugeMetricFamily(f"pdserve_worker_{f}", f"worker {f}", labels=["worker", "role"])
             for f in self.FIELDS

@@ -69,6 +69,7 @@ class RequestState:
     placed_at: float | None = None  # when D reported its blocks (remote prefill)
     warm: bool = False  # most of the prompt was cached (worker or KV store) at placement
     uncached_tokens: int = 0  # prompt tokens someone must compute (admission control)
+    arrival: object | None = None  # its `traffic.Arrival` (the first choice's), for the autoscaler
 
     def deliver(
         self,

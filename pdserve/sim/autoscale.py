@@ -147,8 +147,10 @@ class Autoscaler:
     def predict(self, prefill: int, decode: int, load: list[RequestSpec]) -> Prediction:
         """Uncorrected TTFT and TPOT p90 of `load` on `prefill`P + `decode`D."""
         if prefill == 0:  # every prompt prefills on the decode workers
-            dep = replace(self.base, num_prefill=1, num_decode=decode,
-                          local_prefill_threshold=10**9, short_prefills_to_idle_pool=False)  # fmt: skip
+            dep = replace(
+                self.base, num_prefill=1, num_decode=decode,
+                local_prefill_threshold=10**9, short_prefills_to_idle_pool=False,
+            )  # fmt: skip
         else:
             dep = replace(self.base, num_prefill=prefill, num_decode=decode)
         slo = self.policy.slo
@@ -195,8 +197,9 @@ class Autoscaler:
                     memo[(p, d)] = self.predict(p, d, load)
                 return self.corrected(memo[(p, d)])
 
-            p_in, l_in = np.median([x[0] for x in obs.lengths]), np.median(
-                [x[1] for x in obs.lengths]
+            p_in, l_in = (
+                np.median([x[0] for x in obs.lengths]),
+                np.median([x[1] for x in obs.lengths]),
             )
             reasons.append(f"arrivals {obs.rate:.2f} req/s (prompt p50 {p_in:.0f}, output p50 "
                            f"{l_in:.0f} tokens)")  # fmt: skip
@@ -213,35 +216,40 @@ class Autoscaler:
         return Decision(*chosen, tuple(reasons), predicted, target)
 
     def search(self, pred) -> tuple[tuple[int, int], Prediction, str]:
-        """The cheapest counts whose corrected p90s are within the headroom of both SLOs."""
+        """The cheapest counts whose corrected p90s are within the headroom of both SLOs: the
+        fewest prefill workers that meet TTFT (with the most decode workers), then the fewest
+        decode workers that meet TPOT, and TTFT still, with those. A target no allowed count
+        meets is given its largest pool; the other pool is still sized for its own target."""
         pol, b = self.policy, self.policy.bounds
         ttft_ok = pol.slo.ttft_s * pol.headroom
         tpot_ok = pol.slo.tpot_s * pol.headroom
+        notes = []
         p = _first(range(b.min_prefill, b.max_prefill + 1),
                    lambda p: pred(p, b.max_decode).ttft_p90 <= ttft_ok)  # fmt: skip
         if p is None:
-            best = pred(b.max_prefill, b.max_decode)
-            return ((b.max_prefill, b.max_decode), best,
-                    f"even {b.max_prefill}P+{b.max_decode}D is predicted to miss: TTFT p90 "
-                    f"{best.ttft_p90:.2f} s > {ttft_ok:.2f} s ({pol.headroom:g} x SLO)")  # fmt: skip
-        d = _first(range(b.min_decode, b.max_decode + 1),
-                   lambda d: pred(p, d).tpot_p90 <= tpot_ok and pred(p, d).ttft_p90 <= ttft_ok)  # fmt: skip
+            p, miss = b.max_prefill, pred(b.max_prefill, b.max_decode)
+            notes.append(f"even {p}P+{b.max_decode}D is predicted to miss TTFT: p90 "
+                         f"{miss.ttft_p90:.2f} s > {ttft_ok:.2f} s")  # fmt: skip
+        elif p > b.min_prefill:
+            notes.append(f"{p - 1}P: TTFT p90 {pred(p - 1, b.max_decode).ttft_p90:.2f} s")
+        ttft_met = not notes or not notes[0].startswith("even")
+
+        def meets(d: int) -> bool:
+            q = pred(p, d)
+            return q.tpot_p90 <= tpot_ok and (q.ttft_p90 <= ttft_ok or not ttft_met)
+
+        d = _first(range(b.min_decode, b.max_decode + 1), meets)
         if d is None:
-            best = pred(p, b.max_decode)
-            return ((p, b.max_decode), best,
-                    f"even {p}P+{b.max_decode}D is predicted to miss: TPOT p90 "
-                    f"{best.tpot_p90 * 1e3:.0f} ms > {tpot_ok * 1e3:.0f} ms")  # fmt: skip
+            d, miss = b.max_decode, pred(p, b.max_decode)
+            notes.append(f"even {p}P+{d}D is predicted to miss TPOT: p90 "
+                         f"{miss.tpot_p90 * 1e3:.0f} ms > {tpot_ok * 1e3:.0f} ms")  # fmt: skip
+        elif d > b.min_decode:
+            notes.append(f"{d - 1}D: TPOT p90 {pred(p, d - 1).tpot_p90 * 1e3:.0f} ms")
         best = pred(p, d)
-        why = (f"cheapest meeting {pol.headroom:g} x SLO: {p}P+{d}D, predicted TTFT p90 "
-               f"{best.ttft_p90:.2f} s <= {ttft_ok:.2f} s, TPOT p90 {best.tpot_p90 * 1e3:.0f} ms "
-               f"<= {tpot_ok * 1e3:.0f} ms")  # fmt: skip
-        if p > b.min_prefill:
-            fewer = pred(p - 1, b.max_decode)
-            why += f" ({p - 1}P: TTFT p90 {fewer.ttft_p90:.2f} s)"
-        if d > b.min_decode:
-            fewer = pred(p, d - 1)
-            why += f" ({d - 1}D: TPOT p90 {fewer.tpot_p90 * 1e3:.0f} ms)"
-        return (p, d), best, why
+        why = (f"{p}P+{d}D predicted TTFT p90 {best.ttft_p90:.2f} s (target <= {ttft_ok:.2f} s = "
+               f"{pol.headroom:g} x SLO), TPOT p90 {best.tpot_p90 * 1e3:.0f} ms (target <= "
+               f"{tpot_ok * 1e3:.0f} ms)")  # fmt: skip
+        return (p, d), best, why + "".join(f"; {n}" for n in notes)
 
     def react(self, obs: Observation, target: tuple[int, int], reasons: list[str]):
         """Grow a pool whose observed latency misses the SLO although prediction did not ask."""
@@ -312,20 +320,20 @@ def calibrated(
     gives the measured speeds: a prefill of `prompt_tokens` at `prefill_tok_s`, a decode step
     of `decode_batch` sequences of `context_tokens` each in `decode_step_s` (what workers report
     in their heartbeats). A speed not measured (None or 0) leaves its factor as is."""
-    accel = cluster.accel
+    n = int(prompt_tokens)
+    step = Batch(decode_batch, decode_batch, 0, decode_batch * context_tokens, decode_batch)
+
+    def prefill_s(c: Cluster) -> float:
+        return c.latency(1).prefill(n)
+
+    def decode_s(c: Cluster) -> float:
+        return c.latency(1).iteration(step)
+
     for _ in range(3):  # the two factors interact a little through the roofline's max
-        if prefill_tok_s and prompt_tokens >= 1:
-            want = prompt_tokens / prefill_tok_s
-            n = int(prompt_tokens)
-            f = _solve(lambda k: _with(cluster, flops=k).latency(1).prefill(n), want)
-            accel = replace(accel, peak_flops=accel.peak_flops * f)
-            cluster = replace(cluster, accel=accel)
+        if prefill_tok_s and n >= 1:
+            cluster = _with(cluster, flops=_solve(cluster, prefill_s, n / prefill_tok_s, "flops"))
         if decode_step_s and decode_batch >= 1:
-            ctx = decode_batch * context_tokens
-            g = _solve(lambda k: _with(cluster, mem=k).latency(1).iteration(
-                Batch(decode_batch, decode_batch, 0, ctx, decode_batch)), decode_step_s)  # fmt: skip
-            accel = replace(accel, mem_bytes_per_s=accel.mem_bytes_per_s * g)
-            cluster = replace(cluster, accel=accel)
+            cluster = _with(cluster, mem=_solve(cluster, decode_s, decode_step_s, "mem"))
     return cluster
 
 
@@ -335,13 +343,14 @@ def _with(cluster: Cluster, flops: float = 1.0, mem: float = 1.0) -> Cluster:
         a, peak_flops=a.peak_flops * flops, mem_bytes_per_s=a.mem_bytes_per_s * mem))  # fmt: skip
 
 
-def _solve(seconds_at, want: float) -> float:
-    """The factor k (1e-4 .. 1e4) at which the decreasing `seconds_at(k)` is closest to `want`
-    (bisection on a log scale; fixed costs may make `want` unreachable: the bound is kept)."""
+def _solve(cluster: Cluster, seconds, want: float, which: str) -> float:
+    """The factor k (1e-4 .. 1e4) on the device's `which` (flops or mem) at which the
+    decreasing `seconds(cluster scaled by k)` is closest to `want` (bisection on a log scale;
+    fixed costs may make `want` unreachable: the bound is kept)."""
     lo, hi = math.log(1e-4), math.log(1e4)
     for _ in range(40):
         mid = (lo + hi) / 2
-        if seconds_at(math.exp(mid)) > want:
+        if seconds(_with(cluster, **{which: math.exp(mid)})) > want:
             lo = mid
         else:
             hi = mid

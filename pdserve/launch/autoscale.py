@@ -66,6 +66,7 @@ class AutoscaleLoop:
     ) -> None:
         self.frontend, self.core = frontend, frontend.core
         self.autoscaler, self.policy = autoscaler, autoscaler.policy
+        autoscaler.speeds_known = False  # until the workers have measured theirs (`calibrate`)
         self.start, self.drain = start, drain
         self.startup_timeout_s = startup_timeout_s
         self.starting: dict[str, tuple[str, float]] = {}  # worker id -> (role, since)
@@ -127,6 +128,7 @@ class AutoscaleLoop:
             return
         step = decoding[0] if decoding else None
         a = self.autoscaler
+        a.speeds_known = True
         a.cluster = calibrated(
             a.cluster, prompt, float(np.mean(prefill)) if prefill else None,
             step.running if step else 0, prompt + output / 2, step.decode_step_s if step else None,

@@ -131,6 +131,9 @@ class Autoscaler:
         self.targets: deque[tuple[float, int, int]] = deque()  # (time, prefill, decode)
         self.changed = {"prefill": -math.inf, "decode": -math.inf}  # last change per pool
         self.queued: deque[int] = deque(maxlen=3)
+        # False while the cluster's speeds are not known yet (a live server before its workers
+        # measured any): then it only reacts to what it observes
+        self.speeds_known = True
         self.now = 0.0
 
     # -- prediction ------------------------------------------------------------------------
@@ -188,6 +191,10 @@ class Autoscaler:
         if not obs.lengths:
             target = (b.min_prefill, b.min_decode)
             reasons.append(f"no arrivals in the last {obs.window_s:.0f} s")
+        elif not self.speeds_known:
+            target = b.clamp(*current)
+            reasons.append(f"arrivals {obs.rate:.2f} req/s; no worker has measured its speed "
+                           "yet, so nothing is predicted")  # fmt: skip
         else:
             load = self.synthetic_load(obs)
             memo: dict[tuple[int, int], Prediction] = {}

@@ -215,6 +215,28 @@ def metric_sum(url: str, name: str) -> float:
     return total
 
 
+def metric_samples(url: str, name: str) -> dict[tuple[str, ...], float]:
+    """Every sample of one labelled Prometheus metric of the router: its label values (in the
+    order printed) -> value, e.g. {("up", "prefill"): 1.0} for pdserve_scale_events_total."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            out[tuple(re.findall(r'="([^"]*)"', line.split("}")[0]))] = float(line.split()[-1])
+    return out
+
+
+def live_workers(url: str) -> tuple[int, int]:
+    """(prefill, decode) workers live and not draining (the pdserve_workers gauge)."""
+    workers = metric_samples(url, "pdserve_workers")
+    return int(workers[("prefill",)]), int(workers[("decode",)])
+
+
+def scale_events(url: str, direction: str) -> float:
+    """Workers the autoscaler started ("up") or drained ("down") so far."""
+    events = metric_samples(url, "pdserve_scale_events_total")
+    return sum(v for labels, v in events.items() if direction in labels)
+
+
 def unclean(workers: dict) -> dict[str, str]:
     """Worker id -> what is not idle and clean about it: a request running, waiting or
     transferring, a KV block not free, a block manager integrity error. No worker at all is

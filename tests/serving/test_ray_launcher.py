@@ -19,6 +19,9 @@ from ray.cluster_utils import Cluster
 from servers import Server, run_serve
 from waiting import wait_until
 
+from serving.autoscaling import GREEDY as AS_GREEDY
+from serving.autoscaling import PROMPTS, at, burst
+
 pytestmark = pytest.mark.slow
 ROLE = "pdserve/role"
 ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
@@ -81,8 +84,12 @@ def test_a_decode_actor_killed_mid_stream_costs_no_token_and_ray_restarts_it(ray
 
     def kill_its_decode_worker(chunks: int) -> None:
         if chunks == 1:  # the stream is running: kill -9 the decode actor serving it
-            workers = ray_server.health()["workers"]
-            killed.extend((w, v["pid"]) for w, v in workers.items() if v["running"] == 1)
+            running = wait_until(  # once a heartbeat has shown it
+                lambda: [(w, v["pid"]) for w, v in ray_server.health()["workers"].items()
+                         if v["running"] == 1],
+                10, "a heartbeat showing the stream on its decode worker",
+            )  # fmt: skip
+            killed.extend(running)
             os.kill(killed[0][1], signal.SIGKILL)
 
     out = stream(ray_server.url, body, on_chunk=kill_its_decode_worker)
@@ -160,3 +167,38 @@ def test_an_actor_ray_is_restarting_during_start_up_is_not_a_failed_start():
     assert workers.failed()[0] == "p0"
     workers.info_refs = {"p0": {"error": "ValueError: max_num_seqs"}}
     assert workers.failed() == ("p0", "ValueError: max_num_seqs")
+
+
+def test_the_autoscaler_adds_and_drains_ray_actors(cluster):
+    """--autoscale with --launcher ray: a burst makes it start a worker as a new actor, which
+    registers and serves; after the cooldown it is drained and its actor removed (Ray no longer
+    knows it by name). Every request has the greedy text of an undisturbed run."""
+    with Server(
+        "--launcher", "ray", "--ray-address", cluster.address, "--mode", "disagg",
+        "--prefill-resources", '{"CPU": 0}', "--decode-resources", '{"CPU": 0}',  # fits
+        "--dtype", "float32", "--kv-cache-gb", "0.25", "--autoscale", "--max-prefill", "2",
+        "--max-decode", "2", "--slo-ttft", "3", "--slo-tpot", "0.25", "--scale-interval", "1",
+        "--scale-cooldown", "5", env=ENV,
+    ) as server:  # fmt: skip
+        expected = {p: complete(server.url, {"prompt": p, **AS_GREEDY}, 120).text
+                    for p in PROMPTS[:8]}  # fmt: skip
+        wait_until(lambda: at(server, 1, 1), 60, "1P+1D before the burst")
+        before = set(server.health()["workers"])
+        threads, out = burst(server.url, PROMPTS[:8])
+        added = wait_until(lambda: set(server.health()["workers"]) - before, 120,
+                           "a new actor to register", state=server.health)  # fmt: skip
+        for t in threads:
+            t.join(300)
+        assert out == expected
+        wait_until(lambda: at(server, 1, 1) and not added & set(server.health()["workers"]), 90,
+                   "the added workers to drain and leave", state=server.health)  # fmt: skip
+
+        def actor_gone(wid: str) -> bool:
+            try:
+                ray.get_actor(f"pdserve-{wid}-{server.proc.pid}")
+            except ValueError:
+                return True
+            return False
+
+        wait_until(lambda: all(actor_gone(w) for w in added), 30, "Ray to drop their actors")
+        server.wait_idle_and_clean()

@@ -1,0 +1,38 @@
+"""What the autoscaling tests share (local and Ray launchers): a burst from a well-behaved
+client, and "the pools are at these sizes"."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+from servers import Server, live_workers
+
+GREEDY = {"max_tokens": 24, "temperature": 0}
+# ~275 prompt tokens each: this machine prefills ~300 tokens/s per core in float32
+PROMPTS = [f"Chapter {i}. " + "The keeper climbed the lighthouse stairs at dusk. " * 30
+           for i in range(12)]  # fmt: skip
+
+
+def burst(url: str, prompts: list[str]) -> tuple[list[threading.Thread], dict[str, str]]:
+    """Send every prompt at once from a well-behaved client: the OpenAI client, which retries a
+    429 after its Retry-After. Returns the running threads and where their texts go."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=30, timeout=180)
+    model = client.models.list().data[0].id
+    out: dict[str, str] = {}
+
+    def one(prompt: str) -> None:
+        r = client.completions.create(model=model, prompt=prompt, **GREEDY)
+        out[prompt] = r.choices[0].text
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def at(server: Server, prefill: int, decode: int) -> bool:
+    """The pools are at these sizes and the autoscaler wants them so, with nothing starting."""
+    status = server.health()["autoscale"]
+    return (live_workers(server.url) == (prefill, decode) and status["target"] == [prefill, decode]
+            and not status["starting"])  # fmt: skip

@@ -109,3 +109,22 @@ def test_warm_up_measures_and_leaves_nothing_behind():
     assert st["free_blocks"] == st["total_blocks"] and not engine.has_work()
     assert engine.block_manager.drain_events() == []
     engine.check_integrity()
+
+
+def test_with_the_autoscaler_admission_refuses_only_what_the_largest_pools_could_not_serve(core):
+    """--autoscale --max-prefill 3 --max-decode 2: the TTFT estimate uses three prefill workers'
+    speed while one runs, and TPOT refuses only once the decode pool is at its largest."""
+    c = core(slo_ttft_s=2.0, slo_tpot_s=0.1, autoscale_max=(3, 2))
+    d = c.workers["d"] = worker("d", "decode", load(decode_step_s=0.25))
+    c.workers["p0"] = worker("p0", "prefill", load(prefill_tok_s=300.0))
+    pending(c, "r0", 600, remote=True, decode_id="d")
+    # one worker: (600 + 800) / 300 = 4.7 s; three: 1.6 s = 0.8 x SLO -> admitted
+    check_slo(c.config, c.view(), d, remote=True, uncached=840)
+    with pytest.raises(Overloaded, match="900 tokens/s"):  # beyond even three workers
+        check_slo(c.config, c.view(), d, remote=True, uncached=1200)
+    c.workers["d2"] = worker("d2", "decode", load(decode_step_s=0.25))
+    with pytest.raises(Overloaded) as exc:  # two decode workers: the largest pool, TPOT counts
+        check_slo(c.config, c.view(), d, remote=True, uncached=10)
+    assert exc.value.reason == "slo_tpot"
+    c.workers["d2"].draining = True  # a draining worker is not part of the pool
+    check_slo(c.config, c.view(), d, remote=True, uncached=840)

@@ -71,6 +71,31 @@ def test_a_child_without_restart_is_reported_once_and_stop_restarts_nothing(proc
     assert other.restart_at is None and other.restarts == 0
 
 
+SIGTERM_LEAVES = [sys.executable, "-c", (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)"
+)]  # fmt: skip
+
+
+def test_a_drained_child_is_not_restarted_whatever_its_exit(procs, capsys):
+    """The autoscaler's scale-down: `drain` sends SIGTERM; the child leaves (exit 0) and is not
+    restarted; one that dies otherwise while draining is not restarted either."""
+    child = procs.spawn("decode-3", SIGTERM_LEAVES, restart=True)
+    procs.wait_for_line(child, "ready", 30)
+    procs.drain("decode-3")
+    _exited(child)
+    procs.check(now=1.0)
+    assert child.gone and child.restart_at is None
+    assert "decode-3 drained and exited; not restarted" in capsys.readouterr().out
+    other = procs.spawn("decode-4", CRASH, restart=True)
+    procs.drain("decode-4")
+    _exited(other)
+    procs.check(now=2.0)
+    assert other.gone and other.restart_at is None and other.restarts == 0
+
+
 def test_a_decode_worker_killed_is_restarted_and_the_server_serves_again():
     with Server("--heartbeat-timeout-s", "2") as server:
         body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}

@@ -80,8 +80,11 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    tensor_parallel_size: int = 1  # ranks (processes) of this engine: engine/tp.py
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.dtype not in DTYPES:

@@ -79,6 +79,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=EngineConfig.num_threads,
         help="torch threads (default: torch's)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=EngineConfig.tensor_parallel_size,
+        metavar="N",
+        help="run the engine as N ranks (processes), each with its share of the attention heads "
+        "and MLP columns and of the KV cache (Megatron-style; gloo on CPU). The query heads and "
+        "MLP width must divide by N (KV heads are replicated when N is a multiple of them); "
+        "the threads are shared among the ranks. Co-located workers and `generate` only for "
+        "now: KV transfer between tensor-parallel prefill and decode groups is not built yet "
+        "(default 1)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -95,6 +107,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         **overrides,
     )
 
@@ -111,10 +124,13 @@ def _generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
     )
     llm = LLM(config=engine_config_from_args(args))
-    if args.raw:
-        out = llm.generate(args.prompt, params)
-    else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    try:
+        if args.raw:
+            out = llm.generate(args.prompt, params)
+        else:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    finally:
+        llm.engine.close()  # a tensor-parallel engine's other ranks
     print(out[0].text)
     return 0
 

@@ -49,7 +49,12 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        self.runner = ModelRunner(config, self.files, self.max_model_len)
+        tp = None
+        if config.tensor_parallel_size > 1:  # start the other ranks and hand them the model
+            from pdserve.engine.tp import start_group
+
+            tp = start_group(config, self.files, self.max_model_len)
+        self.runner = ModelRunner(config, self.files, self.max_model_len, tp)
         # The model holds its own (fused, cast) copies: drop the float32 arrays (~0.5 GiB).
         self.files = self.files._replace(weights={})
         self.block_manager = BlockManager(
@@ -185,6 +190,12 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """The connector has sent the KV of a finished request it held: free its blocks."""
         self.scheduler.release_held(request_id)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (they also stop when this process
+        dies)."""
+        if self.runner.tp is not None:
+            self.runner.tp.close()
 
     def warm_up(self, prompt_tokens: int = 128, decode_steps: int = 3) -> None:
         """Run one throwaway request before serving: the first steps pay one-off costs

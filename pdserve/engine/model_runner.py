@@ -45,18 +45,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int):
+    """`tp`: this process's rank of a tensor-parallel engine (`engine/tp.py`); rank 0 runs
+    every step and sends its inputs to the other ranks, which run `forward` alike."""
+
+    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int, tp=None):
         self.config = config
         self.model_config: ModelConfig = files.config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.model = LlamaModel(files.config, files.weights, self.dtype, self.device)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.model = LlamaModel(files.config, files.weights, self.dtype, self.device, self.tp)
+        self.num_kv_heads = self.model.n_kv  # this rank's
         self.weights = self._quantize(files)
         self.num_blocks = self._num_blocks()
         mc = self.model_config
-        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         # Per layer, (num_blocks, block_size, n_kv, d): one layer's block is one contiguous span.
         self.k_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
@@ -72,6 +77,8 @@ class ModelRunner:
         """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""
         if self.config.enforce_eager:
             return None, "eager (--enforce-eager)"
+        if self.tp is not None:
+            return None, f"eager (tensor parallel, {self.tp.size} ranks)"
         if self.device.type != "cpu":
             return None, "eager"
         mc = self.model_config
@@ -98,7 +105,8 @@ class ModelRunner:
         """Apply `config.weights` to the model; returns the format chosen (auto resolved)."""
         fmt, mc = self.config.weights, self.model_config
         quant.check_format(fmt, self.device, math.gcd(mc.hidden_size, mc.intermediate_size))
-        wants_blocks = fmt in ("auto", "int4") and self.device.type == "cpu"
+        # a tensor-parallel rank holds slices: the file's whole-weight blocks do not apply
+        wants_blocks = fmt in ("auto", "int4") and self.device.type == "cpu" and not self.tp
         blocks = load_int4_blocks(files) if wants_blocks else {}
         fmt = quant.resolve_format(fmt, self.device, blocks, self.dtype)
         if fmt != "bf16" and self.dtype == torch.float32:
@@ -117,7 +125,7 @@ class ModelRunner:
         """Bytes of one block over all layers, K and V."""
         mc = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -196,14 +204,21 @@ class ModelRunner:
             ):
                 return self._run_fused(batch)
         input_ids, positions, meta, sample_rows, prompt_spans = self._prepare(batch)
+        if self.tp is not None:  # the other ranks run this step with us
+            self.tp.broadcast_step((input_ids, positions, meta))
         meta.layer_hook, meta.before_layer = layer_hook, before_layer
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.forward(input_ids, positions, meta)
         for i, row, start in prompt_spans:
             self._prompt_logprobs(batch.seqs[i], hidden, row, start, batch.num_new_tokens[i])
         if not sample_rows:
             return [], None
         rows = torch.tensor([r for _, r in sample_rows], device=self.device)
         return [i for i, _ in sample_rows], self.model.logits(hidden[rows]).cpu()
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """The model over one step's inputs (a tensor-parallel rank's whole step)."""
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _prompt_logprobs(self, seq, hidden, row: int, start: int, n: int) -> None:
         """Append the logprobs of seq's prompt tokens start+1 .. (those this step's rows

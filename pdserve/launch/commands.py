@@ -21,6 +21,7 @@ ENGINE_FLAGS = (
     "block_size",
     "max_num_seqs",
     "max_model_len",
+    "tensor_parallel_size",
 )
 
 
@@ -152,9 +153,11 @@ def serve(args) -> int:
         os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
-    from pdserve.launch.local import check_kv_compression
+    from pdserve.launch.local import check_kv_compression, check_tensor_parallel
 
     check_kv_compression(args)
+    role = "both" if args.mode == "colocated" else "prefill"
+    check_tensor_parallel(args.tensor_parallel_size, role, args.kv_store or args.kv_store_endpoint)
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
                  "decode": phase_argv(args.decode_args, "--decode-args")}  # fmt: skip
     role_argv["both"] = role_argv["decode"]

@@ -37,6 +37,15 @@ def check_kv_compression(args) -> None:
         )
 
 
+def check_tensor_parallel(size: int, role: str, kv_store) -> None:
+    if size > 1 and (role != "both" or kv_store):
+        raise ValueError(
+            "--tensor-parallel-size > 1 runs co-located workers (--role both, serve --mode "
+            "colocated) without a KV store for now: moving KV between tensor-parallel groups "
+            "(re-sharding heads between prefill and decode ranks) is not built yet"
+        )
+
+
 def worker_config(args, threads: int | None = None, placement: tuple = ()):
     """The WorkerConfig of `pdserve worker`'s flags (the Ray launcher's actors use it too)."""
     from dataclasses import replace
@@ -46,6 +55,7 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
 
     check_kv_compression(args)
     engine = engine_config_from_args(args, role=args.role)
+    check_tensor_parallel(engine.tensor_parallel_size, args.role, args.kv_store)
     if threads or args.threads:
         engine = replace(engine, num_threads=threads or args.threads)
     if args.role == "prefill":  # a prefill worker computes whole prompts: no chunking

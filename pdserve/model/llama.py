@@ -53,9 +53,20 @@ class Layer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype, device):
+    """`tp`: this rank's part of a tensor-parallel model (`engine/tp.py`): `weights` are its
+    slices, attention runs over its heads, and the ranks' partial sums are added after the
+    attention output and the MLP. None: the whole model."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype, device, tp=None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        shard = tp.shard if tp is not None else None
+        self.n_heads, self.n_kv = (
+            shard.local_heads(cfg) if shard else (cfg.num_heads, cfg.num_kv_heads)
+        )
+        if shard is not None:
+            weights = shard.weights(cfg, weights)
         w = {k: torch.from_numpy(v).to(device=device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
@@ -86,13 +97,16 @@ class LlamaModel(nn.Module):
         cfg = self.cfg
         t, d = x.shape[0], cfg.head_dim
         qkv = layer.qkv(x)
-        n_qk = cfg.num_heads + cfg.num_kv_heads
+        n_qk = self.n_heads + self.n_kv
         # RoPE over the q and k heads at once: one pass of each op instead of two (prefill).
         qk = self._rope(qkv[:, : n_qk * d].view(t, n_qk, d), cos, sin)
-        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # (T, n_heads, d), (T, n_kv, d)
-        v = qkv[:, n_qk * d :].view(t, cfg.num_kv_heads, d)
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]  # (T, n_heads, d), (T, n_kv, d)
+        v = qkv[:, n_qk * d :].view(t, self.n_kv, d)
         o = paged_attention(q, k, v, kv[0], kv[1], meta)
-        return layer.o(o.reshape(t, cfg.num_heads * d))
+        return self._reduce(layer.o(o.reshape(t, self.n_heads * d)))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states (T, hidden) for a flat batch; writes every token's K/V into kv_caches,
@@ -107,7 +121,7 @@ class LlamaModel(nn.Module):
                 layer, self._rms(x, layer.attn_norm), cos, sin, kv_caches[i], meta
             )
             gate, up = layer.gate_up(self._rms(x, layer.mlp_norm)).chunk(2, -1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + self._reduce(layer.down(F.silu(gate) * up))
             if meta.layer_hook is not None:
                 meta.layer_hook(i)
         return self._rms(x, self.norm)

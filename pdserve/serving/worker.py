@@ -392,3 +392,4 @@ class Worker:
         for link in self.links:
             link.sock.setsockopt(zmq.LINGER, 1000)  # the last messages (Leaving) go out
             link.sock.close()
+        self.engine.close()

@@ -91,7 +91,8 @@ class AutoscaleLoop:
 
     # -- observing -------------------------------------------------------------------------
     def counts(self, now: float) -> dict[str, int]:
-        """Workers per role that serve or will: live and not draining, or starting."""
+        """Workers per role that serve (live, not draining); forgets starting workers that
+        registered, and drains those that did not within the startup timeout."""
         live = {r: [w for w in self.core.alive(r) if not w.draining] for r in ROLES}
         registered = {w.worker_id for ws in live.values() for w in ws}
         for wid, (_, since) in list(self.starting.items()):
@@ -102,18 +103,19 @@ class AutoscaleLoop:
                 print(f"pdserve serve: autoscale: {wid} did not register within "
                       f"{self.startup_timeout_s:g} s; draining it", flush=True)  # fmt: skip
                 self.drain(wid)
-        out = {r: len(live[r]) for r in ROLES}
-        for role, _ in self.starting.values():
-            out[role] += 1
-        return out
+        return {r: len(live[r]) for r in ROLES}
 
     def observe(self, now: float) -> Observation:
-        counts = self.counts(now)
+        live = self.counts(now)
+        starting = {r: sum(role == r for role, _ in self.starting.values()) for r in ROLES}
         window = min(self.policy.interval_s * 2, max(self.policy.interval_s, now - self.started_at))
         seen = self.frontend.traffic.window(window, now)
         queued = sum(w.queued_prefill_tokens() for w in self.core.alive())
-        return Observation(window, seen.lengths, counts["prefill"], counts["decode"],
-                           seen.ttft_p90, seen.tpot_p90, queued)  # fmt: skip
+        return Observation(
+            window, seen.lengths, live["prefill"] + starting["prefill"],
+            live["decode"] + starting["decode"], seen.ttft_p90, seen.tpot_p90, queued,
+            starting["prefill"], starting["decode"],
+        )  # fmt: skip
 
     def calibrate(self, obs: Observation) -> None:
         """Fit the simulator's device to the speeds the workers measured (heartbeats)."""

@@ -50,9 +50,9 @@ def _autoscale_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--scale-cooldown", type=float, default=60.0, metavar="S",
-        help="--autoscale: a pool shrinks by one worker only once every decision of the last S "
-        "seconds asked for fewer and its last change is S seconds old (default 60); the worker "
-        "drains first (finishes its requests, then leaves)",
+        help="--autoscale: a pool shrinks only once its last change is S seconds old, and only "
+        "to the most any decision of the last S seconds asked for (default 60); the workers "
+        "removed drain first (finish their requests, then leave)",
     )  # fmt: skip
 
 

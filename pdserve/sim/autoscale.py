@@ -17,8 +17,8 @@ clients saw; prompt tokens queued for prefill; the worker counts) and:
 4. reacts to what prediction missed: a TTFT p90 over the SLO, or prompt tokens queued for
    prefill growing two intervals running, adds a prefill worker; a TPOT p90 over the SLO adds a
    decode worker;
-5. grows at once, shrinks slowly: a pool shrinks by one worker only when every target of the
-   last `cooldown_s` was below its size and its last change is `cooldown_s` old.
+5. grows at once, shrinks slowly: a pool shrinks only once its last change is `cooldown_s` old,
+   and only to the most any decision of the last `cooldown_s` asked for.
 
 Every `Decision` carries its reasons in numbers. The same class drives the live server
 (`launch/autoscale.py`) and the simulated day (`benchmarks/autoscale.py`).
@@ -41,6 +41,7 @@ from pdserve.sim.simulator import simulate
 
 CORRECTION_RANGE = (0.5, 4.0)  # observed / predicted beyond this is noise or a transient
 CORRECTION_SMOOTHING = 0.5  # weight of the newest ratio
+NO_BETTER = 1.05  # when no count meets a target: the fewest within 5 % of the most's p90
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class ScalePolicy:
     cooldown_s: float = 30.0  # how long a lower target must hold before a pool shrinks
     headroom: float = 0.8  # plan for p90s at most this share of the SLO
     horizon_s: float = 60.0  # seconds of the observed load each prediction simulates
-    max_sim_requests: int = 600  # ... at most this many requests
+    max_sim_requests: int = 1500  # ... at most this many requests
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0 or self.cooldown_s < 0:
@@ -94,6 +95,13 @@ class Observation(NamedTuple):
     ttft_p90: float | None = None  # clients' first tokens in the window (None: none)
     tpot_p90: float | None = None
     queued_tokens: int = 0  # prompt tokens waiting for prefill, cluster-wide
+    starting_prefill: int = 0  # of `prefill`, those not serving yet (loading, warming up)
+    starting_decode: int = 0
+
+    @property
+    def live(self) -> tuple[int, int]:
+        """Workers serving now, per pool."""
+        return self.prefill - self.starting_prefill, self.decode - self.starting_decode
 
     @property
     def rate(self) -> float:
@@ -103,6 +111,16 @@ class Observation(NamedTuple):
 class Prediction(NamedTuple):
     ttft_p90: float
     tpot_p90: float
+
+
+class SyntheticLoad(NamedTuple):
+    """What a prediction simulates: the prompts queued now (at time 0, the first `backlog`),
+    then the observed load continued. Its p90s leave out the requests that arrive in the
+    first `warmup_s` (the batch is still filling), the backlog's included."""
+
+    requests: list[RequestSpec]
+    backlog: int
+    warmup_s: float
 
 
 class Decision(NamedTuple):
@@ -131,23 +149,35 @@ class Autoscaler:
         self.targets: deque[tuple[float, int, int]] = deque()  # (time, prefill, decode)
         self.changed = {"prefill": -math.inf, "decode": -math.inf}  # last change per pool
         self.queued: deque[int] = deque(maxlen=3)
+        self.prefill_tok_s = 0.0  # the prefill pool's, as the model predicts it (queue rule)
         # False while the cluster's speeds are not known yet (a live server before its workers
         # measured any): then it only reacts to what it observes
         self.speeds_known = True
         self.now = 0.0
 
     # -- prediction ------------------------------------------------------------------------
-    def synthetic_load(self, obs: Observation) -> list[RequestSpec]:
-        """The observed load, continued: Poisson arrivals at the observed rate over the
-        horizon, lengths drawn from the window's requests."""
+    def synthetic_load(self, obs: Observation) -> SyntheticLoad:
+        """The prompts queued now, then the observed load continued: Poisson arrivals at the
+        observed rate over the horizon, lengths drawn from the window's requests."""
         pol = self.policy
+        prompt_p50 = max(1.0, float(np.median([p for p, _ in obs.lengths])))
+        backlog = min(pol.max_sim_requests, round(obs.queued_tokens / prompt_p50))
         n = max(1, min(pol.max_sim_requests, round(obs.rate * pol.horizon_s)))
-        gaps = self.rng.exponential(1.0 / obs.rate, n)
-        picks = self.rng.integers(0, len(obs.lengths), n)
-        return [RequestSpec(i, float(t), "observed", *obs.lengths[k])
-                for i, (t, k) in enumerate(zip(np.cumsum(gaps), picks, strict=True))]  # fmt: skip
+        times = np.concatenate(
+            [np.zeros(backlog), np.cumsum(self.rng.exponential(1 / obs.rate, n))]
+        )
+        picks = self.rng.integers(0, len(obs.lengths), backlog + n)
+        requests = [RequestSpec(i, float(t), "observed", *obs.lengths[k])
+                    for i, (t, k) in enumerate(zip(times, picks, strict=True))]  # fmt: skip
+        return SyntheticLoad(requests, backlog, float(times[-1]) / 4)
 
-    def predict(self, prefill: int, decode: int, load: list[RequestSpec]) -> Prediction:
+    def unloaded(self, obs: Observation) -> Prediction:
+        """TTFT and TPOT of a typical request alone: what no pool size shortens."""
+        p50 = [max(1, int(np.median(col))) for col in zip(*obs.lengths, strict=True)]
+        one = SyntheticLoad([RequestSpec(0, 0.0, "alone", *p50)], 1, 0.0)
+        return self.predict(min(1, self.policy.bounds.max_prefill), 1, one)
+
+    def predict(self, prefill: int, decode: int, load: SyntheticLoad) -> Prediction:
         """Uncorrected TTFT and TPOT p90 of `load` on `prefill`P + `decode`D."""
         if prefill == 0:  # every prompt prefills on the decode workers
             dep = replace(
@@ -156,28 +186,34 @@ class Autoscaler:
             )  # fmt: skip
         else:
             dep = replace(self.base, num_prefill=prefill, num_decode=decode)
-        slo = self.policy.slo
-        result = simulate(self.cluster, dep, load, slo)
-        agg = result.aggregates
-        if not agg["ttft_s"]:  # nothing could run (the KV does not fit): never good enough
+        records = simulate(self.cluster, dep, load.requests, self.policy.slo).records
+        judged = [r for r in records if r.index < load.backlog or r.arrival_s >= load.warmup_s]
+        if not judged or any(not r.ok for r in judged):  # the KV does not fit: never good enough
             return Prediction(math.inf, math.inf)
-        return Prediction(agg["ttft_s"]["p90"], (agg["tpot_s"] or {"p90": 0.0})["p90"])
+        tpots = [r.tpot_s for r in judged if r.tpot_s is not None]
+        return Prediction(_p90([r.ttft_s for r in judged]), _p90(tpots) if tpots else 0.0)
 
-    def corrected(self, p: Prediction) -> Prediction:
-        return Prediction(p.ttft_p90 * self.correction["ttft"],
-                          p.tpot_p90 * self.correction["tpot"])  # fmt: skip
+    def corrected(self, p: Prediction, alone: Prediction) -> Prediction:
+        """The correction scales what queueing and batching add to a request alone."""
+        c = self.correction
+        ttft = alone.ttft_p90 + max(0.0, p.ttft_p90 - alone.ttft_p90) * c["ttft"]
+        tpot = alone.tpot_p90 + max(0.0, p.tpot_p90 - alone.tpot_p90) * c["tpot"]
+        return Prediction(ttft, tpot)
 
-    def update_correction(self, obs: Observation, now_pred: Prediction) -> list[str]:
-        """Move each correction toward observed / predicted for the counts running now."""
+    def update_correction(self, obs: Observation, now_pred: Prediction, alone: Prediction):
+        """Move each correction toward observed / predicted (beyond a request alone) for the
+        workers serving now."""
         notes = []
-        for key, seen, pred in (("ttft", obs.ttft_p90, now_pred.ttft_p90),
-                                ("tpot", obs.tpot_p90, now_pred.tpot_p90)):  # fmt: skip
-            if seen is None or not 0 < pred < math.inf:
-                continue
-            ratio = min(CORRECTION_RANGE[1], max(CORRECTION_RANGE[0], seen / pred))
+        pairs = (("ttft", obs.ttft_p90, now_pred.ttft_p90, alone.ttft_p90),
+                 ("tpot", obs.tpot_p90, now_pred.tpot_p90, alone.tpot_p90))  # fmt: skip
+        for key, seen, pred, base in pairs:
+            if seen is None or not pred < math.inf or pred - base <= 0.01 * base:
+                continue  # nothing observed, or no queueing predicted to compare with
+            ratio = (seen - base) / (pred - base)
+            clamped = min(CORRECTION_RANGE[1], max(CORRECTION_RANGE[0], ratio))
             w = CORRECTION_SMOOTHING
-            self.correction[key] = (1 - w) * self.correction[key] + w * ratio
-            notes.append(f"{key.upper()} observed/predicted {seen / pred:.2f} "
+            self.correction[key] = (1 - w) * self.correction[key] + w * clamped
+            notes.append(f"{key.upper()} p90 observed {seen:.3g} s, predicted {pred:.3g} s "
                          f"(correction x{self.correction[key]:.2f})")  # fmt: skip
         return notes
 
@@ -197,12 +233,13 @@ class Autoscaler:
                            "yet, so nothing is predicted")  # fmt: skip
         else:
             load = self.synthetic_load(obs)
+            alone = self.unloaded(obs)
             memo: dict[tuple[int, int], Prediction] = {}
 
             def pred(p: int, d: int) -> Prediction:
                 if (p, d) not in memo:
                     memo[(p, d)] = self.predict(p, d, load)
-                return self.corrected(memo[(p, d)])
+                return self.corrected(memo[(p, d)], alone)
 
             p_in, l_in = (
                 np.median([x[0] for x in obs.lengths]),
@@ -210,10 +247,11 @@ class Autoscaler:
             )
             reasons.append(f"arrivals {obs.rate:.2f} req/s (prompt p50 {p_in:.0f}, output p50 "
                            f"{l_in:.0f} tokens)")  # fmt: skip
-            running = b.clamp(*current)
-            uncorrected = self.predict(*running, load)
-            memo[running] = uncorrected
-            reasons += self.update_correction(obs, uncorrected)
+            serving = b.clamp(*obs.live)  # the correction compares with workers that serve
+            uncorrected = self.predict(*serving, load)
+            memo[serving] = uncorrected
+            reasons += self.update_correction(obs, uncorrected, alone)
+            self.prefill_tok_s = obs.live[0] * p_in / max(alone.ttft_p90, 1e-9)
             target, predicted, why = self.search(pred)
             reasons.append(why)
         target = self.react(obs, target, reasons)
@@ -233,10 +271,12 @@ class Autoscaler:
         notes = []
         p = _first(range(b.min_prefill, b.max_prefill + 1),
                    lambda p: pred(p, b.max_decode).ttft_p90 <= ttft_ok)  # fmt: skip
-        if p is None:
-            p, miss = b.max_prefill, pred(b.max_prefill, b.max_decode)
-            notes.append(f"even {p}P+{b.max_decode}D is predicted to miss TTFT: p90 "
-                         f"{miss.ttft_p90:.2f} s > {ttft_ok:.2f} s")  # fmt: skip
+        if p is None:  # the fewest that do about as well as the most (more would not help)
+            best = pred(b.max_prefill, b.max_decode).ttft_p90
+            p = _first(range(b.min_prefill, b.max_prefill + 1),
+                       lambda p: pred(p, b.max_decode).ttft_p90 <= best * NO_BETTER)  # fmt: skip
+            notes.append(f"even {b.max_prefill}P+{b.max_decode}D is predicted to miss TTFT: p90 "
+                         f"{best:.2f} s > {ttft_ok:.2f} s; {p}P does about as well")  # fmt: skip
         elif p > b.min_prefill:
             notes.append(f"{p - 1}P: TTFT p90 {pred(p - 1, b.max_decode).ttft_p90:.2f} s")
         ttft_met = not notes or not notes[0].startswith("even")
@@ -247,9 +287,12 @@ class Autoscaler:
 
         d = _first(range(b.min_decode, b.max_decode + 1), meets)
         if d is None:
-            d, miss = b.max_decode, pred(p, b.max_decode)
-            notes.append(f"even {p}P+{d}D is predicted to miss TPOT: p90 "
-                         f"{miss.tpot_p90 * 1e3:.0f} ms > {tpot_ok * 1e3:.0f} ms")  # fmt: skip
+            best = pred(p, b.max_decode).tpot_p90
+            d = _first(range(b.min_decode, b.max_decode + 1),
+                       lambda d: pred(p, d).tpot_p90 <= best * NO_BETTER)  # fmt: skip
+            notes.append(f"even {p}P+{b.max_decode}D is predicted to miss TPOT: p90 "
+                         f"{best * 1e3:.0f} ms > {tpot_ok * 1e3:.0f} ms; {d}D does about as "
+                         "well")  # fmt: skip
         elif d > b.min_decode:
             notes.append(f"{d - 1}D: TPOT p90 {pred(p, d - 1).tpot_p90 * 1e3:.0f} ms")
         best = pred(p, d)
@@ -262,14 +305,19 @@ class Autoscaler:
         """Grow a pool whose observed latency misses the SLO although prediction did not ask."""
         b, slo = self.policy.bounds, self.policy.slo
         p, d = target
-        if obs.ttft_p90 is not None and obs.ttft_p90 > slo.ttft_s and p <= obs.prefill:
-            p = obs.prefill + 1
+        grow_p = p <= obs.prefill and not obs.starting_prefill  # one step at a time
+        if grow_p and obs.ttft_p90 is not None and obs.ttft_p90 > slo.ttft_s:
+            p, grow_p = obs.prefill + 1, False
             reasons.append(f"observed TTFT p90 {obs.ttft_p90:.2f} s > SLO {slo.ttft_s:g} s")
         q = list(self.queued)
-        if len(q) == 3 and q[0] < q[1] < q[2] and p <= obs.prefill:
+        # queued prompts grew three decisions running, past one TTFT SLO of the pool's work
+        clears = slo.ttft_s * self.prefill_tok_s
+        if grow_p and len(q) == 3 and q[0] < q[1] < q[2] and q[2] > clears > 0:
             p = obs.prefill + 1
-            reasons.append(f"prompt tokens queued for prefill grew {q[0]} -> {q[1]} -> {q[2]}")
-        if obs.tpot_p90 is not None and obs.tpot_p90 > slo.tpot_s and d <= obs.decode:
+            reasons.append(f"prompt tokens queued for prefill grew {q[0]} -> {q[1]} -> {q[2]} "
+                           f"(> {clears:.0f}: {slo.ttft_s:g} s of the pool's prefill)")  # fmt: skip
+        grow_d = d <= obs.decode and not obs.starting_decode
+        if grow_d and obs.tpot_p90 is not None and obs.tpot_p90 > slo.tpot_s:
             d = obs.decode + 1
             reasons.append(f"observed TPOT p90 {obs.tpot_p90 * 1e3:.0f} ms > SLO "
                            f"{slo.tpot_s * 1e3:g} ms")  # fmt: skip
@@ -280,8 +328,8 @@ class Autoscaler:
         return clamped
 
     def cooled(self, target, current, now: float, reasons: list[str]) -> tuple[int, int]:
-        """Grow at once; shrink one worker at a time, once the lower target has held for the
-        cooldown and the pool's last change is that old."""
+        """Grow at once; shrink once the pool's last change is a cooldown old, to the most any
+        decision of the last cooldown asked for."""
         cool = self.policy.cooldown_s
         self.targets.append((now, *target))
         while self.targets and self.targets[0][0] < now - cool:
@@ -297,7 +345,7 @@ class Autoscaler:
                 highest = max(t[1 + i] for t in self.targets)
                 if highest < have and held and now - self.changed[role] >= cool:
                     self.changed[role] = now
-                    out.append(have - 1)
+                    out.append(highest)
                 else:
                     reasons.append(f"{role} pool would shrink to {want}; waits for the "
                                    f"{cool:g} s cooldown")  # fmt: skip
@@ -305,6 +353,10 @@ class Autoscaler:
             else:
                 out.append(have)
         return tuple(out)
+
+
+def _p90(values: list[float]) -> float:
+    return float(np.percentile(values, 90))
 
 
 def _first(values, ok) -> int | None:
@@ -322,19 +374,21 @@ def calibrated(
     decode_batch: int,
     context_tokens: float,
     decode_step_s: float | None,
+    tp: int = 1,
 ) -> Cluster:
     """`cluster` with its device's FLOP/s and memory bandwidth scaled so that the latency model
     gives the measured speeds: a prefill of `prompt_tokens` at `prefill_tok_s`, a decode step
     of `decode_batch` sequences of `context_tokens` each in `decode_step_s` (what workers report
-    in their heartbeats). A speed not measured (None or 0) leaves its factor as is."""
+    in their heartbeats, at TP `tp`). A speed not measured (None or 0) leaves its factor as
+    is."""
     n = int(prompt_tokens)
     step = Batch(decode_batch, decode_batch, 0, decode_batch * context_tokens, decode_batch)
 
     def prefill_s(c: Cluster) -> float:
-        return c.latency(1).prefill(n)
+        return c.latency(tp).prefill(n)
 
     def decode_s(c: Cluster) -> float:
-        return c.latency(1).iteration(step)
+        return c.latency(tp).iteration(step)
 
     for _ in range(3):  # the two factors interact a little through the roofline's max
         if prefill_tok_s and n >= 1:

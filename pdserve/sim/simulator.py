@@ -5,9 +5,10 @@ prefill, and disaggregated P:D pools with their own TP degrees joined by the KV 
 Arrivals are routed like pdserve's router: co-located and decode instances by fewest prompt
 tokens queued for their own prefill, then least outstanding requests; prefill instances by
 fewest queued prompt tokens. Events are instance iteration or
-decode-stretch ends, fabric completions and remote prompts reaching the prefill pool once their
-decode instance has placed them (between two of its steps), in a heap; arrivals are merged in
-from their sorted list. A calibrated serving path (`Cluster.serving`) delays every arrival by
+decode-stretch ends, fabric completions, remote prompts reaching the prefill pool once their
+decode instance has placed them (between two of its steps) and `Timer` callbacks (the pools'
+resizing in `pdserve.sim.scaling`), in a heap; arrivals are merged in from their sorted list.
+A calibrated serving path (`Cluster.serving`) delays every arrival by
 its per-request overhead and lengthens every iteration by its per-step and per-sequence ones.
 The output is bench's `RequestRecord`s and `summarize` aggregates, so simulated and measured
 runs share one JSON shape.
@@ -16,6 +17,7 @@ runs share one JSON shape.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from typing import NamedTuple
 
 from pdserve.bench.metrics import SLO, RequestRecord, summarize, tpot
@@ -34,43 +36,31 @@ class SimResult(NamedTuple):
     kv_bytes_sent: float
 
 
-class _Loop:
-    """The event loop state; one per `simulate` call."""
+class Timer(NamedTuple):
+    """A callback the loop runs at its time, between events; it may add instances and events."""
+
+    fire: Callable[[float], None]
+
+
+class Loop:
+    """The event loop state; one per run (`simulate`; `pdserve.sim.scaling` extends it)."""
 
     def __init__(self, cluster: Cluster, dep: Deployment, budget: int, slo: SLO) -> None:
         self.slo = slo
         self.itl: tuple[list[float], list[float]] = ([], [])
-        self.heap: list[tuple[float, int, int, Instance | SimRequest | None]] = []
+        self.heap: list[tuple[float, int, int, Instance | SimRequest | Timer | None]] = []
         self.seq = 0
-        self.cluster, self.dep = cluster, dep
+        self.cluster, self.dep, self.budget = cluster, dep, budget
         self.finished: list[SimRequest] = []
         self.judged = self.misses = 0
         # The serving path: a request reaches an instance this long after it was sent.
         self.request_delay = cluster.overhead(dep.mode).request_s
-
-        def make(name: str, role: str, tp: int, budget: int) -> Instance:
-            lat = cluster.latency(tp, dep.mode)
-            inst = Instance(name, role, lat, budget, dep.max_num_seqs, self.itl)
-            inst.link_bw, inst.finished = cluster.link.instance_bytes_per_s(tp), self.finished
-            return inst
-
         if dep.mode == "colocated":
-            chunked = dep.chunk or budget
-            self.front = [make(f"c{i}", "both", dep.tp, chunked) for i in range(dep.replicas)]
+            self.front = [self.new_instance("colocated", i) for i in range(dep.replicas)]
             self.decoders: list[Instance] = []
         else:
-            self.front = [make(f"p{i}", "prefill", dep.prefill_tp, dep.chunk or budget)
-                          for i in range(dep.num_prefill)]  # fmt: skip
-            # Conditional disaggregation: decode instances also prefill short prompts.
-            local = dep.local_prefill_threshold > 0
-            d_budget = dep.decode_chunk or dep.chunk or budget
-            role, d_budget = ("both", d_budget) if local else ("decode", 1)
-            self.decoders = [
-                make(f"d{i}", role, dep.decode_tp, d_budget) for i in range(dep.num_decode)
-            ]
-            if dep.decode_chunk:  # as the engine: chunked only beside running streams
-                for d in self.decoders:
-                    d.idle_budget = budget
+            self.front = [self.new_instance("prefill", i) for i in range(dep.num_prefill)]
+            self.decoders = [self.new_instance("decode", i) for i in range(dep.num_decode)]
         self.fabric = Fabric(cluster.link, cluster.model.num_layers)
         self.kv_per_token = cluster.wire_bytes(1)  # on the wire
         self.fabric_version = 0
@@ -78,8 +68,28 @@ class _Loop:
         # "prefill pool busy" (it counts them until the KV has landed, not just until computed).
         self.remote_pending = 0
 
+    def new_instance(self, pool: str, index: int) -> Instance:
+        """Instance `index` of `pool` ("colocated", "prefill" or "decode") as `dep` lays it out."""
+        dep, budget = self.dep, self.budget
+        if pool == "colocated":
+            name, role, tp, budget = f"c{index}", "both", dep.tp, dep.chunk or budget
+        elif pool == "prefill":
+            name, role, tp, budget = f"p{index}", "prefill", dep.prefill_tp, dep.chunk or budget
+        elif dep.local_prefill_threshold > 0:  # conditional disaggregation: D prefills short ones
+            name, role, tp = f"d{index}", "both", dep.decode_tp
+            budget = dep.decode_chunk or dep.chunk or budget
+        else:
+            name, role, tp, budget = f"d{index}", "decode", dep.decode_tp, 1
+        lat = self.cluster.latency(tp, dep.mode)
+        inst = Instance(name, role, lat, budget, dep.max_num_seqs, self.itl)
+        inst.link_bw = self.cluster.link.instance_bytes_per_s(tp)
+        inst.finished = self.finished
+        if pool == "decode" and dep.decode_chunk:  # as the engine: chunked only beside streams
+            inst.idle_budget = self.budget
+        return inst
+
     # -- scheduling ------------------------------------------------------------------------
-    def push(self, t: float, kind: int, inst: Instance | SimRequest | None) -> None:
+    def push(self, t: float, kind: int, inst: Instance | SimRequest | Timer | None) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, inst))
 
@@ -223,6 +233,8 @@ class _Loop:
                 if version != self.fabric_version:
                     continue
                 self.fabric_done(now)
+            elif isinstance(inst, Timer):
+                inst.fire(now)
             elif version == inst.version:
                 self.instance_done(inst, now)
             else:
@@ -240,21 +252,39 @@ def simulate(
     With `stop_after_misses`, the run stops once more requests than that have missed the SLO;
     requests not finished by then are reported with status "timeout" (they count as misses).
     """
-    longest = max((r.prompt_tokens for r in requests), default=1)
-    loop = _Loop(cluster, dep, max(dep.max_batched_tokens, longest), slo)
-    sims = [SimRequest(r.index, r.klass, r.arrival_s, r.prompt_tokens, r.output_tokens)
-            for r in sorted(requests, key=lambda r: r.arrival_s)]  # fmt: skip
-    servable = _servable(loop, sims)
-    loop.run(servable, stop_after_misses)
-    ok = {r.index for r in servable}
-    records = [_record(r, r.index in ok) for r in sims]
-    duration = max((r.finish for r in loop.finished), default=0.0)
-    aggregates = summarize(records, slo, duration)
-    aggregates["itl_s"] = weighted_stats(*loop.itl)
+    loop = Loop(cluster, dep, token_budget(dep, requests), slo)
+    sims = sim_requests(requests)
+    ready = servable(loop, sims)
+    loop.run(ready, stop_after_misses)
+    records, aggregates = outcome(loop, sims, ready)
+    duration = aggregates["duration_s"]
     util = {"prefill" if dep.mode == "disagg" else "colocated": _busy(loop.front, duration)}
     if loop.decoders:
         util["decode"] = _busy(loop.decoders, duration)
     return SimResult(records, aggregates, util, loop.fabric.bytes_sent)
+
+
+def token_budget(dep: Deployment, requests: list[RequestSpec]) -> int:
+    """The per-step token budget without chunking: enough for the longest prompt."""
+    longest = max((r.prompt_tokens for r in requests), default=1)
+    return max(dep.max_batched_tokens, longest)
+
+
+def sim_requests(requests: list[RequestSpec]) -> list[SimRequest]:
+    """`requests` as the loop's timelines, in order of arrival."""
+    return [SimRequest(r.index, r.klass, r.arrival_s, r.prompt_tokens, r.output_tokens)
+            for r in sorted(requests, key=lambda r: r.arrival_s)]  # fmt: skip
+
+
+def outcome(loop: Loop, sims: list[SimRequest], ready: list[SimRequest]) -> tuple[list, dict]:
+    """Bench's records of `sims` (those not in `ready` failed) and `summarize` aggregates, the
+    duration up to the last finish and the pooled inter-token latencies included."""
+    ok = {r.index for r in ready}
+    records = [_record(r, r.index in ok) for r in sims]
+    duration = max((r.finish for r in loop.finished), default=0.0)
+    aggregates = summarize(records, loop.slo, duration)
+    aggregates["itl_s"] = weighted_stats(*loop.itl)
+    return records, aggregates
 
 
 def _stretch_boundary(stretch: tuple, now: float) -> tuple[int, float]:
@@ -264,7 +294,7 @@ def _stretch_boundary(stretch: tuple, now: float) -> tuple[int, float]:
     return steps, start + stretch_time(co, steps)
 
 
-def _servable(loop: _Loop, sims: list[SimRequest]) -> list[SimRequest]:
+def servable(loop: Loop, sims: list[SimRequest]) -> list[SimRequest]:
     """Requests whose KV fits every instance; the others fail (their finish stays None)."""
     insts = loop.front + loop.decoders
     return [r for r in sims if all(inst.fits(r) for inst in insts)]

@@ -51,7 +51,11 @@ def test_a_burst_grows_the_pools_and_they_shrink_back_when_it_stops():
         assert shrunk and server.health()["autoscale"]["decisions"] > 0
         ups = [x for x in server.lines if "autoscale: 1P+1D -> " in x]
         assert ups and re.search(r"arrivals [\d.]+ req/s|observed TTFT p90 [\d.]+ s", ups[-1]), ups
-        assert any("drained and exited; not restarted" in x for x in server.lines)
+        wait_until(
+            lambda: any("drained and exited; not restarted" in x for x in server.lines), 60,
+            "the drained worker to exit 0 and not be restarted",
+            state=lambda: [x for x in server.lines if "autoscale:" in x or "restart" in x],
+        )  # fmt: skip
         server.wait_idle_and_clean()
 
 

@@ -132,6 +132,19 @@ def test_batched_chunked_and_cached_runs_match_single(llm):
     assert_clean(chunked)
 
 
+def test_three_tensor_parallel_ranks_give_the_same_greedy_tokens(llm):
+    """The bundled model (9 query heads, 3 KV heads) split over 3 ranks (engine/tp.py), with
+    the same float32 weights as `llm`: batched prompts give the same greedy tokens."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    single = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    tp = LLM(dtype="float32", device="cpu", weights="bf16", tensor_parallel_size=3)
+    try:
+        assert [o.token_ids for o in tp.generate(PROMPTS, params)] == single
+        assert_clean(tp)
+    finally:
+        tp.engine.close()
+
+
 def test_long_shared_prefix_hits_cache_with_identical_tokens(llm):
     system = "You are a careful assistant. " * 30
     params = SamplingParams(max_tokens=16, ignore_eos=True)

@@ -144,8 +144,15 @@ class TPGroup:
 
 def start_group(config, files, max_model_len: int) -> TPGroup:
     """Rank 0: start ranks 1 .. N-1, join them, and send them what they build their part from."""
+    from pdserve.engine.model_runner import resolve_device
+
     size = config.tensor_parallel_size
     TPShard(0, size).check(files.config)
+    if resolve_device(config.device).type != "cpu":
+        raise ValueError(
+            "--tensor-parallel-size > 1 runs on CPU ranks (gloo) for now; on a GPU use "
+            "--tensor-parallel-size 1 (one GPU per worker)"
+        )
     port = _free_port()
     threads = max(1, (config.num_threads or torch.get_num_threads()) // size)
     procs = [

@@ -139,12 +139,48 @@ def plan_text(req: PlanRequest, plan: Plan, top: int = 3) -> str:
         "why:",
         *[f"  - {r}" for r in reasons(req, plan)],
     ]
+    cmd, note = serve_command(best.deployment)
+    if cmd is None:
+        lines.append(f"deploy: {note}")
+    else:
+        lines.append(f"deploy: {cmd}" + (f"  ({note})" if note else ""))
     if len(plan.feasible) > 1:
         lines.append("runner-ups:")
         lines += [
             f"  {i}. {_line(c, req.slo)}" for i, c in enumerate(plan.feasible[1 : top + 1], 2)
         ]
     return "\n".join(lines)
+
+
+def serve_command(dep) -> tuple[str | None, str]:
+    """(the `pdserve serve` command that deploys `dep`, None when pdserve cannot yet; what to
+    know about it)."""
+    if dep.mode == "disagg" and max(dep.prefill_tp, dep.decode_tp) > 1:
+        return None, (
+            f"not deployable by pdserve yet: prefill TP {dep.prefill_tp} and decode TP "
+            f"{dep.decode_tp} need the KV re-sharded between tensor-parallel groups, which is "
+            "not built yet (pdserve deploys TP 1 disaggregated pools, and co-located TP on CPU)"
+        )
+    if dep.tp > 1 and dep.mode == "colocated":
+        cmd = (f"pdserve serve --mode colocated --colocated-workers {dep.replicas} "
+               f"--tensor-parallel-size {dep.tp}")  # fmt: skip
+        note = "tensor parallelism runs on CPU ranks (gloo) for now, not on GPUs"
+    elif dep.mode == "colocated":
+        cmd, note = f"pdserve serve --mode colocated --colocated-workers {dep.replicas}", ""
+    else:
+        cmd = (f"pdserve serve --mode disagg --prefill {dep.num_prefill} --decode "
+               f"{dep.num_decode} --local-prefill-threshold "
+               f"{dep.local_prefill_threshold}")  # fmt: skip
+        if dep.local_prefill_threshold and not dep.short_prefills_to_idle_pool:
+            cmd += " --keep-short-prefills-local"
+        if dep.decode_chunk:
+            cmd += f" --decode-chunk-size {dep.decode_chunk}"
+        note = "one worker per GPU with the local launcher (prefill workers first)"
+    if dep.chunk:
+        flag = f"--chunk-size {dep.chunk}"
+        cmd += f" {flag}" if dep.mode == "colocated" else f' --prefill-args "{flag}"'
+    cmd += f" --max-num-seqs {dep.max_num_seqs}"
+    return cmd, note
 
 
 def _relax_hint(c: Candidate, req: PlanRequest) -> str:
@@ -172,6 +208,7 @@ def plan_json(req: PlanRequest, plan: Plan, top: int = 3) -> dict:
         "slo": {"ttft_s": req.slo.ttft_s, "tpot_s": req.slo.tpot_s},
         "feasible": bool(plan.feasible),
         "recommendation": candidate_json(plan.feasible[0]) if plan.feasible else None,
+        "serve_command": serve_command(plan.feasible[0].deployment)[0] if plan.feasible else None,
         "runner_ups": [candidate_json(c) for c in plan.feasible[1 : top + 1]],
         "closest": candidate_json(plan.closest) if plan.closest else None,
         "message": None if plan.feasible else "no configuration meets these SLOs",

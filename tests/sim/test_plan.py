@@ -73,3 +73,25 @@ def test_bad_input_says_what_to_fix(capsys, args, message):
     argv = ["plan", "--model", "llama-3-8b", "--rate", "1", *args]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_recommendation_comes_with_the_serve_command_that_deploys_it(capsys):
+    import shlex
+
+    from pdserve.cli import build_parser
+    from pdserve.sim.deployment import Deployment
+    from pdserve.sim.report import serve_command
+
+    cmd, _ = serve_command(Deployment("disagg", num_prefill=3, num_decode=2, decode_chunk=64))
+    assert "--prefill 3 --decode 2 --local-prefill-threshold 0" in cmd
+    assert "--decode-chunk-size 64" in cmd
+    cmd2, _ = serve_command(Deployment("colocated", replicas=2, chunk=512))
+    assert "--colocated-workers 2 --chunk-size 512" in cmd2
+    for c in (cmd, cmd2):  # flags `pdserve serve` accepts
+        build_parser().parse_args(shlex.split(c)[1:])
+    cmd3, note = serve_command(Deployment("disagg", prefill_tp=8, decode_tp=4))
+    assert cmd3 is None and "re-sharded between tensor-parallel groups" in note
+    code, out = run_plan(capsys, *LONG, "--rate", "10")  # 3P x TP8 : 2D x TP4: not yet
+    assert out["serve_command"] is None
+    code, out = run_plan(capsys, *LONG, "--rate", "0.2")  # co-located 1 x TP4
+    assert out["serve_command"].startswith("pdserve serve --mode colocated")

@@ -35,7 +35,7 @@ SERVE_ARGS = (
 )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after its tests: the suite must fit in memory
 def cluster(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("chaos-workers")
     with Server(*SERVE_ARGS) as server, Cluster(server, log_dir) as c:

@@ -10,7 +10,7 @@ from servers import Server
 from .driver import TRIED
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after its tests: the suite must fit in memory
 def fuzz_server(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("fuzz-workers")
     with (

@@ -11,7 +11,7 @@ API_KEY = "sk-test-0123456789abcdef"
 SECRET = "c0ffee" * 8  # 48 bytes: above the KV channel's minimum secret length
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after its tests: the suite must fit in memory
 def secured(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("security-workers")
     with (

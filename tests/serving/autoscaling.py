@@ -14,16 +14,20 @@ PROMPTS = [f"Chapter {i}. " + "The keeper climbed the lighthouse stairs at dusk.
            for i in range(12)]  # fmt: skip
 
 
-def burst(url: str, prompts: list[str]) -> tuple[list[threading.Thread], dict[str, str]]:
-    """Send every prompt at once from a well-behaved client: the OpenAI client, which retries a
-    429 after its Retry-After. Returns the running threads and where their texts go."""
+def burst(
+    url: str, prompts: list[str], stop: threading.Event
+) -> tuple[list[threading.Thread], dict[str, list[str]]]:
+    """Send every prompt at once, and again as each answer comes, until `stop` is set, from a
+    well-behaved client: the OpenAI client, which retries a 429 after its Retry-After. Returns
+    the running threads and every answer's text per prompt."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=30, timeout=180)
     model = client.models.list().data[0].id
-    out: dict[str, str] = {}
+    out: dict[str, list[str]] = {p: [] for p in prompts}
 
     def one(prompt: str) -> None:
-        r = client.completions.create(model=model, prompt=prompt, **GREEDY)
-        out[prompt] = r.choices[0].text
+        while not stop.is_set():
+            r = client.completions.create(model=model, prompt=prompt, **GREEDY)
+            out[prompt].append(r.choices[0].text)
 
     threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
     for t in threads:

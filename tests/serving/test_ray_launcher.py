@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 import httpx
 import pytest
@@ -42,7 +43,7 @@ def cluster():
     c.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def ray_server(cluster):
     with Server(
         "--launcher", "ray", "--ray-address", cluster.address, "--mode", "disagg",
@@ -63,53 +64,55 @@ def answers(url: str) -> list[str]:
     return out
 
 
-def test_ray_deployment_answers_like_the_local_launcher(ray_server, disagg_server):
-    assert answers(ray_server.url) == answers(disagg_server.url)
-    ray_server.wait_idle_and_clean()
+class TestOneRayDeployment:
+    """One deployment (1 P + 2 D) serves these; it stops before the next tests start theirs
+    (`ray_server` is class-scoped: the whole suite must fit in memory)."""
 
+    def test_ray_deployment_answers_like_the_local_launcher(self, ray_server, disagg_server):
+        assert answers(ray_server.url) == answers(disagg_server.url)
+        ray_server.wait_idle_and_clean()
 
-def test_each_pool_runs_on_the_node_labelled_for_it(ray_server):
-    labels = {n["NodeID"]: n["Labels"].get(ROLE) for n in ray.nodes() if n["Alive"]}
-    workers = ray_server.health()["workers"]
-    assert {w: labels[v["ray_node_id"]] for w, v in workers.items()} == {
-        "prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"
-    }  # fmt: skip
-    assert all(v["ray_actor_id"] and v["pid"] for v in workers.values())
+    def test_each_pool_runs_on_the_node_labelled_for_it(self, ray_server):
+        labels = {n["NodeID"]: n["Labels"].get(ROLE) for n in ray.nodes() if n["Alive"]}
+        workers = ray_server.health()["workers"]
+        assert {w: labels[v["ray_node_id"]] for w, v in workers.items()} == {
+            "prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"
+        }  # fmt: skip
+        assert all(v["ray_actor_id"] and v["pid"] for v in workers.values())
 
+    def test_a_decode_actor_killed_mid_stream_costs_no_token_and_ray_restarts_it(self, ray_server):
+        body = {"prompt": "Once upon a time", **GREEDY, "max_tokens": 80}
+        expected = complete(ray_server.url, body)
+        killed: list[tuple[str, int]] = []
 
-def test_a_decode_actor_killed_mid_stream_costs_no_token_and_ray_restarts_it(ray_server):
-    body = {"prompt": "Once upon a time", **GREEDY, "max_tokens": 80}
-    expected = complete(ray_server.url, body)
-    killed: list[tuple[str, int]] = []
+        def kill_its_decode_worker(chunks: int) -> None:
+            if chunks == 1:  # the stream is running: kill -9 the decode actor serving it
+                running = wait_until(  # once a heartbeat has shown it
+                    lambda: [(w, v["pid"]) for w, v in ray_server.health()["workers"].items()
+                             if v["running"] == 1],
+                    10, "a heartbeat showing the stream on its decode worker",
+                )  # fmt: skip
+                killed.extend(running)
+                os.kill(killed[0][1], signal.SIGKILL)
 
-    def kill_its_decode_worker(chunks: int) -> None:
-        if chunks == 1:  # the stream is running: kill -9 the decode actor serving it
-            running = wait_until(  # once a heartbeat has shown it
-                lambda: [(w, v["pid"]) for w, v in ray_server.health()["workers"].items()
-                         if v["running"] == 1],
-                10, "a heartbeat showing the stream on its decode worker",
-            )  # fmt: skip
-            killed.extend(running)
-            os.kill(killed[0][1], signal.SIGKILL)
-
-    out = stream(ray_server.url, body, on_chunk=kill_its_decode_worker)
-    [(victim, pid)] = killed
-    assert (out.kind, out.text) == ("ok", expected.text)
-    back = wait_until(
-        lambda: (w := ray_server.health()["workers"].get(victim)) and w["pid"] != pid and w,
-        120,
-        f"Ray to restart {victim} and it to register again",
-    )
-    before = back["prefix_query_tokens"]
-    for i in range(4):  # spread over both decode workers: the restarted one takes some
-        httpx.post(ray_server.url + "/v1/completions",
-                   json={"prompt": f"Request {i}: the sea", **GREEDY}, timeout=60)  # fmt: skip
-    wait_until(
-        lambda: ray_server.health()["workers"][victim]["prefix_query_tokens"] > before,
-        10,
-        f"the restarted {victim} to serve",
-    )
-    ray_server.wait_idle_and_clean()
+        out = stream(ray_server.url, body, on_chunk=kill_its_decode_worker)
+        [(victim, pid)] = killed
+        assert (out.kind, out.text) == ("ok", expected.text)
+        back = wait_until(
+            lambda: (w := ray_server.health()["workers"].get(victim)) and w["pid"] != pid and w,
+            120,
+            f"Ray to restart {victim} and it to register again",
+        )
+        before = back["prefix_query_tokens"]
+        for i in range(4):  # spread over both decode workers: the restarted one takes some
+            httpx.post(ray_server.url + "/v1/completions",
+                       json={"prompt": f"Request {i}: the sea", **GREEDY}, timeout=60)  # fmt: skip
+        wait_until(
+            lambda: ray_server.health()["workers"][victim]["prefix_query_tokens"] > before,
+            10,
+            f"the restarted {victim} to serve",
+        )
+        ray_server.wait_idle_and_clean()
 
 
 def test_a_worker_that_cannot_start_fails_the_start_up_with_its_error(cluster):
@@ -184,12 +187,16 @@ def test_the_autoscaler_adds_and_drains_ray_actors(cluster):
                     for p in PROMPTS[:8]}  # fmt: skip
         wait_until(lambda: at(server, 1, 1), 60, "1P+1D before the burst")
         before = set(server.health()["workers"])
-        threads, out = burst(server.url, PROMPTS[:8])
-        added = wait_until(lambda: set(server.health()["workers"]) - before, 120,
-                           "a new actor to register", state=server.health)  # fmt: skip
-        for t in threads:
-            t.join(300)
-        assert out == expected
+        stop = threading.Event()
+        threads, out = burst(server.url, PROMPTS[:8], stop)  # until a new actor registers
+        try:
+            added = wait_until(lambda: set(server.health()["workers"]) - before, 180,
+                               "a new actor to register", state=server.health)  # fmt: skip
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(300)
+        assert {p: set(texts) for p, texts in out.items()} == {p: {expected[p]} for p in out}
         wait_until(lambda: at(server, 1, 1) and not added & set(server.health()["workers"]), 90,
                    "the added workers to drain and leave", state=server.health)  # fmt: skip
 

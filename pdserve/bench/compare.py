@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import NamedTuple
 import httpx
 
 from pdserve.bench.runner import RunResult
+from pdserve.subprocs import free_port
 
 MODES = ("colocated", "colocated+chunked", "disagg")
 READY_POLL_S = 0.25
@@ -40,12 +40,6 @@ def mode_args(mode: str, chunk_size: int) -> list[str]:
 
 def default_serve_cmd() -> str:
     return f"{shlex.quote(sys.executable)} -m pdserve.cli serve"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

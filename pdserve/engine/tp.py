@@ -20,11 +20,8 @@ does: ranks r*k .. r*k+k-1 share head r); other splits are refused with the reas
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -32,6 +29,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from pdserve.subprocs import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 INIT_TIMEOUT_S = 300.0  # for the other ranks to start, load and join
@@ -123,10 +122,6 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def broadcast_step(self, inputs) -> None:
-        """Rank 0: the inputs of the step every rank runs now."""
-        self.broadcast(inputs)
-
     def close(self) -> None:
         """Rank 0: the other ranks stop (they leave their loop and exit)."""
         if self.shard.rank == 0 and self.size > 1 and dist.is_initialized():
@@ -153,7 +148,7 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
             "--tensor-parallel-size > 1 runs on CPU ranks (gloo) for now; on a GPU use "
             "--tensor-parallel-size 1 (one GPU per worker)"
         )
-    port = _free_port()
+    port = free_port()
     threads = max(1, (config.num_threads or torch.get_num_threads()) // size)
     procs = [
         subprocess.Popen(
@@ -170,7 +165,7 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
                 "--threads",
                 str(threads),
             ],
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )  # fmt: skip
         for r in range(1, size)
     ]
@@ -207,20 +202,6 @@ def follow(rank: int, size: int, port: int, threads: int) -> None:
         log.warning("tensor-parallel rank %d: rank 0 is gone; exiting", rank)
         return
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this rank when rank 0's process dies, however it dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def main() -> None:

@@ -18,6 +18,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.subprocs import die_with_parent
+
 log = logging.getLogger("pdserve.serve")
 TAIL_LINES = 40  # of each process's output, kept for the report when it exits
 
@@ -52,18 +54,6 @@ class Child:
     gone: bool = False  # exited, reported, not to be restarted
     draining: bool = False  # sent SIGTERM to leave (scale-down): not restarted whatever its exit
     pump: threading.Thread | None = None
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this child when `pdserve serve` dies, however it dies (even kill -9), so
-    no orphaned worker keeps a core busy."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 class WorkerProcs:
@@ -111,7 +101,7 @@ class WorkerProcs:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         child.pump = threading.Thread(target=self._pump, args=(child, child.proc), daemon=True)
         child.pump.start()

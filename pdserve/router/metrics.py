@@ -80,16 +80,15 @@ class WorkerCollector:
         live = GaugeMetricFamily(
             "pdserve_workers", "live workers per role (draining ones left out)", labels=["role"]
         )
+        alive = self.core.alive()
         for role in ("prefill", "decode", "both"):
-            live.add_metric(
-                [role], sum(w.role == role and not w.draining for w in self.core.alive())
-            )
+            live.add_metric([role], sum(w.role == role and not w.draining for w in alive))
         yield live
         families = {
             f: GaugeMetricFamily(f"pdserve_worker_{f}", f"worker {f}", labels=["worker", "role"])
             for f in self.FIELDS
         }
-        for w in self.core.alive():
+        for w in alive:
             if w.load is None:
                 continue
             for f in self.FIELDS:

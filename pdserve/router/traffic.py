@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pdserve.bench.metrics import stats
+
 UNKNOWN_OUTPUT = 256  # output tokens assumed before any request has finished
 HISTORY_S = 600.0  # how far back it keeps arrivals and finished requests
 
@@ -69,14 +71,10 @@ class Traffic:
         ]
         ttfts = [t for at, t in self.first_tokens if at >= since]
         tpots = [t for at, t, _ in self.finishes if at >= since and t is not None]
-        return TrafficWindow(lengths, _p90(ttfts), _p90(tpots))
+        return TrafficWindow(lengths, stats(ttfts)["p90"], stats(tpots)["p90"])
 
     def _trim(self, now: float) -> None:
         old = now - self.history_s
         for q in (self.arrivals, self.first_tokens, self.finishes):
             while q and (q[0].at if isinstance(q[0], Arrival) else q[0][0]) < old:
                 q.popleft()
-
-
-def _p90(values: list[float]) -> float | None:
-    return float(np.percentile(values, 90)) if values else None

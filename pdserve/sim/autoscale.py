@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pdserve.bench.metrics import SLO
+from pdserve.bench.metrics import SLO, stats
 from pdserve.bench.workload import RequestSpec
 from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.latency import Batch
@@ -153,7 +153,6 @@ class Autoscaler:
         # False while the cluster's speeds are not known yet (a live server before its workers
         # measured any): then it only reacts to what it observes
         self.speeds_known = True
-        self.now = 0.0
 
     # -- prediction ------------------------------------------------------------------------
     def synthetic_load(self, obs: Observation) -> SyntheticLoad:
@@ -191,7 +190,7 @@ class Autoscaler:
         if not judged or any(not r.ok for r in judged):  # the KV does not fit: never good enough
             return Prediction(math.inf, math.inf)
         tpots = [r.tpot_s for r in judged if r.tpot_s is not None]
-        return Prediction(_p90([r.ttft_s for r in judged]), _p90(tpots) if tpots else 0.0)
+        return Prediction(stats([r.ttft_s for r in judged])["p90"], stats(tpots)["p90"] or 0.0)
 
     def corrected(self, p: Prediction, alone: Prediction) -> Prediction:
         """The correction scales what queueing and batching add to a request alone."""
@@ -353,10 +352,6 @@ class Autoscaler:
             else:
                 out.append(have)
         return tuple(out)
-
-
-def _p90(values: list[float]) -> float:
-    return float(np.percentile(values, 90))
 
 
 def _first(values, ok) -> int | None:

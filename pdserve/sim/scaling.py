@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
-import numpy as np
-
-from pdserve.bench.metrics import SLO
+from pdserve.bench.metrics import SLO, stats
 from pdserve.bench.workload import RequestSpec
 from pdserve.sim.autoscale import Autoscaler, Decision, Observation
 from pdserve.sim.deployment import Cluster, Deployment
@@ -191,7 +189,8 @@ class _ScalingLoop(Loop):
         queued = sum(x.inst.queued_tokens for x in self.leases if x.phase is not Phase.GONE)
         starting = [sum(x.pool == p and x.phase is Phase.STARTING for x in self.leases)
                     for p in POOLS]  # fmt: skip
-        return Observation(self.interval_s, lengths, *self.counts(), _p90(ttfts), _p90(tpots),
+        p90s = stats(ttfts)["p90"], stats(tpots)["p90"]
+        return Observation(self.interval_s, lengths, *self.counts(), *p90s,
                            queued, *starting)  # fmt: skip
 
     def counts(self) -> tuple[int, int]:
@@ -245,10 +244,6 @@ def _work(inst: Instance) -> tuple[int, int]:
 def _idle(inst: Instance) -> bool:
     """Nothing computing, queued, on its way in, or KV still to send."""
     return inst.busy_until is None and not inst.load and not inst.inbound and not inst.kv_used
-
-
-def _p90(values: list[float]) -> float | None:
-    return float(np.percentile(values, 90)) if values else None
 
 
 def _busy(leases: list[Lease]) -> float:

@@ -1,0 +1,25 @@
+"""What every launcher of local processes needs (torch-free: the router process uses it):
+a free port on this host, and children that die with the process that started them."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """Linux (as a `preexec_fn`): SIGTERM this child when its parent dies, however it dies (even
+    kill -9), so no orphaned process keeps a core busy."""
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass

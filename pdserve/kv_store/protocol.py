@@ -41,7 +41,6 @@ from typing import TypeVar
 import msgspec
 
 from pdserve.engine.block_hash import hash_block
-from pdserve.kv_transfer.base import KVLayout
 from pdserve.kv_transfer.wire import ProtocolError, recv_exact
 
 MAX_FRAME_BYTES = 4 << 20
@@ -180,14 +179,6 @@ _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 class StoreError(ConnectionError):
     """The store answered with an error, or the connection to it broke the protocol."""
-
-
-class AnyLayout:
-    """Stands in for the receiver's layout in `wire.server_handshake`: the store takes blocks
-    of every layout (the layout is part of each key), so no client is refused for its layout."""
-
-    def check_compatible(self, other: KVLayout, **_names: str) -> None:
-        return None
 
 
 def send_msg(sock: socket.socket, msg: Request | Reply) -> None:

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from pdserve.kv_store.config import GB, StoreConfig, payload_bytes
-from pdserve.kv_store.protocol import AnyLayout, Error, recv_request, send_msg
+from pdserve.kv_store.protocol import Error, recv_request, send_msg
 from pdserve.kv_store.session import Session
 from pdserve.kv_store.store import Store
 from pdserve.kv_transfer.acceptor import Acceptor
@@ -98,7 +98,7 @@ class StoreServer:
         session = peer = None
         try:
             conn.settimeout(self.io_timeout_s)
-            hello = server_handshake(conn, AnyLayout(), self.secret)  # type: ignore[arg-type]
+            hello = server_handshake(conn, None, self.secret)  # every layout: it is in each key
             if payload_bytes(hello.layout) > MAX_BLOCK_BYTES:
                 raise ProtocolError(f"a block of this layout exceeds {MAX_BLOCK_BYTES} bytes")
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.base import KVLayout, KVLayoutMismatch
 from pdserve.kv_transfer.memory import paired_runs
 from pdserve.kv_transfer.send_queue import Job, Link, QueuedSender
 from pdserve.kv_transfer.transfer_table import TableReceiver
@@ -60,16 +60,17 @@ class InprocLink(Link):
     def send(self, job: Job) -> None:
         plan, tracker = self._sender.faults, self._sender._tracker
         hit = plan.hits(job.transfer_id)
+        nbytes = self._sender._payload_bytes(len(job.src_ids))
         if hit and plan.delay_s and self._aborted.wait(plan.delay_s):
             raise ConnectionError("aborted while delayed")  # like a socket cut mid-layer
         if hit and job.layer in plan.drop_layers:
-            tracker.acked(job.transfer_id, job.nbytes, None)
+            tracker.acked(job.transfer_id, nbytes, None)
         elif hit and job.layer in plan.fail_layers:
             tracker.fail(job.transfer_id, f"injected fault: layer {job.layer} failed")
         else:
             corrupt = hit and job.layer in plan.corrupt_layers
             error = self._receiver._deliver(job, self._sender, corrupt)
-            tracker.acked(job.transfer_id, job.nbytes, error)
+            tracker.acked(job.transfer_id, nbytes, error)
 
     def abort(self) -> None:
         self._aborted.set()  # cuts an injected delay; a copy itself finishes in milliseconds
@@ -124,6 +125,11 @@ class InprocReceiver(TableReceiver):
     def _handshake(self, layout: KVLayout) -> None:
         try:
             self.layout.check_compatible(layout, mine="decode worker", theirs="prefill worker")
+            if self.layout.tp_size != 1 or layout.tp_size != 1:
+                raise KVLayoutMismatch(
+                    "the inproc connector moves the blocks of one rank to one rank; KV of "
+                    "tensor-parallel groups moves over tcp or nixl"
+                )
         except ValueError:
             self._stats.add(failures=1)
             raise
@@ -148,7 +154,8 @@ class InprocReceiver(TableReceiver):
                 )
                 if corrupt:
                     dst_bytes[job.layer][r.dst : r.dst + r.count, 0] ^= 0xFF
-        return self._table.end_write(ticket, None, job.nbytes, time.perf_counter() - t0)
+        nbytes = sender._payload_bytes(len(job.src_ids))
+        return self._table.end_write(ticket, None, nbytes, time.perf_counter() - t0)
 
     def close(self) -> None:
         with _ENDPOINTS_LOCK:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.base import HeadSegment, KVLayout
 
 
 class Run(NamedTuple):
@@ -74,3 +74,23 @@ def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[Run]:
         else:
             runs.append(Run(s, d, 1))
     return runs
+
+
+def gather_heads(
+    caches: Sequence[Sequence[torch.Tensor]],
+    layer: int,
+    ids: Sequence[int],
+    segments: Sequence[HeadSegment],
+    heads: int,
+) -> torch.Tensor:
+    """Blocks `ids` of layer `layer` as a receiver of `heads` KV heads holds them, gathered from
+    the sending group's ranks (`caches[rank]`: that rank's per-layer caches) by `segments`:
+    a new contiguous tensor [len(ids), block_size, heads, head_dim] (re-sharding)."""
+    index = torch.tensor(list(ids), dtype=torch.long)
+    first = caches[0][layer]
+    out = first.new_empty((len(ids), first.shape[1], heads, first.shape[3]))
+    for s in segments:
+        blocks = caches[s.src_rank][layer].index_select(0, index)
+        src, dst = slice(s.src_head, s.src_head + s.count), slice(s.dst_head, s.dst_head + s.count)
+        out[:, :, dst] = blocks[:, :, src]
+    return out

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from pdserve import envs
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.base import HeadSegment, KVLayout, whole_rank
 from pdserve.kv_transfer.memory import paired_runs
 from pdserve.kv_transfer.send_queue import Job
 from pdserve.kv_transfer.tcp import TcpSender
@@ -68,13 +68,24 @@ class NixlPeerInfo(msgspec.Struct, frozen=True):
     num_blocks: int  # of the sender's caches: the receiver reads only inside them
     k_addrs: list[int]  # base address of each layer's K cache
     v_addrs: list[int]
+    # ranks 1.. of a tensor-parallel group: their (K, V) base addresses per layer
+    other_ranks: list[tuple[list[int], list[int]]] = []
+
+    def addrs(self, rank: int) -> tuple[list[int], list[int]]:
+        """(K, V) base addresses per layer of rank `rank`'s caches."""
+        return (self.k_addrs, self.v_addrs) if rank == 0 else self.other_ranks[rank - 1]
 
 
 class Peer(NamedTuple):
-    """A connected peer's agent (as added to ours) and what its hello said."""
+    """A connected peer's agent (as added to ours), what its hello said, and where each of our
+    heads comes from in its group (`KVLayout.segments_from`; `whole`: the rank whose blocks are
+    ours as they are, or None)."""
 
     agent: str
     info: NixlPeerInfo
+    layout: KVLayout | None = None
+    segments: tuple[HeadSegment, ...] = ()
+    whole: int | None = 0
 
 
 class NixlAgent:
@@ -204,24 +215,36 @@ class NixlAgent:
             self._registered = []
 
 
-def encode_peer_info(agent: NixlAgent, num_blocks: int, k_caches, v_caches) -> bytes:
-    """The hello `extra` that lets a peer read `agent`'s registered caches."""
+def encode_peer_info(
+    agent: NixlAgent, num_blocks: int, k_caches, v_caches, other_ranks=()
+) -> bytes:
+    """The hello `extra` that lets a peer read `agent`'s registered caches (and those of the
+    other ranks of a tensor-parallel group: `other_ranks`, (k_caches, v_caches) of ranks 1..)."""
+
+    def addrs(caches) -> list[int]:
+        return [t.data_ptr() for t in caches]
+
     info = NixlPeerInfo(
         agent.metadata(),
         num_blocks,
-        [t.data_ptr() for t in k_caches],
-        [t.data_ptr() for t in v_caches],
+        addrs(k_caches),
+        addrs(v_caches),
+        [(addrs(k), addrs(v)) for k, v in other_ranks],
     )
     return msgspec.msgpack.encode(info)
 
 
-def decode_peer_info(extra: bytes, num_layers: int) -> NixlPeerInfo:
-    """The NixlPeerInfo of a hello; ProtocolError if malformed or not one address per layer."""
+def decode_peer_info(extra: bytes, num_layers: int, tp_size: int = 1) -> NixlPeerInfo:
+    """The NixlPeerInfo of a hello; ProtocolError if malformed or not one address per layer of
+    each of the `tp_size` ranks."""
     try:
         info = msgspec.msgpack.decode(extra, type=NixlPeerInfo)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"bad NIXL peer info: {exc}") from exc
-    if len(info.k_addrs) != num_layers or len(info.v_addrs) != num_layers:
+    if len(info.other_ranks) != tp_size - 1:
+        ranks = len(info.other_ranks) + 1
+        raise ProtocolError(f"NIXL peer info lists {ranks} ranks, not {tp_size}")
+    if any(len(a) != num_layers for rank in range(tp_size) for a in info.addrs(rank)):
         raise ProtocolError("NIXL peer info does not list one K and V address per layer")
     return info
 
@@ -237,16 +260,19 @@ class NixlSender(TcpSender):
         if options.get("compression"):
             raise ValueError("the nixl transport moves raw blocks; compression is tcp-only")
         super().__init__(layout, k_caches, v_caches, **options)
-        self._agent = NixlAgent("send", [*k_caches, *v_caches], progress_thread)
+        caches = [t for k, v in self.ranks for t in (*k, *v)]
+        self._agent = NixlAgent("send", caches, progress_thread)
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_progress, name="nixl-pump", daemon=True)
         self._pump.start()
-        self._hello = encode_peer_info(self._agent, self.num_blocks, k_caches, v_caches)
+        self._hello = encode_peer_info(
+            self._agent, self.num_blocks, k_caches, v_caches, self.ranks[1:]
+        )
 
     def _hello_extra(self) -> bytes:
         return self._hello
 
-    def _write_payload(self, sock, job: Job) -> None:
+    def _write_payload(self, sock, job: Job, link) -> None:
         pass  # the receiver reads the blocks itself after the header
 
     def _pump_progress(self) -> None:
@@ -279,8 +305,11 @@ class NixlReceiver(TcpReceiver):
         self._agent = NixlAgent("recv", [*k_caches, *v_caches], progress_thread)
 
     def _on_peer(self, hello: ClientHello) -> Peer:
-        info = decode_peer_info(hello.extra, self.layout.num_layers)
-        return Peer(self._agent.add_peer(info.agent_metadata), info)
+        sender = hello.layout
+        info = decode_peer_info(hello.extra, self.layout.num_layers, sender.tp_size)
+        segments = self.layout.segments_from(sender)  # the handshake checked it maps
+        whole = whole_rank(segments, self.layout, sender)
+        return Peer(self._agent.add_peer(info.agent_metadata), info, sender, tuple(segments), whole)
 
     def _on_peer_closed(self, peer: Peer | None) -> None:
         if peer is not None:
@@ -296,18 +325,52 @@ class NixlReceiver(TcpReceiver):
             raise ProtocolError(
                 f"source block ids outside the sender's {peer.info.num_blocks} blocks"
             )
+        if peer.whole is not None:
+            local, remote = self._whole_spans(hdr, peer)
+        else:
+            local, remote = self._head_spans(hdr, peer)
+        self._agent.read(local, remote, peer.agent, hung_up=lambda: wait_hangup(conn, 0))
+
+    def _whole_spans(self, hdr: LayerHeader, peer: Peer) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote) (N, 3) rows of (address, length, device id): every run of blocks of
+        K, then of V, of the sender rank whose blocks are ours as they are."""
         bb, layer = self.layout.block_bytes, hdr.layer
         # one descriptor per run of blocks consecutive on both sides: UCX pays per descriptor,
         # so 6 KiB single-block descriptors run at a fraction of the bandwidth of long spans
         runs = np.array(paired_runs(hdr.src_block_ids, hdr.dst_block_ids), dtype=np.uint64)
         src, dst, size = runs[:, 0] * bb, runs[:, 1] * bb, runs[:, 2] * bb
         zero = np.zeros(len(runs), dtype=np.uint64)
-        remote_base = (peer.info.k_addrs[layer], peer.info.v_addrs[layer])
+        remote_base = [a[layer] for a in peer.info.addrs(peer.whole)]
         local_base = (self.k_caches[layer].data_ptr(), self.v_caches[layer].data_ptr())
-        # (N, 3) rows of (address, length, device id): every run of K, then of V
         remote = np.concatenate([np.stack([b + src, size, zero], 1) for b in remote_base])
         local = np.concatenate([np.stack([b + dst, size, zero], 1) for b in local_base])
-        self._agent.read(local, remote, peer.agent, hung_up=lambda: wait_hangup(conn, 0))
+        return local, remote
+
+    def _head_spans(self, hdr: LayerHeader, peer: Peer) -> tuple[np.ndarray, np.ndarray]:
+        """Re-sharding: one row per token of each block and segment of our heads, from the
+        sender rank that holds them (the cache is [block, token, head, dim]: a head slice of a
+        block is `block_size` strided spans)."""
+        lay, layer = self.layout, hdr.layer
+        head = np.uint64(lay.head_dim * lay.itemsize)  # bytes of one head of one token
+        tokens = np.arange(lay.block_size, dtype=np.uint64)
+        src_ids = np.asarray(hdr.src_block_ids, dtype=np.uint64)[:, None]
+        dst_ids = np.asarray(hdr.dst_block_ids, dtype=np.uint64)[:, None]
+        dst_row = np.uint64(lay.num_kv_heads) * head
+        local_base = (self.k_caches[layer].data_ptr(), self.v_caches[layer].data_ptr())
+        local, remote = [], []
+        for seg in peer.segments:
+            src_row = np.uint64(peer.layout.shard(seg.src_rank).num_kv_heads) * head
+            src = src_ids * (src_row * np.uint64(lay.block_size)) + tokens * src_row
+            src = (src + np.uint64(seg.src_head) * head).ravel()
+            dst = dst_ids * (dst_row * np.uint64(lay.block_size)) + tokens * dst_row
+            dst = (dst + np.uint64(seg.dst_head) * head).ravel()
+            size = np.full(len(src), np.uint64(seg.count) * head, dtype=np.uint64)
+            zero = np.zeros(len(src), dtype=np.uint64)
+            remote_base = [a[layer] for a in peer.info.addrs(seg.src_rank)]
+            for rb, lb in zip(remote_base, local_base, strict=True):
+                remote.append(np.stack([np.uint64(rb) + src, size, zero], 1))
+                local.append(np.stack([np.uint64(lb) + dst, size, zero], 1))
+        return np.concatenate(local), np.concatenate(remote)
 
     def close(self) -> None:
         super().close()

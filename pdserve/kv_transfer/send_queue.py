@@ -35,7 +35,6 @@ class Job(NamedTuple):
     layer: int
     src_ids: tuple[int, ...]
     dst_ids: tuple[int, ...]
-    nbytes: int
 
 
 class _Progress:
@@ -237,22 +236,37 @@ class _Channel:
 
 
 class QueuedSender(KVSender):
-    """A KVSender whose backends only say how to connect (`_connect`) and move a layer (Link)."""
+    """A KVSender whose backends only say how to connect (`_connect`) and move a layer (Link).
 
-    def __init__(self, layout: KVLayout, k_caches, v_caches) -> None:
+    `ranks`: the caches of every rank of a tensor-parallel group, `(k_caches, v_caches)` in rank
+    order (rank 0's are `k_caches`, `v_caches`); each receiver is sent its own heads of them."""
+
+    def __init__(self, layout: KVLayout, k_caches, v_caches, ranks=None) -> None:
         self.layout = layout
         self.num_blocks = check_caches(layout, k_caches, v_caches)
         self.k_caches: Sequence[torch.Tensor] = k_caches
         self.v_caches: Sequence[torch.Tensor] = v_caches
+        self.ranks: list[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = list(
+            ranks or [(k_caches, v_caches)]
+        )
+        if len(self.ranks) != layout.tp_size:
+            raise ValueError(
+                f"a sender of a tensor-parallel group of {layout.tp_size} needs the caches of "
+                f"every rank, got {len(self.ranks)}"
+            )
+        for rank, (k, v) in enumerate(self.ranks):
+            if check_caches(layout.shard(rank), k, v) != self.num_blocks:
+                raise ValueError(f"rank {rank}'s KV cache has another number of blocks")
         self._stats = StatsCounter()
         self._tracker = SendTracker(self._stats)
         self._channels: dict[str, _Channel] = {}
         self._lock = threading.Lock()
         self._closed = False
 
-    def _payload_bytes(self, num_blocks: int) -> int:
-        """Bytes one layer of `num_blocks` blocks puts on the wire (K and V)."""
-        return 2 * num_blocks * self.layout.block_bytes
+    def _payload_bytes(self, num_blocks: int, dest: KVLayout | None = None) -> int:
+        """Bytes one layer of `num_blocks` blocks puts on the wire (K and V), to a receiver of
+        layout `dest` (its heads; default: this sender's)."""
+        return 2 * num_blocks * (dest or self.layout).block_bytes
 
     @abstractmethod
     def _check_endpoint(self, endpoint: str) -> None:
@@ -270,9 +284,7 @@ class QueuedSender(KVSender):
                 f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
             )
         check_block_ids(src_block_ids, self.num_blocks, "source")
-        nbytes = self._payload_bytes(len(src_block_ids))
-        job = Job(dest_endpoint, transfer_id, layer, tuple(src_block_ids), tuple(dst_block_ids),
-                  nbytes)  # fmt: skip
+        job = Job(dest_endpoint, transfer_id, layer, tuple(src_block_ids), tuple(dst_block_ids))
         with self._lock:
             if self._closed:
                 raise RuntimeError("send_layer on a closed KV sender")

@@ -11,9 +11,11 @@ import collections
 import socket
 import threading
 
+import torch
+
 from pdserve.kv_transfer import fp8
-from pdserve.kv_transfer.base import KVLayout
-from pdserve.kv_transfer.memory import byte_views, paired_runs
+from pdserve.kv_transfer.base import KVLayout, whole_rank
+from pdserve.kv_transfer.memory import byte_views, gather_heads, paired_runs
 from pdserve.kv_transfer.send_queue import Job, Link, QueuedSender
 from pdserve.kv_transfer.tcp_receiver import TcpReceiver
 from pdserve.kv_transfer.wire import (
@@ -31,7 +33,10 @@ from pdserve.kv_transfer.wire_faults import TcpFault
 
 
 class TcpLink(Link):
-    """A connected, handshaken socket to one receiver, plus its acknowledgement reader."""
+    """A connected, handshaken socket to one receiver, plus its acknowledgement reader.
+
+    The handshake tells the receiver's layout: which rank of which tensor-parallel group, so
+    which KV heads its blocks hold (`dest`, and `segments`: where each comes from here)."""
 
     def __init__(self, sender: TcpSender, endpoint: str) -> None:
         self._sender = sender
@@ -46,7 +51,12 @@ class TcpLink(Link):
             ) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(sock, sender.layout, sender.secret, sender._hello_extra())
+            dest = client_handshake(sock, sender.layout, sender.secret, sender._hello_extra())
+            if dest is None:
+                raise ConnectionError(f"{endpoint} is not a KV receiver (it sent no layout)")
+            self.dest = dest
+            self.segments = dest.segments_from(sender.layout)
+            self.whole = whole_rank(self.segments, dest, sender.layout)
         except TimeoutError:
             sock.close()
             raise ConnectionError(
@@ -57,7 +67,7 @@ class TcpLink(Link):
             raise
         sock.settimeout(None)  # stalls are bounded by wait()'s timeout, which aborts the link
         self._sock = sock
-        self._pending: collections.deque[Job] = collections.deque()
+        self._pending: collections.deque[tuple[Job, int]] = collections.deque()
         self._dead = False
         self._acks = threading.Thread(target=self._read_acks, name="kv-acks", daemon=True)
         self._acks.start()
@@ -67,16 +77,17 @@ class TcpLink(Link):
         return not self._dead
 
     def send(self, job: Job) -> None:
-        self._pending.append(job)  # before the header: its ack may come back at once
+        nbytes = self._sender._payload_bytes(len(job.src_ids), self.dest)
+        self._pending.append((job, nbytes))  # before the header: its ack may come back at once
         if self._dead:  # the ack reader already failed what was pending, maybe not this job
             raise ConnectionError("connection to the KV receiver lost")
         header = LayerHeader(job.transfer_id, job.layer, list(job.src_ids), list(job.dst_ids),
-                             job.nbytes, self._sender.encoding)  # fmt: skip
+                             nbytes, self._sender.encoding)  # fmt: skip
         fault = self._sender.fault
         if fault is not None and fault.due():
             fault.inject(self._sock, header)
         send_frame(self._sock, header)
-        self._sender._write_payload(self._sock, job)
+        self._sender._write_payload(self._sock, job, self)
 
     def _read_acks(self) -> None:
         tracker = self._sender._tracker
@@ -84,16 +95,16 @@ class TcpLink(Link):
         try:
             while True:
                 ack = recv_frame(self._sock, LayerAck)
-                job = self._pending.popleft()
+                job, nbytes = self._pending.popleft()
                 if (ack.transfer_id, ack.layer) != (job.transfer_id, job.layer):
                     raise ProtocolError("acknowledgement out of order")
-                tracker.acked(job.transfer_id, job.nbytes, ack.error)
+                tracker.acked(job.transfer_id, nbytes, ack.error)
         except (OSError, ProtocolError, IndexError) as exc:
             error = f"connection to the KV receiver lost: {exc}"
         finally:
             self._dead = True
             while self._pending:
-                tracker.fail(self._pending.popleft().transfer_id, error)
+                tracker.fail(self._pending.popleft()[0].transfer_id, error)
 
     def abort(self) -> None:
         shutdown_socket(self._sock)
@@ -118,15 +129,15 @@ class TcpSender(QueuedSender):
         secret: bytes | None = None,
         connect_timeout_s: float = 5.0,
         compression: str | None = None,
+        ranks=None,
     ) -> None:
         if compression not in (None, fp8.ENCODING):
             raise ValueError(f"unknown KV compression {compression!r}; use None or 'fp8'")
-        super().__init__(layout, k_caches, v_caches)
+        super().__init__(layout, k_caches, v_caches, ranks)
         self.secret = resolve_secret(secret)
         self.connect_timeout_s = connect_timeout_s
         self.encoding = compression or "raw"
-        self._k_bytes = byte_views(k_caches)
-        self._v_bytes = byte_views(v_caches)
+        self._bytes = [(byte_views(k), byte_views(v)) for k, v in self.ranks]
         self.fault = TcpFault.from_env(receiver=False)  # None unless a test switched it on
 
     def _check_endpoint(self, endpoint: str) -> None:
@@ -138,22 +149,34 @@ class TcpSender(QueuedSender):
     def _hello_extra(self) -> bytes:
         return b""
 
-    def _payload_bytes(self, num_blocks: int) -> int:
+    def _payload_bytes(self, num_blocks: int, dest: KVLayout | None = None) -> int:
         if self.encoding == fp8.ENCODING:
-            return fp8.payload_bytes(self.layout, num_blocks)
-        return super()._payload_bytes(num_blocks)
+            return fp8.payload_bytes(dest or self.layout, num_blocks)
+        return super()._payload_bytes(num_blocks, dest)
 
-    def _write_payload(self, sock: socket.socket, job: Job) -> None:
-        """All K blocks of the layer in list order, then all V blocks, from cache memory."""
-        if self.encoding == fp8.ENCODING:
-            for cache in (self.k_caches[job.layer], self.v_caches[job.layer]):
-                for part in fp8.encode(cache, job.src_ids):
-                    sock.sendall(part.numpy())
+    def _write_payload(self, sock: socket.socket, job: Job, link: TcpLink) -> None:
+        """All K blocks of the layer in list order, then all V blocks: the receiver's heads,
+        from cache memory in place when one rank's blocks are the receiver's as they are, else
+        gathered from the ranks that hold them (`memory.gather_heads`)."""
+        if link.whole is not None and self.encoding != fp8.ENCODING:
+            runs = paired_runs(job.src_ids, job.dst_ids)
+            for views in self._bytes[link.whole]:
+                for run in runs:
+                    sock.sendall(views[job.layer][run.src : run.src + run.count])
             return
-        runs = paired_runs(job.src_ids, job.dst_ids)
-        for views in (self._k_bytes[job.layer], self._v_bytes[job.layer]):
-            for run in runs:
-                sock.sendall(views[run.src : run.src + run.count])
+        for which in (0, 1):  # K, then V
+            if link.whole is not None:
+                blocks, ids = self.ranks[link.whole][which][job.layer], job.src_ids
+            else:
+                caches = [rank[which] for rank in self.ranks]
+                heads = link.dest.num_kv_heads
+                blocks = gather_heads(caches, job.layer, job.src_ids, link.segments, heads)
+                ids = range(len(job.src_ids))
+            if self.encoding == fp8.ENCODING:
+                for part in fp8.encode(blocks, ids):
+                    sock.sendall(part.numpy())
+            else:  # gathered: contiguous, in the order of the ids
+                sock.sendall(blocks.reshape(-1).view(torch.uint8).numpy())
 
 
 __all__ = ["TcpLink", "TcpReceiver", "TcpSender"]  # the registry finds both sides here

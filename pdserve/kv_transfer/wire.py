@@ -67,6 +67,7 @@ class ClientHello(msgspec.Struct, tag="client_hello", frozen=True):
 
 class Accept(msgspec.Struct, tag="accept", frozen=True):
     mac: bytes
+    layout: KVLayout | None = None  # the receiver's (which rank, so which heads); a store: None
 
 
 class Refuse(msgspec.Struct, tag="refuse", frozen=True):
@@ -201,8 +202,9 @@ def _mac(secret: bytes | None, label: bytes, a: bytes, b: bytes) -> bytes:
 
 def client_handshake(
     sock: socket.socket, layout: KVLayout, secret: bytes | None, extra: bytes = b""
-) -> None:
-    """Sender side. Raises HandshakeRefused with the receiver's reason, or if it is unproven."""
+) -> KVLayout | None:
+    """Sender side: returns the receiver's layout (None from the KV store). Raises
+    HandshakeRefused with the receiver's reason, or if it is unproven."""
     hello = recv_frame(sock, ServerHello)
     if hello.version != PROTOCOL_VERSION:
         raise HandshakeRefused(f"receiver speaks KV protocol v{hello.version}, we speak v1")
@@ -214,10 +216,15 @@ def client_handshake(
         accept.mac, _mac(secret, b"server", nonce, hello.nonce)
     ):
         raise HandshakeRefused(f"the receiver did not prove the shared secret; {HOW_TO_SET_SECRET}")
+    return accept.layout
 
 
-def server_handshake(sock: socket.socket, layout: KVLayout, secret: bytes | None) -> ClientHello:
-    """Receiver side. Returns the sender's hello, or sends Refuse and raises HandshakeRefused."""
+def server_handshake(
+    sock: socket.socket, layout: KVLayout | None, secret: bytes | None
+) -> ClientHello:
+    """Receiver side. Returns the sender's hello, or sends Refuse and raises HandshakeRefused
+    (a layout this receiver's heads cannot be filled from: `KVLayout.segments_from`). `layout`
+    None takes every layout (the KV store: the layout is part of each key)."""
     nonce = secrets.token_bytes(32)
     send_frame(sock, ServerHello(PROTOCOL_VERSION, nonce, secret is not None))
     hello = recv_frame(sock, ClientHello)
@@ -228,13 +235,13 @@ def server_handshake(sock: socket.socket, layout: KVLayout, secret: bytes | None
         reason = f"KV receiver refused an unauthenticated sender; {HOW_TO_SET_SECRET}"
     elif hello.version != PROTOCOL_VERSION:
         reason = f"sender speaks KV protocol v{hello.version}, this receiver speaks v1"
-    else:
+    elif layout is not None:
         try:
-            layout.check_compatible(hello.layout, mine="decode worker", theirs="prefill worker")
+            layout.segments_from(hello.layout)
         except ValueError as exc:
             reason = str(exc)
     if reason is not None:
         send_frame(sock, Refuse(reason))
         raise HandshakeRefused(reason)
-    send_frame(sock, Accept(_mac(secret, b"server", hello.nonce, nonce)))
+    send_frame(sock, Accept(_mac(secret, b"server", hello.nonce, nonce), layout))
     return hello

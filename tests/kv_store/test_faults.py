@@ -13,7 +13,6 @@ from waiting import wait_until
 from pdserve.kv_store.protocol import (
     MAX_BLOCKS,
     MAX_FRAME_BYTES,
-    AnyLayout,
     LoadReply,
     Query,
     recv_request,
@@ -67,7 +66,7 @@ class FakeStore:
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
         with conn:
-            server_handshake(conn, AnyLayout(), None)
+            server_handshake(conn, None, None)
             recv_request(conn)
             send_msg(conn, LoadReply(make_chain(2).metas()))
             conn.sendall(b"\0" * self.layout.block_bytes)  # one of the layer's two K blocks

@@ -87,9 +87,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="run the engine as N ranks (processes), each with its share of the attention heads "
         "and MLP columns and of the KV cache (Megatron-style; gloo on CPU). The query heads and "
         "MLP width must divide by N (KV heads are replicated when N is a multiple of them); "
-        "the threads are shared among the ranks. Co-located workers and `generate` only for "
-        "now: KV transfer between tensor-parallel prefill and decode groups is not built yet "
-        "(default 1)",
+        "the threads and cores are shared among the ranks. A prefill worker of one size pushes "
+        "into decode workers of any size: each decode rank receives its own KV heads "
+        "(`pdserve serve --prefill-tp P --decode-tp D`). Not with a KV store (default 1)",
     )
 
 

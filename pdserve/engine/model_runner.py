@@ -63,12 +63,15 @@ class ModelRunner:
         mc = self.model_config
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         # Per layer, (num_blocks, block_size, n_kv, d): one layer's block is one contiguous span.
-        self.k_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
-        ]
-        self.v_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
-        ]
+        if self.tp is not None:  # rank 0 also reaches the other ranks' caches (KV transfer)
+            self.rank_caches = self.tp.caches(shape, self.dtype, mc.num_layers)
+            self.k_caches, self.v_caches = self.rank_caches[0]
+        else:
+            self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                             for _ in range(mc.num_layers)]  # fmt: skip
+            self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                             for _ in range(mc.num_layers)]  # fmt: skip
+            self.rank_caches = [(self.k_caches, self.v_caches)]
         self.kv_caches = list(zip(self.k_caches, self.v_caches, strict=True))
         # decode_path says which decode step runs, and why (the worker's ready line)
         self.fused, self.decode_path = self._fused_decode()

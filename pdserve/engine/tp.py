@@ -7,11 +7,17 @@ one after the MLP add the ranks' partial sums. Embeddings, norms and the LM head
 every rank. Each rank's KV cache holds its own KV heads, at the same block ids as rank 0's.
 
 Rank 0 is the engine: its scheduler decides every step, and it sends the step's inputs (token
-ids, positions, attention metadata with the block tables) to the other ranks (`broadcast_step`),
+ids, positions, attention metadata with the block tables) to the other ranks (`broadcast`),
 which run the same forward pass (`follow`) and sample nothing. At start rank 0 starts the other
-ranks as processes (`python -m pdserve.engine.tp`), which die with it, and sends them the engine
-config and the model's weights (so a model built in memory, as tests do, needs no file).
-Collectives use gloo on CPU.
+ranks as processes (`python -m pdserve.engine.tp`), which die with it, each pinned to its share
+of rank 0's cores, and sends them the engine config and the model's weights (so a model built in
+memory, as tests do, needs no file). Collectives use gloo on CPU.
+
+The other ranks' KV caches live in shared memory (`shared_caches`: a memfd each, which rank 0
+maps through /proc/PID/fd): the worker's KV connectors run in rank 0's process and move every
+rank's heads (a prefill group's sender reads them all; a decode group has one receiver per
+rank, each writing its rank's cache). Rank 0 pushes a layer once its forward pass is over: the
+all-reduce after the layer's MLP has then waited for every rank, so all their KV is written.
 
 KV heads that do not divide by N are replicated when N is a multiple of their count (as vLLM
 does: ranks r*k .. r*k+k-1 share head r); other splits are refused with the reason.
@@ -21,15 +27,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import mmap
 import os
+import pickle
 import subprocess
 import sys
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.kv_transfer.base import kv_head_range
 from pdserve.subprocs import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
@@ -64,13 +74,8 @@ class TPShard:
         return cfg.num_heads // self.size, max(1, cfg.num_kv_heads // self.size)
 
     def kv_heads(self, cfg) -> range:
-        """The model's KV heads this rank holds."""
-        kv = cfg.num_kv_heads
-        if kv % self.size == 0:
-            per = kv // self.size
-            return range(self.rank * per, (self.rank + 1) * per)
-        head = self.rank // (self.size // kv)  # replicated: size/kv ranks share one head
-        return range(head, head + 1)
+        """The model's KV heads this rank holds (replicated ones: size/kv ranks share one)."""
+        return kv_head_range(self.rank, self.size, cfg.num_kv_heads)
 
     def weights(self, cfg, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """This rank's slices of the layers' weights (others unchanged)."""
@@ -101,8 +106,22 @@ class TPShard:
 class TPGroup:
     """This process's place in the group and its collectives."""
 
-    def __init__(self, shard: TPShard, procs: list[subprocess.Popen] | None = None) -> None:
+    def __init__(self, shard: TPShard, port: int, procs: list[subprocess.Popen] | None = None):
+        """Join the group's gloo process group (rank 0 hosts its rendezvous at `port`). The
+        group is this engine's own, not torch.distributed's default one: a process may hold
+        several engines (tests do)."""
         self.shard, self.procs = shard, procs or []
+        self.restore: tuple[set[int], int] | None = None  # rank 0: its cores and threads before
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            shard.size,
+            shard.rank == 0,
+            timeout=timedelta(seconds=INIT_TIMEOUT_S),
+        )
+        # no timeout on steps: an idle engine's ranks wait for the next one as long as it takes;
+        # a rank that dies closes its sockets, which fails the others' collectives at once
+        self._pg = dist.ProcessGroupGloo(self._store, shard.rank, shard.size, timedelta(days=365))
 
     @property
     def size(self) -> int:
@@ -113,28 +132,110 @@ class TPGroup:
         if self.size == 1:
             return x
         total = x.float()
-        dist.all_reduce(total)
+        self._pg.allreduce([total]).wait()
         return total.to(x.dtype)
 
     def broadcast(self, obj):
-        """Rank 0 sends `obj` to every rank; every rank returns it."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Rank 0 sends `obj` to every rank; every rank returns it (pickled)."""
+        data = _bytes(obj if self.shard.rank == 0 else None)
+        size = torch.tensor([data.numel()])
+        self._pg.broadcast(size, 0).wait()
+        if self.shard.rank != 0:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        self._pg.broadcast(data, 0).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank (pickled)."""
+        data = _bytes(obj)
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
+        self._pg.allgather([sizes], [torch.tensor([data.numel()])]).wait()
+        longest = max(int(s) for s in sizes)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        self._pg.allgather([out], [padded]).wait()
+        return [
+            pickle.loads(o[: int(s)].numpy().tobytes()) for o, s in zip(out, sizes, strict=True)
+        ]
+
+    def caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int):
+        """This rank's KV cache (K and V: `num_layers` tensors of `shape` each), and on rank 0
+        every rank's, in rank order. Collective: every rank calls it at once. The other ranks'
+        are `shared_caches` that rank 0 maps."""
+        if self.shard.rank == 0:
+            mine = [torch.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]
+            handle = None
+        else:
+            mine, handle = shared_caches(shape, dtype, num_layers)
+        handles = self.gather(handle)
+        ranks = [_split(mine, num_layers)]
+        if self.shard.rank == 0:
+            for pid, fd in handles[1:]:
+                ranks.append(_split(map_caches(pid, fd, shape, dtype, num_layers)[0], num_layers))
+        return ranks
 
     def close(self) -> None:
         """Rank 0: the other ranks stop (they leave their loop and exit)."""
-        if self.shard.rank == 0 and self.size > 1 and dist.is_initialized():
+        if self.shard.rank == 0 and self._pg is not None:
             try:
                 self.broadcast(None)
             except RuntimeError:
                 pass  # a rank is gone already
-            dist.destroy_process_group()
+        self._pg = self._store = None
         for p in self.procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if self.restore is not None:  # this process lives on (tests): unpin it
+            os.sched_setaffinity(0, self.restore[0])
+            torch.set_num_threads(self.restore[1])
+            self.restore = None
+
+
+def _bytes(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
+
+
+def _split(tensors: list[torch.Tensor], num_layers: int):
+    return tensors[:num_layers], tensors[num_layers:]
+
+
+def shared_caches(shape: tuple[int, ...], dtype: torch.dtype, num_layers: int):
+    """K then V caches (`num_layers` tensors of `shape` each, zeros) in a memfd of this process,
+    and (pid, fd): another process of this user maps them with `map_caches`."""
+    fd = os.memfd_create("pdserve-kv")
+    os.ftruncate(fd, 2 * num_layers * _nbytes(shape, dtype))
+    return _map(fd, shape, dtype, num_layers), (os.getpid(), fd)
+
+
+def map_caches(pid: int, fd: int, shape, dtype, num_layers: int):
+    """The caches of `shared_caches` in process `pid`, mapped into this one."""
+    own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    try:
+        return _map(own, shape, dtype, num_layers), None
+    finally:
+        os.close(own)  # the mapping stays
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+
+
+def _map(fd: int, shape, dtype: torch.dtype, num_layers: int) -> list[torch.Tensor]:
+    size = _nbytes(shape, dtype)
+    buf = mmap.mmap(fd, 2 * num_layers * size)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping alive
+    return [flat[i * size : (i + 1) * size].view(dtype).view(shape) for i in range(2 * num_layers)]
+
+
+def rank_cores(cores: list[int], size: int) -> list[list[int]]:
+    """Each rank's share of `cores` (contiguous; with fewer cores than ranks, ranks share)."""
+    if len(cores) < size:
+        return [[cores[r % len(cores)]] for r in range(size)]
+    per = len(cores) // size
+    return [cores[r * per : (r + 1) * per] for r in range(size)]
 
 
 def start_group(config, files, max_model_len: int) -> TPGroup:
@@ -150,6 +251,8 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
         )
     port = free_port()
     threads = max(1, (config.num_threads or torch.get_num_threads()) // size)
+    before = os.sched_getaffinity(0), torch.get_num_threads()
+    cores = rank_cores(sorted(before[0]), size)
     procs = [
         subprocess.Popen(
             [
@@ -164,24 +267,19 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
                 str(port),
                 "--threads",
                 str(threads),
+                "--cores",
+                ",".join(map(str, cores[r])),
             ],
             preexec_fn=die_with_parent,
         )  # fmt: skip
         for r in range(1, size)
     ]
-    _join(0, size, port)
-    group = TPGroup(TPShard(0, size), procs)
+    group = TPGroup(TPShard(0, size), port, procs)
+    group.restore = before
+    os.sched_setaffinity(0, cores[0])
+    torch.set_num_threads(threads)
     group.broadcast((config, files, max_model_len))
     return group
-
-
-def _join(rank: int, size: int, port: int) -> None:
-    from datetime import timedelta
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-        timeout=timedelta(seconds=INIT_TIMEOUT_S),
-    )  # fmt: skip
 
 
 def follow(rank: int, size: int, port: int, threads: int) -> None:
@@ -190,8 +288,7 @@ def follow(rank: int, size: int, port: int, threads: int) -> None:
     from pdserve.engine.model_runner import ModelRunner
 
     torch.set_num_threads(threads)
-    _join(rank, size, port)
-    group = TPGroup(TPShard(rank, size))
+    group = TPGroup(TPShard(rank, size), port)
     config, files, max_model_len = group.broadcast(None)
     runner = ModelRunner(replace(config, num_threads=threads), files, max_model_len, group)
     del files
@@ -200,8 +297,6 @@ def follow(rank: int, size: int, port: int, threads: int) -> None:
             runner.forward(*inputs)
     except RuntimeError:  # rank 0 went away without saying so (it exited, or was killed)
         log.warning("tensor-parallel rank %d: rank 0 is gone; exiting", rank)
-        return
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -211,10 +306,13 @@ def main() -> None:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cores", default="", help="CPU cores to pin this rank to, e.g. 2,3")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if os.getppid() == 1:  # rank 0 died before we started
         return
+    if args.cores:
+        os.sched_setaffinity(0, [int(c) for c in args.cores.split(",")])
     follow(args.rank, args.size, args.port, args.threads)
 
 

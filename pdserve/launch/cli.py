@@ -187,6 +187,16 @@ def register(sub) -> None:
         "--prefill", type=int, default=1, help="prefill workers (disagg mode, default 1)"
     )
     p.add_argument("--decode", type=int, default=1, help="decode workers (disagg mode, default 1)")
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-tp",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"disagg mode: tensor-parallel size of each {role} worker (default: "
+            "--tensor-parallel-size). Prefill and decode sizes may differ: the KV heads are "
+            "re-sharded on the way (`pdserve plan` recommends a size per phase)",
+        )
     p.add_argument(
         "--colocated-workers", type=int, default=1, help="workers in colocated mode (default 1)"
     )

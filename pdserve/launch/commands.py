@@ -131,6 +131,21 @@ def phase_argv(text: str | None, flag: str) -> list[str]:
     return argv
 
 
+def tensor_parallel_sizes(args) -> dict[str, int]:
+    """Each role's tensor-parallel size: --prefill-tp / --decode-tp, else
+    --tensor-parallel-size."""
+    default = args.tensor_parallel_size or 1
+    sizes = {"both": default, "prefill": args.prefill_tp or default,
+             "decode": args.decode_tp or default}  # fmt: skip
+    if args.mode != "disagg" and (args.prefill_tp or args.decode_tp):
+        raise ValueError("--prefill-tp/--decode-tp size the pools of --mode disagg; co-located "
+                         "workers take --tensor-parallel-size")  # fmt: skip
+    for flag, size in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if size is not None and size < 1:
+            raise ValueError(f"{flag} must be >= 1, got {size}")
+    return sizes
+
+
 def serve(args) -> int:
     """`pdserve serve`: the router, then its workers (and a KV store) as subprocesses."""
     from pdserve.launch.local import (
@@ -156,8 +171,9 @@ def serve(args) -> int:
     from pdserve.launch.local import check_kv_compression, check_tensor_parallel
 
     check_kv_compression(args)
-    role = "both" if args.mode == "colocated" else "prefill"
-    check_tensor_parallel(args.tensor_parallel_size, role, args.kv_store or args.kv_store_endpoint)
+    tp = tensor_parallel_sizes(args)
+    for size in tp.values():
+        check_tensor_parallel(size, args.kv_store or args.kv_store_endpoint)
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
                  "decode": phase_argv(args.decode_args, "--decode-args")}  # fmt: skip
     role_argv["both"] = role_argv["decode"]
@@ -211,6 +227,7 @@ def serve(args) -> int:
         chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
         if chunk:
             argv += ["--chunk-size", str(chunk)]
+        argv += ["--tensor-parallel-size", str(tp[role])]
         argv += role_argv[role]  # last: the pool's own settings win
         procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport)
         return f"{role}-{i}"

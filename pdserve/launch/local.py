@@ -37,12 +37,11 @@ def check_kv_compression(args) -> None:
         )
 
 
-def check_tensor_parallel(size: int, role: str, kv_store) -> None:
-    if size > 1 and (role != "both" or kv_store):
+def check_tensor_parallel(size: int, kv_store) -> None:
+    if size > 1 and kv_store:
         raise ValueError(
-            "--tensor-parallel-size > 1 runs co-located workers (--role both, serve --mode "
-            "colocated) without a KV store for now: moving KV between tensor-parallel groups "
-            "(re-sharding heads between prefill and decode ranks) is not built yet"
+            "a tensor-parallel worker (size > 1) cannot use a KV store yet: the store keeps "
+            "whole blocks of one rank's cache. Run it without --kv-store, or at size 1"
         )
 
 
@@ -55,7 +54,7 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
 
     check_kv_compression(args)
     engine = engine_config_from_args(args, role=args.role)
-    check_tensor_parallel(engine.tensor_parallel_size, args.role, args.kv_store)
+    check_tensor_parallel(engine.tensor_parallel_size, args.kv_store)
     if threads or args.threads:
         engine = replace(engine, num_threads=threads or args.threads)
     if args.role == "prefill":  # a prefill worker computes whole prompts: no chunking

@@ -108,7 +108,7 @@ class Placement(msgspec.Struct, tag=True):
     request_id: str
     block_ids: list[int]
     num_cached_tokens: int
-    kv_endpoint: str
+    kv_endpoints: list[str]  # where its KV lands: one per rank of D's tensor-parallel group
 
 
 class Prefill(msgspec.Struct, tag=True):
@@ -117,7 +117,7 @@ class Prefill(msgspec.Struct, tag=True):
     request_id: str
     prompt: list[int]
     params: Params
-    kv_endpoint: str
+    kv_endpoints: list[str]  # D's ranks: each is pushed its own KV heads
     dst_block_ids: list[int]  # D's blocks for the whole prompt
     num_cached_tokens: int  # D already holds these (whole blocks): not sent
 

@@ -280,7 +280,7 @@ class RouterCore:
                 msg.request_id,
                 state.prompt,
                 state.params,
-                msg.kv_endpoint,
+                msg.kv_endpoints,
                 msg.block_ids,
                 msg.num_cached_tokens,
             ),

@@ -98,7 +98,7 @@ class DecodeSide(KVConnector):
                 seq.request_id,
                 seq.block_table[:first] + dst,
                 seq.num_cached_tokens,
-                self.receiver.endpoint,
+                self.receiver.endpoints,
             )
             self.send(placed)
 

@@ -29,7 +29,7 @@ PUSH_GRACE_S = 0.2  # how long a step's end waits for its pushes before the next
 @dataclass
 class Outgoing:
     request_id: str
-    endpoint: str
+    endpoints: list[str]  # of the decode worker's ranks: each is sent its own KV heads
     dst_block_ids: list[int]
     first_block: int
     started: float = field(default_factory=time.monotonic)
@@ -68,7 +68,7 @@ class PrefillSide(KVConnector):
                 self.send(m.PrefillDone(msg.request_id, None, error="prefill host staging full"))
                 return
         self.outgoing[seq.request_id] = Outgoing(
-            seq.request_id, msg.kv_endpoint, msg.dst_block_ids, first
+            seq.request_id, msg.kv_endpoints, msg.dst_block_ids, first
         )
 
     # -- KVConnector -----------------------------------------------------------------------
@@ -86,9 +86,9 @@ class PrefillSide(KVConnector):
             if self.staging is not None:
                 self.staging.to_host(seq.request_id, layer, src)
                 src = self.staging.held(seq.request_id)
-            self.sender.send_layer(
-                out.endpoint, seq.request_id, layer, src, out.dst_block_ids[out.first_block : end]
-            )
+            dst = out.dst_block_ids[out.first_block : end]
+            for endpoint in out.endpoints:
+                self.sender.send_layer(endpoint, seq.request_id, layer, src, dst)
 
     def request_finished(self, seq: Sequence) -> bool:
         return seq.request_id in self.outgoing  # held until its push is acknowledged
@@ -124,7 +124,8 @@ class PrefillSide(KVConnector):
                     "not acknowledge every layer (--transfer-timeout-s)",
                 )  # fmt: skip
                 # a receiver that stopped reading stalls everything behind on that connection
-                self.sender.close_endpoint(out.endpoint)
+                for endpoint in out.endpoints:
+                    self.sender.close_endpoint(endpoint)
             else:
                 continue
             del self.pushing[rid]

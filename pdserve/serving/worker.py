@@ -23,7 +23,8 @@ from pdserve.config import EngineConfig
 from pdserve.engine.kv_connector import combine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_store.client import StoreClient
-from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
+from pdserve.kv_transfer import KVLayout, KVReceiver, make_receiver, make_sender
+from pdserve.kv_transfer.group import ReceiverGroup
 from pdserve.protocol import messages as m
 from pdserve.protocol.channel import Codec, require_secret_for, resolve_secret
 from pdserve.serving.decode_side import DecodeSide
@@ -84,14 +85,14 @@ class Worker:
         self.engine = LLMEngine(config.engine)
         self.engine.warm_up()
         runner, mc = self.engine.runner, self.engine.model_config
-        self.layout = KVLayout(
+        self.layout = KVLayout(  # rank 0's: a tensor-parallel group's ranks hold their heads
             model_fingerprint=self.engine.fingerprint,
             dtype=str(runner.dtype).removeprefix("torch."),
             num_layers=mc.num_layers,
             block_size=config.engine.block_size,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
-        )
+        ).split(config.engine.tensor_parallel_size)
         if config.kv_store and runner.device.type != "cpu":
             raise ValueError(
                 f"the KV store (--kv-store) moves blocks of a host-memory KV cache; this worker's "
@@ -100,16 +101,23 @@ class Worker:
         secret = resolve_secret()
         self.codec = Codec(secret)
         self.staging = None
-        caches = runner.k_caches, runner.v_caches
+        ranks = runner.rank_caches  # every rank's (K, V) caches: the connectors move them all
         if self.role != "both" and (runner.device.type != "cpu" or envs.kv_staging()):
+            if len(ranks) > 1:
+                raise ValueError(
+                    "host staging of KV transfers (a GPU cache, or PDSERVE_KV_STAGING) moves "
+                    "one rank's cache: run tensor-parallel workers on CPU without it"
+                )
             # the connectors move host memory: stage the GPU cache's transfers through it
-            self.staging = HostStaging.sized(*caches, self.engine.max_model_len)
-            caches = self.staging.k_caches, self.staging.v_caches
+            self.staging = HostStaging.sized(*ranks[0], self.engine.max_model_len)
+            ranks = [(self.staging.k_caches, self.staging.v_caches)]
         self.decode = self.prefill = self.store = None
         connectors = []
         if self.role == "prefill":
             compression = {"none": None}.get(config.kv_compression, config.kv_compression)
-            sender = make_sender(config.kv_transport, self.layout, *caches, compression=compression)
+            group = {"ranks": ranks} if len(ranks) > 1 else {}
+            sender = make_sender(config.kv_transport, self.layout, *ranks[0],
+                                 compression=compression, **group)  # fmt: skip
             self.prefill = PrefillSide(
                 self.engine, sender, self.send, config.transfer_timeout_s, self.staging
             )
@@ -118,7 +126,7 @@ class Worker:
             receiver = None
             if self.role == "decode":
                 require_secret_for(config.kv_host, secret)
-                receiver = make_receiver(config.kv_transport, self.layout, *caches, config.kv_host)
+                receiver = self._receiver(ranks)
                 receiver.start()
             self.decode = DecodeSide(
                 self.engine, self.layout, self.send, config.worker_id, receiver, self.staging
@@ -138,6 +146,15 @@ class Worker:
         self.drain_requested = False  # set by SIGTERM (a signal handler: just a flag)
         self.draining_since: float | None = None
         self.reporter = LoadReporter(self)
+
+    def _receiver(self, ranks) -> KVReceiver:
+        """One receiver per rank (its own endpoint; it writes that rank's cache, its heads)."""
+        cfg = self.config
+        receivers = [
+            make_receiver(cfg.kv_transport, self.layout.shard(r), k, v, cfg.kv_host)
+            for r, (k, v) in enumerate(ranks)
+        ]
+        return receivers[0] if len(receivers) == 1 else ReceiverGroup(receivers)
 
     # -- control plane -------------------------------------------------------------------
     def send(self, msg) -> None:

@@ -155,16 +155,11 @@ def plan_text(req: PlanRequest, plan: Plan, top: int = 3) -> str:
 def serve_command(dep) -> tuple[str | None, str]:
     """(the `pdserve serve` command that deploys `dep`, None when pdserve cannot yet; what to
     know about it)."""
-    if dep.mode == "disagg" and max(dep.prefill_tp, dep.decode_tp) > 1:
-        return None, (
-            f"not deployable by pdserve yet: prefill TP {dep.prefill_tp} and decode TP "
-            f"{dep.decode_tp} need the KV re-sharded between tensor-parallel groups, which is "
-            "not built yet (pdserve deploys TP 1 disaggregated pools, and co-located TP on CPU)"
-        )
+    tp_note = "tensor parallelism runs on CPU ranks (gloo) for now, not on GPUs"
     if dep.tp > 1 and dep.mode == "colocated":
         cmd = (f"pdserve serve --mode colocated --colocated-workers {dep.replicas} "
                f"--tensor-parallel-size {dep.tp}")  # fmt: skip
-        note = "tensor parallelism runs on CPU ranks (gloo) for now, not on GPUs"
+        note = tp_note
     elif dep.mode == "colocated":
         cmd, note = f"pdserve serve --mode colocated --colocated-workers {dep.replicas}", ""
     else:
@@ -176,6 +171,10 @@ def serve_command(dep) -> tuple[str | None, str]:
         if dep.decode_chunk:
             cmd += f" --decode-chunk-size {dep.decode_chunk}"
         note = "one worker per GPU with the local launcher (prefill workers first)"
+        if max(dep.prefill_tp, dep.decode_tp) > 1:
+            cmd += f" --prefill-tp {dep.prefill_tp} --decode-tp {dep.decode_tp}"
+            note = (f"{tp_note}; the KV heads are re-sharded from each prefill group's "
+                    f"{dep.prefill_tp} ranks into each decode group's {dep.decode_tp}")  # fmt: skip
     if dep.chunk:
         flag = f"--chunk-size {dep.chunk}"
         cmd += f" {flag}" if dep.mode == "colocated" else f' --prefill-args "{flag}"'

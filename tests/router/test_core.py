@@ -52,8 +52,8 @@ def test_a_remote_request_goes_admit_placement_prefill_prefilldone_kvready(core)
     assert state.remote and state.decode_id == "d0"
     [(wid, admit)] = c.channel.take()
     assert wid == "d0" and admit == m.Admit(state.request_id, [5] * 40, PARAMS, True, 120.0)
-    c.handle("d0", m.Placement(state.request_id, [7, 8, 9], 16, "tcp://d0:1"))
-    prefill = m.Prefill(state.request_id, [5] * 40, PARAMS, "tcp://d0:1", [7, 8, 9], 16)
+    c.handle("d0", m.Placement(state.request_id, [7, 8, 9], 16, ["tcp://d0:1"]))
+    prefill = m.Prefill(state.request_id, [5] * 40, PARAMS, ["tcp://d0:1"], [7, 8, 9], 16)
     assert c.channel.take() == [("p0", prefill)]
     assert state.prefill_id == "p0" and state.request_id in c.workers["p0"].inflight
     c.handle("p0", m.PrefillDone(state.request_id, 42, transfer_bytes=100))
@@ -74,11 +74,11 @@ def test_a_failed_prefill_makes_the_decode_worker_prefill_locally(core):
 
 def test_a_placement_for_a_forgotten_request_is_aborted_and_no_pool_means_local(core):
     c = _disagg(core)
-    c.handle("d0", m.Placement("gone", [1], 0, "tcp://d0:1"))
+    c.handle("d0", m.Placement("gone", [1], 0, ["tcp://d0:1"]))
     assert c.channel.take() == [("d0", m.Abort("gone"))]
     pending(c, "r0", 40, remote=True, decode_id="d0")
     c.workers["p0"].alive = False
-    c.handle("d0", m.Placement("r0", [1, 2, 3], 0, "tcp://d0:1"))
+    c.handle("d0", m.Placement("r0", [1, 2, 3], 0, ["tcp://d0:1"]))
     assert c.channel.take() == [("d0", m.KVReady("r0", None))]
 
 

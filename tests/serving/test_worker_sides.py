@@ -55,7 +55,7 @@ def pair(files):
 
 def _prefill(prefill: PrefillSide, sent: list, placement: m.Placement) -> m.PrefillDone:
     prefill.on_prefill(
-        m.Prefill(placement.request_id, PROMPT, PARAMS, placement.kv_endpoint,
+        m.Prefill(placement.request_id, PROMPT, PARAMS, placement.kv_endpoints,
                   placement.block_ids, placement.num_cached_tokens)
     )  # fmt: skip
     engine = prefill.engine
@@ -169,7 +169,7 @@ def test_an_aborted_push_frees_the_prefill_workers_blocks(pair):
 
 def _compute(prefill: PrefillSide, rid: str, placement: m.Placement) -> None:
     prefill.on_prefill(
-        m.Prefill(rid, PROMPT, PARAMS, placement.kv_endpoint, placement.block_ids, 0)
+        m.Prefill(rid, PROMPT, PARAMS, placement.kv_endpoints, placement.block_ids, 0)
     )
     while prefill.engine.has_work():
         prefill.finish(prefill.engine.step())

@@ -87,11 +87,12 @@ def test_the_recommendation_comes_with_the_serve_command_that_deploys_it(capsys)
     assert "--decode-chunk-size 64" in cmd
     cmd2, _ = serve_command(Deployment("colocated", replicas=2, chunk=512))
     assert "--colocated-workers 2 --chunk-size 512" in cmd2
-    for c in (cmd, cmd2):  # flags `pdserve serve` accepts
-        build_parser().parse_args(shlex.split(c)[1:])
     cmd3, note = serve_command(Deployment("disagg", prefill_tp=8, decode_tp=4))
-    assert cmd3 is None and "re-sharded between tensor-parallel groups" in note
-    code, out = run_plan(capsys, *LONG, "--rate", "10")  # 3P x TP8 : 2D x TP4: not yet
-    assert out["serve_command"] is None
+    assert "--prefill-tp 8 --decode-tp 4" in cmd3 and "re-sharded" in note
+    for c in (cmd, cmd2, cmd3):  # flags `pdserve serve` accepts
+        build_parser().parse_args(shlex.split(c)[1:])
+    code, out = run_plan(capsys, *LONG, "--rate", "10")  # 3P x TP8 : 2D x TP4
+    assert "--prefill 3 --decode 2" in out["serve_command"]
+    assert "--prefill-tp 8 --decode-tp 4" in out["serve_command"]
     code, out = run_plan(capsys, *LONG, "--rate", "0.2")  # co-located 1 x TP4
     assert out["serve_command"].startswith("pdserve serve --mode colocated")

@@ -1,0 +1,105 @@
+"""Per-phase tensor parallelism: a prefill worker of TP p pushes a prompt's KV into a decode
+worker of TP d (each a real group of rank processes, gloo), over the real tcp and nixl
+connectors, re-sharding the KV heads on the way. The decode worker then gives the greedy tokens
+of one co-located engine of TP 1, each decode rank received exactly the bytes of its own heads,
+and both sides free every block. The sides are driven in-process, as tests/serving/
+test_worker_sides.py does (the test relays what the router would)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from factories import make_engine, make_model_files, run_to_completion
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
+from pdserve.kv_transfer.group import ReceiverGroup
+from pdserve.protocol import messages as m
+from pdserve.serving.decode_side import DecodeSide
+from pdserve.serving.prefill_side import PrefillSide
+
+HAS_NIXL = any(importlib.util.find_spec(n) for n in ("nixl", "nixl_cu12", "nixl_cu13"))
+PROMPT = list(range(3, 24))  # 21 tokens: 6 blocks of 4
+PARAMS = m.Params(max_tokens=6, ignore_eos=True)
+# 4 query heads and 2 KV heads: TP 1, 2 split them, TP 4 replicates each KV head on 2 ranks
+MODEL = dict(num_heads=4, num_kv_heads=2, hidden_size=64, intermediate_size=128)
+CASES = [(1, 2), (2, 1), (2, 2), (1, 4)]
+
+
+@pytest.fixture(scope="module")
+def files():
+    return make_model_files(seed=5, **MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    engine = make_engine(files)
+    return run_to_completion(engine, [PROMPT], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+
+
+def layout_of(engine, tp: int) -> KVLayout:
+    mc = engine.model_config
+    return KVLayout(engine.fingerprint, "float32", mc.num_layers, engine.config.block_size,
+                    mc.num_kv_heads, mc.head_dim).split(tp)  # fmt: skip
+
+
+def handoff(files, backend: str, p: int, d: int):
+    """Run PROMPT through a prefill group of p ranks and a decode group of d ranks; return
+    (tokens, PrefillDone, bytes each decode rank received, the decode layout)."""
+    d_engine = make_engine(files, role="decode", tensor_parallel_size=d)
+    p_engine = make_engine(files, role="prefill", tensor_parallel_size=p)
+    d_layout, p_layout = layout_of(d_engine, d), layout_of(p_engine, p)
+    ranks = d_engine.runner.rank_caches
+    receiver = ReceiverGroup(
+        [make_receiver(backend, d_layout.shard(r), k, v) for r, (k, v) in enumerate(ranks)]
+    )
+    receiver.start()
+    sender = make_sender(backend, p_layout, *p_engine.runner.rank_caches[0],
+                         ranks=p_engine.runner.rank_caches)  # fmt: skip
+    d_sent, p_sent = [], []
+    decode = DecodeSide(d_engine, d_layout, d_sent.append, "d0", receiver)
+    prefill = PrefillSide(p_engine, sender, p_sent.append, transfer_timeout_s=30)
+    d_engine.connect(decode)
+    p_engine.connect(prefill)
+    try:
+        decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
+        [placement] = d_sent
+        assert len(placement.kv_endpoints) == d  # one endpoint per decode rank
+        prefill.on_prefill(m.Prefill("r0", PROMPT, PARAMS, placement.kv_endpoints,
+                                     placement.block_ids, placement.num_cached_tokens))  # fmt: skip
+        while p_engine.has_work():
+            prefill.finish(p_engine.step())
+        while prefill.pushing:
+            prefill.wait_settle(0.05)
+        [done] = p_sent
+        d_sent.clear()
+        decode.on_kv_ready(m.KVReady("r0", done.first_token))
+        while d_engine.has_work():
+            decode.emit(d_engine.step())
+        tokens = [i.token for msg in d_sent if isinstance(msg, m.Tokens) for i in msg.items]
+        received = [r.stats().bytes for r in receiver.receivers]
+        for engine in (p_engine, d_engine):
+            engine.check_integrity()
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        return tokens, done, received, d_layout, len(placement.block_ids)
+    finally:
+        receiver.close()
+        sender.close()
+        d_engine.close()
+        p_engine.close()
+
+
+NO_NIXL = pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed")
+
+
+@pytest.mark.parametrize("backend", ["tcp", pytest.param("nixl", marks=NO_NIXL)])
+@pytest.mark.parametrize("p, d", CASES)
+def test_prefill_and_decode_of_different_tp_give_the_tokens_of_tp1(files, reference, backend, p, d):
+    tokens, done, received, layout, blocks = handoff(files, backend, p, d)
+    assert done.error is None and done.first_token == reference[0]
+    assert tokens == reference
+    # each decode rank received its heads of every block of every layer, K and V: no more
+    share = [layout.num_layers * 2 * blocks * layout.shard(r).block_bytes for r in range(d)]
+    assert received == share
+    assert done.transfer_bytes == sum(share)

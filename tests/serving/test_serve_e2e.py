@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from servers import Server, metric
 
 from pdserve import LLM, SamplingParams
 
@@ -185,3 +186,29 @@ def test_prompt_over_context_window(disagg_server):
     assert "context window is 8192" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         client(disagg_server).chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "prefill_tp, decode_tp, transport", [(1, 3, "tcp"), (3, 1, "nixl"), (3, 3, "tcp")]
+)
+def test_prefill_and_decode_pools_of_different_tensor_parallel_sizes_match_offline(
+    offline, prefill_tp, decode_tp, transport
+):
+    """Per-phase TP with the bundled model (9 query heads, 3 KV heads: TP 3 gives each rank
+    one KV head): the prefill pool's KV is re-sharded into the decode group's ranks."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="NIXL is not installed")
+    expected, tok = offline
+    with Server(
+        "--mode", "disagg", "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
+        "--kv-transport", transport, "--dtype", "float32", "--local-prefill-threshold", "0",
+        "--kv-cache-gb", "0.2",
+    ) as server:  # fmt: skip
+        for prompt in PROMPTS:
+            assert completion_ids(server, prompt, tok, False) == tok.decode(expected[prompt])
+        # every prompt was pushed; the decode ranks received 1/3 of the layer's heads each
+        layout_bytes = 30 * 2 * 16 * 64 * 4  # layers x K,V x block tokens x head dim x float32
+        pushed = metric(server.url, 'pdserve_kv_transfer_bytes_total{encoding="raw"}')
+        blocks = sum(-(-len(tok.encode(p)) // 16) for p in PROMPTS)
+        assert pushed == blocks * layout_bytes * 3  # 3 KV heads, each sent to the rank(s) of it
+        server.wait_idle_and_clean()

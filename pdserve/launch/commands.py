@@ -229,7 +229,8 @@ def serve(args) -> int:
             argv += ["--chunk-size", str(chunk)]
         argv += ["--tensor-parallel-size", str(tp[role])]
         argv += role_argv[role]  # last: the pool's own settings win
-        procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport)
+        procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport,
+                    tp[role])  # fmt: skip
         return f"{role}-{i}"
 
     def add_worker(role: str) -> str:

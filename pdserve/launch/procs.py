@@ -80,7 +80,10 @@ class WorkerProcs:
         router: str,
         engine_argv: list[str],
         transport: str,
+        tp: int = 1,
     ) -> Child:
+        """Start a worker process pinned to `cpus`; its `tp` ranks share them (`engine/tp.py`
+        pins each rank to its part)."""
         cmd = [
             sys.executable, "-m", "pdserve.cli", "worker", "--role", role, "--router", router,
             "--worker-id", worker_id, "--cpus", cpus, "--kv-transport", transport, *engine_argv,

@@ -5,6 +5,11 @@ process dies. The router stays in the `serve` process; the actors run the same w
 tcp or nixl: nothing moves through Ray's object store) and register with the router as any
 worker does, so the router learns their addresses from them.
 
+A tensor-parallel worker (`--prefill-tp`/`--decode-tp` N) gets a placement group of N bundles,
+STRICT_PACK (one node: its ranks share host memory for the KV connectors), each bundle 1/N of the
+pool's resources; the actor (rank 0) runs in bundle 0 and starts its other ranks as processes on
+that node, whose cores the other bundles hold for them. The group is removed with the worker.
+
 `RayWorkers` has the interface of the local launcher's `WorkerProcs` that `serve` uses.
 """
 
@@ -141,13 +146,15 @@ class RayWorkers:
         self.roles = {n["Labels"].get(ROLE_LABEL) for n in ray.nodes() if n["Alive"]} - {None}
         self.actor_class = ray.remote(WorkerActor)
         self.actors: dict[str, object] = {}
+        self.groups: dict[str, object] = {}  # worker -> the placement group of its TP ranks
         self.info_refs: dict[str, object] = {}
         self.pending: dict[str, tuple[float, str]] = {}  # not yet started: since, what it needs
         self.draining: set[str] = set()  # asked to drain and leave (scale-down)
         self.stopping = threading.Event()
 
-    def start(self, worker_id, role, cpus, router, engine_argv, transport) -> None:
-        """Like `WorkerProcs.start` (`cpus` is not used: Ray places by resources)."""
+    def start(self, worker_id, role, cpus, router, engine_argv, transport, tp: int = 1) -> None:
+        """Like `WorkerProcs.start` (`cpus` is not used: Ray places by resources); a worker of
+        `tp` > 1 ranks runs in a placement group of its own (`_group`)."""
         want = dict(self.resources[role])
         num_cpus, num_gpus = want.pop("CPU", 1.0), want.pop("GPU", 0.0)
         argv = ["--role", role, "--router", router, "--worker-id", worker_id,
@@ -161,13 +168,40 @@ class RayWorkers:
             "max_concurrency": 2,  # `info` answers while the worker thread runs
             "name": f"pdserve-{worker_id}-{os.getpid()}",
         }
-        if role in self.roles:  # some node is labelled for this pool: only those take it
+        labelled = role in self.roles  # some node is labelled for this pool: only those take it
+        if tp > 1:
+            options.update(self._group(worker_id, tp, num_cpus, num_gpus, want, role, labelled))
+        elif labelled:
             options["label_selector"] = {ROLE_LABEL: role}
         actor = self.actor_class.options(**options).remote(argv, self.public)
         self.actors[worker_id] = actor
         self.info_refs[worker_id] = actor.info.remote()
-        label = f" on a node labelled {ROLE_LABEL}={role}" if "label_selector" in options else ""
-        self.pending[worker_id] = (time.monotonic(), f"{dict(self.resources[role])}{label}")
+        label = f" on a node labelled {ROLE_LABEL}={role}" if labelled else ""
+        group = f" in {tp} bundles on one node" if tp > 1 else ""
+        self.pending[worker_id] = (time.monotonic(), f"{dict(self.resources[role])}{group}{label}")
+
+    def _group(self, worker_id, tp, num_cpus, num_gpus, custom, role, labelled) -> dict:
+        """A placement group of `tp` bundles on one node, each 1/tp of the worker's resources
+        (custom ones: bundle 0, the actor's); the actor's options that put it in bundle 0."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": num_cpus / tp, **({"GPU": num_gpus / tp} if num_gpus else {})}
+        bundles = [{**bundle, **custom}] + [dict(bundle) for _ in range(tp - 1)]
+        old = self.groups.pop(worker_id, None)
+        if old is not None:  # a worker started again under its id
+            self.ray.util.remove_placement_group(old)
+        group = self.groups[worker_id] = placement_group(
+            [{k: v for k, v in b.items() if v} or {"CPU": 0.001} for b in bundles],
+            strategy="STRICT_PACK",
+            name=f"pdserve-{worker_id}-{os.getpid()}",
+            bundle_label_selector=[{ROLE_LABEL: role}] * tp if labelled else None,
+        )
+        return {
+            "num_cpus": bundle["CPU"],
+            "num_gpus": bundle.get("GPU", 0.0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0),
+        }
 
     def start_store(self, *_args) -> str:
         raise ValueError(
@@ -245,6 +279,15 @@ class RayWorkers:
                 self.ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001  (already gone)
                 pass
+        self._remove_group(worker_id)
+
+    def _remove_group(self, worker_id: str) -> None:
+        group = self.groups.pop(worker_id, None)
+        if group is not None:
+            try:
+                self.ray.util.remove_placement_group(group)
+            except Exception:  # noqa: BLE001  (the cluster is gone)
+                pass
 
     def forward_output(self) -> None:
         pass  # Ray forwards the actors' output itself (log_to_driver)
@@ -257,5 +300,7 @@ class RayWorkers:
             except Exception:  # noqa: BLE001  (already gone)
                 pass
         self.actors.clear()
+        for worker_id in list(self.groups):
+            self._remove_group(worker_id)
         if self.started_cluster:
             self.ray.shutdown()

@@ -115,6 +115,35 @@ class TestOneRayDeployment:
         ray_server.wait_idle_and_clean()
 
 
+def test_a_tensor_parallel_decode_worker_runs_in_a_placement_group_on_its_node(
+    cluster, disagg_server
+):
+    """--decode-tp 3: the decode worker's three ranks get a placement group of three bundles
+    (half a CPU each of its 1.5) packed on the node labelled for decode; it answers like the
+    local launcher's TP 1 pools, and its group is removed when serve stops."""
+    with Server(
+        "--launcher", "ray", "--ray-address", cluster.address, "--mode", "disagg",
+        "--decode-tp", "3", "--decode-resources", '{"CPU": 1.5}', "--dtype", "float32",
+        "--local-prefill-threshold", "0", "--kv-cache-gb", "0.25", env=ENV,
+    ) as server:  # fmt: skip
+        assert answers(server.url) == answers(disagg_server.url)
+        name = f"pdserve-decode-1-{server.proc.pid}"
+        [group] = [g for g in ray.util.placement_group_table().values() if g["name"] == name]
+        assert group["state"] == "CREATED" and group["strategy"] == "STRICT_PACK"
+        assert list(group["bundles"].values()) == [{"CPU": 0.5}] * 3
+        decode_node = next(n["NodeID"] for n in ray.nodes() if n["Labels"].get(ROLE) == "decode")
+        assert set(group["bundles_to_node_id"].values()) == {decode_node}
+        server.wait_idle_and_clean()
+    wait_until(
+        lambda: (
+            ray.util.placement_group_table().get(group["placement_group_id"], {}).get("state")
+            in (None, "REMOVED")
+        ),
+        30,
+        "the placement group to be removed",
+    )
+
+
 def test_a_worker_that_cannot_start_fails_the_start_up_with_its_error(cluster):
     """A worker whose engine refuses its flags is reported with the worker's own error, and
     serve exits: Ray does not restart it forever."""

@@ -5,7 +5,7 @@ Every frame is a 4-byte big-endian length followed by one msgpack-encoded messag
 `MAX_FRAME_BYTES` are refused before they are read. Handshake, on every new connection:
 
     receiver -> ServerHello(nonce_r, auth)           sender -> ClientHello(layout, nonce_s, mac_s)
-    receiver -> Accept(mac_r) | Refuse(reason)
+    receiver -> Accept(mac_r, its layout) | Refuse(reason)
 
 with mac_s = HMAC(secret, "client" | nonce_r | nonce_s) and mac_r = HMAC(secret, "server" |
 nonce_s | nonce_r), both empty without a secret. Each side refuses a peer that does not prove the

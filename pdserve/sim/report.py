@@ -72,6 +72,8 @@ def reasons(req: PlanRequest, plan: Plan) -> list[str]:
         out.append(f"best {_MODE_NAMES[mode]}: {_line(c, slo)}")
     if plan.feasible:
         out.append(_verdict(best_per_mode(plan)))
+    if dep.mode == "disagg" and dep.prefill_tp != dep.decode_tp:
+        out.append(_per_phase_reason(plan, best, slo))
     missing = {"colocated", "disagg"} - set(best_per_mode(plan))
     for mode in sorted(missing):
         out.append(f"no {_MODE_NAMES[mode]} deployment met the SLOs within the GPU budget")
@@ -101,6 +103,27 @@ def _verdict(best: dict[str, Candidate]) -> str:
         f"both need {win.deployment.num_gpus} GPUs; {w} sustains {gain:.0%} more goodput per "
         f"GPU (estimated), so it wins the tie"
     )
+
+
+def _per_phase_reason(plan: Plan, best: Candidate, slo) -> str:
+    """The chosen per-phase TP against the best disaggregated deployment of one TP for both."""
+    equal = [
+        c
+        for c in plan.feasible
+        if c.deployment.mode == "disagg" and c.deployment.prefill_tp == c.deployment.decode_tp
+    ]
+    dep = best.deployment
+    head = f"per-phase TP (prefill TP{dep.prefill_tp}, decode TP{dep.decode_tp})"
+    if not equal:
+        return f"{head}: no disaggregated deployment with one TP for both phases met the SLOs"
+    other = equal[0]
+    if other.deployment.num_gpus > dep.num_gpus:
+        verdict = f"{other.deployment.num_gpus - dep.num_gpus} fewer GPUs"
+    else:
+        gain = best.goodput_per_gpu / other.goodput_per_gpu - 1 if other.goodput_per_gpu else 0
+        verdict = (f"{gain:.0%} more goodput per GPU on as many GPUs" if gain >= 0.005
+                   else "a tie on GPUs and goodput per GPU (either deploys)")  # fmt: skip
+    return f"{head} against the best with one TP for both phases, {_line(other, slo)}: {verdict}"
 
 
 def _transfer_reason(req: PlanRequest, prompt: int, ptp: int) -> str:

@@ -94,5 +94,7 @@ def test_the_recommendation_comes_with_the_serve_command_that_deploys_it(capsys)
     code, out = run_plan(capsys, *LONG, "--rate", "10")  # 3P x TP8 : 2D x TP4
     assert "--prefill 3 --decode 2" in out["serve_command"]
     assert "--prefill-tp 8 --decode-tp 4" in out["serve_command"]
+    [phase] = [r for r in out["reasons"] if r.startswith("per-phase TP (prefill TP8, decode TP4)")]
+    assert "against the best with one TP for both phases, disaggregated" in phase
     code, out = run_plan(capsys, *LONG, "--rate", "0.2")  # co-located 1 x TP4
     assert out["serve_command"].startswith("pdserve serve --mode colocated")

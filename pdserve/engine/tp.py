@@ -119,9 +119,13 @@ class TPGroup:
             shard.rank == 0,
             timeout=timedelta(seconds=INIT_TIMEOUT_S),
         )
+        options = dist.ProcessGroupGloo._Options()
         # no timeout on steps: an idle engine's ranks wait for the next one as long as it takes;
         # a rank that dies closes its sockets, which fails the others' collectives at once
-        self._pg = dist.ProcessGroupGloo(self._store, shard.rank, shard.size, timedelta(days=365))
+        options._timeout = timedelta(days=365)
+        # the ranks are one host's processes: their pairs (steps' inputs, pickled) stay on it
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        self._pg = dist.ProcessGroupGloo(self._store, shard.rank, shard.size, options)
 
     @property
     def size(self) -> int:

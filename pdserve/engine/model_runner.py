@@ -208,7 +208,7 @@ class ModelRunner:
                 return self._run_fused(batch)
         input_ids, positions, meta, sample_rows, prompt_spans = self._prepare(batch)
         if self.tp is not None:  # the other ranks run this step with us
-            self.tp.broadcast((input_ids, positions, meta))
+            self.tp.send_step(input_ids, positions, meta)
         meta.layer_hook, meta.before_layer = layer_hook, before_layer
         hidden = self.forward(input_ids, positions, meta)
         for i, row, start in prompt_spans:

@@ -29,17 +29,21 @@ import argparse
 import logging
 import mmap
 import os
-import pickle
 import subprocess
 import sys
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.config import EngineConfig, ModelConfig
 from pdserve.kv_transfer.base import kv_head_range
+from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from pdserve.model.loader import ModelFiles
 from pdserve.subprocs import die_with_parent, free_port
 
 log = logging.getLogger(__name__)
@@ -139,19 +143,20 @@ class TPGroup:
         self._pg.allreduce([total]).wait()
         return total.to(x.dtype)
 
-    def broadcast(self, obj):
-        """Rank 0 sends `obj` to every rank; every rank returns it (pickled)."""
-        data = _bytes(obj if self.shard.rank == 0 else None)
+    def broadcast(self, obj, kind=None):
+        """Rank 0 sends `obj` to every rank and returns it; the others return it decoded as
+        `kind` (msgspec: typed, no pickle; tensors and arrays as dtype, shape and bytes)."""
+        data = _encode(obj) if self.shard.rank == 0 else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([data.numel()])
         self._pg.broadcast(size, 0).wait()
         if self.shard.rank != 0:
             data = torch.empty(int(size), dtype=torch.uint8)
         self._pg.broadcast(data, 0).wait()
-        return pickle.loads(data.numpy().tobytes())
+        return obj if self.shard.rank == 0 else _decode(data, kind)
 
-    def gather(self, obj) -> list:
-        """Every rank's `obj`, in rank order, on every rank (pickled)."""
-        data = _bytes(obj)
+    def gather(self, obj, kind: type) -> list:
+        """Every rank's `obj` (of type `kind`), in rank order, on every rank."""
+        data = _encode(obj)
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
         self._pg.allgather([sizes], [torch.tensor([data.numel()])]).wait()
         longest = max(int(s) for s in sizes)
@@ -159,9 +164,12 @@ class TPGroup:
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: data.numel()] = data
         self._pg.allgather([out], [padded]).wait()
-        return [
-            pickle.loads(o[: int(s)].numpy().tobytes()) for o, s in zip(out, sizes, strict=True)
-        ]
+        return [_decode(o[: int(s)], kind) for o, s in zip(out, sizes, strict=True)]
+
+    def send_step(self, input_ids, positions, meta: AttentionMetadata) -> None:
+        """Rank 0: the step's inputs to the other ranks (`follow`)."""
+        self.broadcast(Step(input_ids, positions, meta.slot_mapping, meta.num_decodes,
+                            meta.decode_groups, meta.prefills))  # fmt: skip
 
     def caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int):
         """This rank's KV cache (K and V: `num_layers` tensors of `shape` each), and on rank 0
@@ -172,7 +180,7 @@ class TPGroup:
             handle = None
         else:
             mine, handle = shared_caches(shape, dtype, num_layers)
-        handles = self.gather(handle)
+        handles = self.gather(handle, tuple[int, int] | None)
         ranks = [_split(mine, num_layers)]
         if self.shard.rank == 0:
             for pid, fd in handles[1:]:
@@ -183,7 +191,7 @@ class TPGroup:
         """Rank 0: the other ranks stop (they leave their loop and exit)."""
         if self.shard.rank == 0 and self._pg is not None:
             try:
-                self.broadcast(None)
+                self.broadcast(None)  # no Step: stop
             except RuntimeError:
                 pass  # a rank is gone already
         self._pg = self._store = None
@@ -198,8 +206,65 @@ class TPGroup:
             self.restore = None
 
 
-def _bytes(obj) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
+class Step(msgspec.Struct):
+    """One step's inputs, as rank 0 prepared them (`ModelRunner._prepare`)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSpan]
+
+    def meta(self) -> AttentionMetadata:
+        return AttentionMetadata(self.slot_mapping, self.num_decodes, self.decode_groups,
+                                 self.prefills)  # fmt: skip
+
+
+class Start(msgspec.Struct):
+    """What the other ranks build their part from: the engine config and the model."""
+
+    config: EngineConfig
+    model: ModelConfig
+    weights: dict[str, np.ndarray]
+    fingerprint: str
+    path: str | None
+    max_model_len: int
+
+    def files(self) -> ModelFiles:
+        return ModelFiles(self.path and Path(self.path), self.model, self.weights, self.fingerprint)
+
+
+def _enc_hook(obj):
+    if isinstance(obj, torch.Tensor):
+        obj = obj.contiguous()
+        return (str(obj.dtype).removeprefix("torch."), list(obj.shape),
+                obj.reshape(-1).view(torch.uint8).numpy().tobytes())  # fmt: skip
+    if isinstance(obj, np.ndarray):
+        return (obj.dtype.str, list(obj.shape), np.ascontiguousarray(obj).tobytes())
+    raise NotImplementedError(f"cannot send a {type(obj).__name__} to the other ranks")
+
+
+def _dec_hook(kind: type, obj):
+    if kind is torch.Tensor:
+        dtype, shape, data = obj
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return flat.view(getattr(torch, dtype)).reshape(shape)
+    if kind is np.ndarray:
+        dtype, shape, data = obj
+        return np.frombuffer(bytearray(data), dtype=np.dtype(dtype)).reshape(shape)
+    raise NotImplementedError(f"cannot receive a {kind.__name__} from rank 0")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def _encode(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(_ENCODER.encode(obj)), dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor, kind: type):
+    return msgspec.msgpack.decode(data.numpy().tobytes(), type=kind, dec_hook=_dec_hook)
 
 
 def _split(tensors: list[torch.Tensor], num_layers: int):
@@ -282,7 +347,10 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
     group.restore = before
     os.sched_setaffinity(0, cores[0])
     torch.set_num_threads(threads)
-    group.broadcast((config, files, max_model_len))
+    path = str(files.path) if files.path is not None else None
+    group.broadcast(
+        Start(config, files.config, files.weights, files.fingerprint, path, max_model_len)
+    )
     return group
 
 
@@ -293,12 +361,13 @@ def follow(rank: int, size: int, port: int, threads: int) -> None:
 
     torch.set_num_threads(threads)
     group = TPGroup(TPShard(rank, size), port)
-    config, files, max_model_len = group.broadcast(None)
-    runner = ModelRunner(replace(config, num_threads=threads), files, max_model_len, group)
-    del files
+    start = group.broadcast(None, Start)
+    config = replace(start.config, num_threads=threads)
+    runner = ModelRunner(config, start.files(), start.max_model_len, group)
+    del start
     try:
-        while (inputs := group.broadcast(None)) is not None:
-            runner.forward(*inputs)
+        while (step := group.broadcast(None, Step | None)) is not None:
+            runner.forward(step.input_ids, step.positions, step.meta())
     except RuntimeError:  # rank 0 went away without saying so (it exited, or was killed)
         log.warning("tensor-parallel rank %d: rank 0 is gone; exiting", rank)
 

@@ -1,8 +1,9 @@
 """Soak: `pdserve serve` (1 prefill + 1 decode worker) under the mixed workload for a long time,
 sampling every process's RSS, open file descriptors and threads, and the workers' free KV
-blocks, every `--sample-s` seconds. Prints the growth over the last two thirds of the run, the
-blocks still held at the end, and TTFT/ITL p99 of the first and last fifths; writes the samples
-(soak.json) and a plot (soak.png) to `--out`.
+blocks, every `--sample-s` seconds. Prints each process's RSS floor (its least RSS) over the
+middle and the last third of the run and the growth between them, the blocks still held at the
+end, and TTFT/ITL p99 of the first and last fifths; writes the samples (soak.json), the floors
+and verdicts (summary.json) and a plot (soak.png) to `--out`.
 
     .venv/bin/python benchmarks/soak.py [--rate 0.4] [--duration 600] [--out soak-results]
 """
@@ -80,6 +81,20 @@ def sampler(root: int, health_url: str, every_s: float, stop: threading.Event, o
         stop.wait(every_s)
 
 
+def rss_floors(loaded: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per process, the least RSS over the middle third of the run and over the last third.
+    A sample taken while a long prompt is being prefilled also counts its activations (freed,
+    and given back, when it ends): the floor is what the process keeps, so it is what a leak
+    would raise."""
+    n = len(loaded)
+
+    def floor(window: list[dict]) -> dict[str, float]:
+        names = set().union(*(s["procs"] for s in window))
+        return {p: min(s["procs"][p]["rss_mb"] for s in window if p in s["procs"]) for p in names}
+
+    return floor(loaded[n // 3 : 2 * n // 3]), floor(loaded[2 * n // 3 :])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,25 +151,29 @@ def report(samples: list[dict], out: Path, args) -> bool:
         "ITL p99 last within 20 % of first": itl[1] <= 1.2 * itl[0],
     }
     loaded = [s for s in samples if s["t"] <= args.duration]
-    start = loaded[len(loaded) // 3]
+    middle, last_third = rss_floors(loaded)
     end = loaded[-1]
-    print(f"{'process':<12} {'RSS start':>10} {'RSS end':>9} {'growth (last 2/3)':>18} "
-          f"{'fds':>9} {'threads':>9}")  # fmt: skip
+    print(f"{'process':<12} {'RSS start':>10} {'RSS floor 2/3':>13} {'RSS floor 3/3':>13} "
+          f"{'growth':>7} {'fds':>9} {'threads':>9}")  # fmt: skip
     for name in end["procs"]:
-        a, b = start["procs"].get(name), end["procs"][name]
-        first_s = loaded[0]["procs"].get(name, b)
-        if a is None:
+        a, b = middle.get(name), last_third.get(name)
+        first_s = loaded[0]["procs"].get(name, end["procs"][name])
+        last_s = end["procs"][name]
+        if a is None or b is None:
             continue
-        growth = (b["rss_mb"] - a["rss_mb"]) / a["rss_mb"] * 100
+        growth = (b - a) / a * 100
         verdicts[f"{name} RSS growth < 5 %"] = growth < 5
-        fds, threads = f"{first_s['fds']}->{b['fds']}", f"{first_s['threads']}->{b['threads']}"
-        print(f"{name:<12} {first_s['rss_mb']:>8.0f}MB {b['rss_mb']:>7.0f}MB {growth:>16.1f} % "
+        fds = f"{first_s['fds']}->{last_s['fds']}"
+        threads = f"{first_s['threads']}->{last_s['threads']}"
+        print(f"{name:<12} {first_s['rss_mb']:>8.0f}MB {a:>11.0f}MB {b:>11.0f}MB {growth:>6.1f}% "
               f"{fds:>9} {threads:>9}")  # fmt: skip
     held = samples[-1].get("held_blocks")
     print(f"blocks held at the end (idle): {held}")
     verdicts["no block held at the end"] = held is not None and not any(held.values())
     for what, passed in verdicts.items():
         print(f"{'PASS' if passed else 'FAIL'}  {what}")
+    summary = {"rss_floor_mb": {"middle": middle, "last": last_third}, "verdicts": verdicts}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     try:
         import matplotlib
 

@@ -1,5 +1,6 @@
 """What every launcher of local processes needs (torch-free: the router process uses it):
-a free port on this host, and children that die with the process that started them."""
+a free port on this host, children that die with the process that started them, and a heap
+given back to the system once a burst of work is over."""
 
 from __future__ import annotations
 
@@ -22,4 +23,14 @@ def die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
+        pass
+
+
+def trim_heap() -> None:
+    """glibc: give the freed parts of the heap back to the system (`malloc_trim`). A prefill's
+    activations are freed when it ends, but glibc keeps most of those pages mapped, so a
+    worker's RSS would step up with every longer prompt than before; elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
         pass

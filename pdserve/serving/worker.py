@@ -32,10 +32,12 @@ from pdserve.serving.kv_staging import HostStaging
 from pdserve.serving.load_report import HEARTBEAT_S, LoadReporter
 from pdserve.serving.prefill_side import PrefillSide
 from pdserve.serving.store_link import StoreLink
+from pdserve.subprocs import trim_heap
 
 log = logging.getLogger("pdserve.worker")
 SEND_QUEUE = 100_000  # messages queued for a router before they are dropped (it is gone)
 PUSH_POLL_S = 0.002  # an idle prefill worker with pushes in flight reads the router this often
+TRIM_INTERVAL_S = 5.0  # an idle worker gives freed heap back at most this often
 
 
 @dataclass(frozen=True)
@@ -365,7 +367,8 @@ class Worker:
             f"decode {runner.decode_path}",
             flush=True,
         )
-        next_beat = 0.0
+        next_beat = next_trim = 0.0
+        stepped = False  # since the heap was last trimmed
         poller = zmq.Poller()
         for link in self.links:
             poller.register(link.sock, zmq.POLLIN)
@@ -390,8 +393,12 @@ class Worker:
                     self.engine.release(rid)
             if self.engine.has_work():
                 self.step()
+                stepped = True
             elif pushing:  # only acknowledgements to wait for: sleep until one comes
                 self.prefill.wait_settle(PUSH_POLL_S)
+            elif stepped and time.monotonic() >= next_trim:  # idle after work (a few ms)
+                trim_heap()
+                stepped, next_trim = False, time.monotonic() + TRIM_INTERVAL_S
             if time.monotonic() >= next_beat:
                 self.reporter.publish()
                 self.forget_finished()

@@ -1,8 +1,9 @@
 """The soak benchmark's short version (`benchmarks/soak.py --duration 120`): `pdserve serve`
 (1 P + 1 D) under the mixed workload for two minutes. Every request completes, no KV block is
-held once the load stops, open fds and threads do not grow, and no process's RSS grows by more
-than 5 % over the last two thirds of the run (the 30-minute run is the benchmark's; its figures
-are in docs/reliability.md)."""
+held once the load stops, open fds and threads do not grow, and no process's RSS floor (its
+least RSS over a third of the run: what it keeps, not a long prompt's activations in flight at
+a sample) grows by more than 5 % from the middle third to the last (the 30-minute run is the
+benchmark's; its figures are in docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def test_two_minutes_of_mixed_load_leave_nothing_behind(tmp_path):
     loaded = [s for s in samples if s["t"] <= DURATION_S]
     settled, end = loaded[len(loaded) // 3], loaded[-1]
     assert set(end["procs"]) >= {"router", "prefill-0", "decode-1"}, end["procs"]
+    floors = json.loads((tmp_path / "summary.json").read_text())["rss_floor_mb"]
+    middle, last_third = floors["middle"], floors["last"]
     for name, last in end["procs"].items():
         start = settled["procs"][name]
         assert last["fds"] <= start["fds"] + 2, (name, start, last)
         assert last["threads"] <= start["threads"] + 2, (name, start, last)
-        assert last["rss_mb"] < 1.05 * start["rss_mb"], (name, start, last, report)
+        assert last_third[name] < 1.05 * middle[name], (name, middle, last_third, report)

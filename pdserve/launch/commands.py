@@ -166,12 +166,12 @@ def serve(args) -> int:
         )
     if args.step_log:  # the workers inherit it (pdserve.envs.step_log_dir)
         os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
-    cores = sorted(os.sched_getaffinity(0))
-    plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores)
     from pdserve.launch.local import check_kv_compression, check_tensor_parallel
 
-    check_kv_compression(args)
     tp = tensor_parallel_sizes(args)
+    cores = sorted(os.sched_getaffinity(0))
+    plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores, tp)
+    check_kv_compression(args)
     for size in tp.values():
         check_tensor_parallel(size, args.kv_store or args.kv_store_endpoint)
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),

@@ -96,20 +96,24 @@ def run_worker(config) -> int:
 
 @dataclass(frozen=True)
 class ServePlan:
-    """Which workers `pdserve serve` starts, each as (role, cpus)."""
+    """Which workers `pdserve serve` starts, each as (role, cpus). With enough cores, a
+    tensor-parallel worker gets as many shares of them as it has ranks (`tp`: size per role)."""
 
     workers: tuple[tuple[str, str], ...]
 
     @classmethod
     def make(
-        cls, mode: str, prefill: int, decode: int, colocated: int, cores: list[int]
-    ) -> ServePlan:
+        cls, mode: str, prefill: int, decode: int, colocated: int, cores: list[int],
+        tp: dict[str, int] | None = None,
+    ) -> ServePlan:  # fmt: skip
+        tp = tp or {}
         if mode == "colocated":
-            groups = _split(cores, colocated)
+            groups = _split(cores, colocated, [tp.get("both", 1)] * colocated)
             return cls(tuple(("both", g) for g in groups))
         if prefill < 0 or decode < 1:
             raise ValueError("disaggregated serving needs --decode >= 1 and --prefill >= 0")
-        groups = _split(cores, prefill + decode)
+        weights = [tp.get("prefill", 1)] * prefill + [tp.get("decode", 1)] * decode
+        groups = _split(cores, prefill + decode, weights)
         return cls(
             tuple(("prefill", g) for g in groups[:prefill])
             + tuple(("decode", g) for g in groups[prefill:])
@@ -135,13 +139,18 @@ def gpu_per_worker(device: str, workers: int, gpus: int) -> list[str | None]:
     return [f"cuda:{i % gpus}" for i in range(workers)]
 
 
-def _split(cores: list[int], n: int) -> list[str]:
-    """n groups of cores; with fewer cores than workers, workers share cores round-robin."""
+def _split(cores: list[int], n: int, weights: list[int] | None = None) -> list[str]:
+    """n groups of cores, in proportion to `weights` when there are cores for every weight
+    unit, else equal; with fewer cores than workers, workers share cores round-robin."""
     if n < 1:
         raise ValueError("need at least one worker")
+    weights = weights if weights and len(cores) >= sum(weights) else [1] * n
     if len(cores) >= n:
-        size = len(cores) // n
-        return [",".join(map(str, cores[i * size : (i + 1) * size])) for i in range(n)]
+        unit, groups, start = len(cores) // sum(weights), [], 0
+        for w in weights:
+            groups.append(",".join(map(str, cores[start : start + unit * w])))
+            start += unit * w
+        return groups
     return [str(cores[i % len(cores)]) for i in range(n)]
 
 

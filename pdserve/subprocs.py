@@ -1,6 +1,6 @@
 """What every launcher of local processes needs (torch-free: the router process uses it):
-a free port on this host, children that die with the process that started them, and a heap
-given back to the system once a burst of work is over."""
+a free port on this host, children that die with the process that started them, cores split
+among them, and a heap given back to the system once a burst of work is over."""
 
 from __future__ import annotations
 
@@ -34,3 +34,21 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def split_cores(cores: list[int], weights: list[int]) -> list[list[int]]:
+    """One group of `cores` per weight, contiguous and in proportion to the weights when there
+    are cores for every weight unit, else equal; with fewer cores than groups, the groups share
+    cores round-robin (one each). Workers of `pdserve serve`, and a worker's ranks."""
+    n = len(weights)
+    if n < 1:
+        raise ValueError("need at least one worker")
+    if len(cores) < n:
+        return [[cores[i % len(cores)]] for i in range(n)]
+    if len(cores) < sum(weights):
+        weights = [1] * n
+    unit, groups, start = len(cores) // sum(weights), [], 0
+    for w in weights:
+        groups.append(cores[start : start + unit * w])
+        start += unit * w
+    return groups

@@ -44,7 +44,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.kv_transfer.base import kv_head_range
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from pdserve.model.loader import ModelFiles
-from pdserve.subprocs import die_with_parent, free_port
+from pdserve.subprocs import die_with_parent, free_port, split_cores
 
 log = logging.getLogger(__name__)
 INIT_TIMEOUT_S = 300.0  # for the other ranks to start, load and join
@@ -127,7 +127,7 @@ class TPGroup:
         # no timeout on steps: an idle engine's ranks wait for the next one as long as it takes;
         # a rank that dies closes its sockets, which fails the others' collectives at once
         options._timeout = timedelta(days=365)
-        # the ranks are one host's processes: their pairs (steps' inputs, pickled) stay on it
+        # the ranks are one host's processes: their pairs (the steps' inputs) stay on it
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         self._pg = dist.ProcessGroupGloo(self._store, shard.rank, shard.size, options)
 
@@ -184,7 +184,7 @@ class TPGroup:
         ranks = [_split(mine, num_layers)]
         if self.shard.rank == 0:
             for pid, fd in handles[1:]:
-                ranks.append(_split(map_caches(pid, fd, shape, dtype, num_layers)[0], num_layers))
+                ranks.append(_split(map_caches(pid, fd, shape, dtype, num_layers), num_layers))
         return ranks
 
     def close(self) -> None:
@@ -283,7 +283,7 @@ def map_caches(pid: int, fd: int, shape, dtype, num_layers: int):
     """The caches of `shared_caches` in process `pid`, mapped into this one."""
     own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
     try:
-        return _map(own, shape, dtype, num_layers), None
+        return _map(own, shape, dtype, num_layers)
     finally:
         os.close(own)  # the mapping stays
 
@@ -297,14 +297,6 @@ def _map(fd: int, shape, dtype: torch.dtype, num_layers: int) -> list[torch.Tens
     buf = mmap.mmap(fd, 2 * num_layers * size)
     flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping alive
     return [flat[i * size : (i + 1) * size].view(dtype).view(shape) for i in range(2 * num_layers)]
-
-
-def rank_cores(cores: list[int], size: int) -> list[list[int]]:
-    """Each rank's share of `cores` (contiguous; with fewer cores than ranks, ranks share)."""
-    if len(cores) < size:
-        return [[cores[r % len(cores)]] for r in range(size)]
-    per = len(cores) // size
-    return [cores[r * per : (r + 1) * per] for r in range(size)]
 
 
 def start_group(config, files, max_model_len: int) -> TPGroup:
@@ -321,7 +313,7 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
     port = free_port()
     threads = max(1, (config.num_threads or torch.get_num_threads()) // size)
     before = os.sched_getaffinity(0), torch.get_num_threads()
-    cores = rank_cores(sorted(before[0]), size)
+    cores = split_cores(sorted(before[0]), [1] * size)
     procs = [
         subprocess.Popen(
             [

@@ -110,18 +110,17 @@ class KVLayout(msgspec.Struct, frozen=True):
         for name in _LAYOUT_FIELDS[2:]:
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
-        heads = self.model_kv_heads or self.num_kv_heads
-        if len(kv_head_range(self.tp_rank, self.tp_size, heads)) != self.num_kv_heads:
+        held = len(self.heads)
+        if held != self.num_kv_heads:
             raise ValueError(
-                f"KVLayout: rank {self.tp_rank} of {self.tp_size} holds "
-                f"{len(kv_head_range(self.tp_rank, self.tp_size, heads))} of the model's {heads} "
-                f"KV heads, not num_kv_heads={self.num_kv_heads}"
+                f"KVLayout: rank {self.tp_rank} of {self.tp_size} holds {held} of the model's "
+                f"{self.heads_total} KV heads, not num_kv_heads={self.num_kv_heads}"
             )
 
     @property
     def heads(self) -> range:
         """The model's KV heads this rank's cache holds, in its order."""
-        return kv_head_range(self.tp_rank, self.tp_size, self.model_kv_heads or self.num_kv_heads)
+        return kv_head_range(self.tp_rank, self.tp_size, self.heads_total)
 
     def shard(self, rank: int) -> KVLayout:
         """The layout of rank `rank` of this group."""
@@ -137,6 +136,7 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @property
     def heads_total(self) -> int:
+        """The model's KV heads, all ranks together."""
         return self.model_kv_heads or self.num_kv_heads
 
     @property

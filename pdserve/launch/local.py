@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve import envs
+from pdserve.subprocs import split_cores
 
 log = logging.getLogger("pdserve.serve")
 
@@ -108,12 +109,12 @@ class ServePlan:
     ) -> ServePlan:  # fmt: skip
         tp = tp or {}
         if mode == "colocated":
-            groups = _split(cores, colocated, [tp.get("both", 1)] * colocated)
+            groups = _split(cores, [tp.get("both", 1)] * colocated)
             return cls(tuple(("both", g) for g in groups))
         if prefill < 0 or decode < 1:
             raise ValueError("disaggregated serving needs --decode >= 1 and --prefill >= 0")
         weights = [tp.get("prefill", 1)] * prefill + [tp.get("decode", 1)] * decode
-        groups = _split(cores, prefill + decode, weights)
+        groups = _split(cores, weights)
         return cls(
             tuple(("prefill", g) for g in groups[:prefill])
             + tuple(("decode", g) for g in groups[prefill:])
@@ -139,19 +140,9 @@ def gpu_per_worker(device: str, workers: int, gpus: int) -> list[str | None]:
     return [f"cuda:{i % gpus}" for i in range(workers)]
 
 
-def _split(cores: list[int], n: int, weights: list[int] | None = None) -> list[str]:
-    """n groups of cores, in proportion to `weights` when there are cores for every weight
-    unit, else equal; with fewer cores than workers, workers share cores round-robin."""
-    if n < 1:
-        raise ValueError("need at least one worker")
-    weights = weights if weights and len(cores) >= sum(weights) else [1] * n
-    if len(cores) >= n:
-        unit, groups, start = len(cores) // sum(weights), [], 0
-        for w in weights:
-            groups.append(",".join(map(str, cores[start : start + unit * w])))
-            start += unit * w
-        return groups
-    return [str(cores[i % len(cores)]) for i in range(n)]
+def _split(cores: list[int], weights: list[int]) -> list[str]:
+    """Each worker's `--cpus` (`split_cores`)."""
+    return [",".join(map(str, group)) for group in split_cores(cores, weights)]
 
 
 async def wait_ready(core, procs, n_prefill: int, n_decode: int, timeout_s: float) -> None:

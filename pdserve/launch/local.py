@@ -51,7 +51,7 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
     from dataclasses import replace
 
     from pdserve.engine.cli import engine_config_from_args
-    from pdserve.serving.worker import WorkerConfig
+    from pdserve.serving.worker_config import WorkerConfig
 
     check_kv_compression(args)
     engine = engine_config_from_args(args, role=args.role)
@@ -76,9 +76,9 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
 
 
 def run_worker(config) -> int:
-    from pdserve.serving.worker import Worker
+    from pdserve.serving.build import build_worker
 
-    worker = Worker(config)
+    worker = build_worker(config)
 
     def on_term(*_) -> None:  # drain; a second SIGTERM stops at once
         worker.running = worker.running and not worker.drain_requested

@@ -90,12 +90,12 @@ class WorkerActor:
     def _run(self, argv: list[str]) -> None:
         from pdserve.cli import build_parser
         from pdserve.launch.local import worker_config
-        from pdserve.serving.worker import Worker
+        from pdserve.serving.build import build_worker
 
         worker = None
         try:
             args = build_parser().parse_args(["worker", *argv])
-            worker = self.worker = Worker(worker_config(args, placement=self.placement))
+            worker = self.worker = build_worker(worker_config(args, placement=self.placement))
             worker.drain_requested = self.leave  # asked to leave while it was starting
             worker.run()
             self.done = True

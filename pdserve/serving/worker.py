@@ -1,10 +1,11 @@
 """A worker process: one engine with a role, driven by the router over ZeroMQ.
 
-`Worker` owns the loop, the control socket, registration and the heartbeat thread, and hands
-each message to the side that serves it: `DecodeSide` (roles decode and both: admitted
-requests, KV leases, streamed tokens) or `PrefillSide` (role prefill: prompts whose KV it
-pushes into a decode worker). The engine's KV moves through one connector: the prefill side's
-push or the decode side's receive, and the KV store link.
+`Worker` owns the loop, registration and the control messages, and hands each message to the
+side that serves it: `DecodeSide` (roles decode and both: admitted requests, KV leases,
+streamed tokens) or `PrefillSide` (role prefill: prompts whose KV it pushes into a decode
+worker). It is assembled by `serving/build.py` `build_worker` (the engine's one KV connector,
+the KV fabric, the store link); its heartbeats go out on a thread of their own
+(`serving/load_report.py`).
 """
 
 from __future__ import annotations
@@ -12,167 +13,52 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
-from pdserve import envs
-from pdserve.config import EngineConfig
-from pdserve.engine.kv_connector import combine
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_store.client import StoreClient
-from pdserve.kv_transfer import KVLayout, KVReceiver, make_receiver, make_sender
-from pdserve.kv_transfer.group import ReceiverGroup
+from pdserve.kv_transfer import KVLayout
 from pdserve.protocol import messages as m
-from pdserve.protocol.channel import Codec, require_secret_for, resolve_secret
 from pdserve.serving.decode_side import DecodeSide
-from pdserve.serving.kv_staging import HostStaging
 from pdserve.serving.load_report import HEARTBEAT_S, LoadReporter
 from pdserve.serving.prefill_side import PrefillSide
+from pdserve.serving.router_link import RouterLink, Routers
 from pdserve.serving.store_link import StoreLink
+from pdserve.serving.worker_config import WorkerConfig
 from pdserve.subprocs import trim_heap
 
 log = logging.getLogger("pdserve.worker")
-SEND_QUEUE = 100_000  # messages queued for a router before they are dropped (it is gone)
 PUSH_POLL_S = 0.002  # an idle prefill worker with pushes in flight reads the router this often
 TRIM_INTERVAL_S = 5.0  # an idle worker gives freed heap back at most this often
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    engine: EngineConfig
-    routers: tuple[str, ...]  # tcp://host:port of each router's control socket (one or more)
-    worker_id: str
-    kv_transport: str = "tcp"
-    kv_host: str = "127.0.0.1"
-    transfer_timeout_s: float = m.TRANSFER_TIMEOUT_S  # --transfer-timeout-s
-    router_timeout_s: float = m.ROUTER_TIMEOUT_S  # router silence before its requests drop
-    kv_store: str | None = None  # endpoint of a `pdserve store` (tcp://host:port)
-    placement: tuple[tuple[str, str], ...] = ()  # reported in /health (e.g. Ray node, actor)
-    kv_compression: str = "none"  # --kv-compression: fp8 on the wire (tcp only)
-    drain_timeout_s: float = m.DRAIN_TIMEOUT_S  # --drain-timeout-s: SIGTERM -> finish, exit
-
-
-class RouterLink:
-    """This worker's control connection to one router: when it last spoke, and whether the
-    worker dropped its requests after a silence (it registers again when the router speaks)."""
-
-    def __init__(self, endpoint: str, worker_id: str) -> None:
-        self.endpoint = endpoint
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
-        self.sock.connect(endpoint)
-        self.seen = time.monotonic()
-        self.orphaned = False
-        self.shut_down = False  # the router told this worker to stop (it is shutting down)
-
-    def send(self, frames: list[bytes]) -> None:
-        """Queue a message; never blocks the engine loop on a router that is gone (one that
-        has SEND_QUEUE messages unread is: its requests are dropped when its silence times
-        out)."""
-        try:
-            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("the router at %s reads nothing: message dropped", self.endpoint)
+IDLE_POLL_MS = 20  # an idle worker reads the routers this often
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig):
+    """The loop and control plane of one worker (see build_worker for its parts)."""
+
+    def __init__(
+        self, config: WorkerConfig, engine: LLMEngine, layout: KVLayout, routers: Routers,
+        reporter: LoadReporter, *, decode: DecodeSide | None = None,
+        prefill: PrefillSide | None = None, store: StoreLink | None = None,
+    ) -> None:  # fmt: skip
         self.config = config
         self.role = config.engine.role
-        self.engine = LLMEngine(config.engine)
-        self.engine.warm_up()
-        runner, mc = self.engine.runner, self.engine.model_config
-        self.layout = KVLayout(  # rank 0's: a tensor-parallel group's ranks hold their heads
-            model_fingerprint=self.engine.fingerprint,
-            dtype=str(runner.dtype).removeprefix("torch."),
-            num_layers=mc.num_layers,
-            block_size=config.engine.block_size,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-        ).split(config.engine.tensor_parallel_size)
-        if config.kv_store and runner.device.type != "cpu":
-            raise ValueError(
-                f"the KV store (--kv-store) moves blocks of a host-memory KV cache; this worker's "
-                f"cache is on {runner.device}: run it without --kv-store, or with --device cpu"
-            )
-        secret = resolve_secret()
-        self.codec = Codec(secret)
-        self.staging = None
-        ranks = runner.rank_caches  # every rank's (K, V) caches: the connectors move them all
-        if self.role != "both" and (runner.device.type != "cpu" or envs.kv_staging()):
-            if len(ranks) > 1:
-                raise ValueError(
-                    "host staging of KV transfers (a GPU cache, or PDSERVE_KV_STAGING) moves "
-                    "one rank's cache: run tensor-parallel workers on CPU without it"
-                )
-            # the connectors move host memory: stage the GPU cache's transfers through it
-            self.staging = HostStaging.sized(*ranks[0], self.engine.max_model_len)
-            ranks = [(self.staging.k_caches, self.staging.v_caches)]
-        self.decode = self.prefill = self.store = None
-        connectors = []
-        if self.role == "prefill":
-            compression = {"none": None}.get(config.kv_compression, config.kv_compression)
-            group = {"ranks": ranks} if len(ranks) > 1 else {}
-            sender = make_sender(config.kv_transport, self.layout, *ranks[0],
-                                 compression=compression, **group)  # fmt: skip
-            self.prefill = PrefillSide(
-                self.engine, sender, self.send, config.transfer_timeout_s, self.staging
-            )
-            connectors.append(self.prefill)
-        else:
-            receiver = None
-            if self.role == "decode":
-                require_secret_for(config.kv_host, secret)
-                receiver = self._receiver(ranks)
-                receiver.start()
-            self.decode = DecodeSide(
-                self.engine, self.layout, self.send, config.worker_id, receiver, self.staging
-            )
-        if config.kv_store:  # first: a prefix it loads is not pushed (DecodeSide.on_allocate)
-            client = StoreClient(config.kv_store, self.layout, runner.k_caches, runner.v_caches)
-            self.store = StoreLink.for_role(client, self.engine.block_manager, self.role)
-            connectors.insert(0, self.store)
-        if self.decode is not None and self.decode.receiver is not None:
-            connectors.append(self.decode)
-        self.engine.connect(combine(connectors))
-        self.sides = [side for side in (self.decode, self.prefill) if side is not None]
-        self.links = [RouterLink(r, config.worker_id) for r in config.routers]
-        self.owner: dict[str, RouterLink] = {}  # request -> the router that placed it here
+        self.engine, self.layout, self.reporter = engine, layout, reporter
+        self.routers = routers
+        self.codec = routers.codec
+        self.links = routers.links
+        self.owner = routers.owner  # request -> the router that placed it here
+        self.decode, self.prefill, self.store = decode, prefill, store
+        self.sides = [side for side in (decode, prefill) if side is not None]
         self.running = True
         self.registered = False  # a router has accepted this worker once
         self.drain_requested = False  # set by SIGTERM (a signal handler: just a flag)
         self.draining_since: float | None = None
-        self.reporter = LoadReporter(self)
-
-    def _receiver(self, ranks) -> KVReceiver:
-        """One receiver per rank (its own endpoint; it writes that rank's cache, its heads)."""
-        cfg = self.config
-        receivers = [
-            make_receiver(cfg.kv_transport, self.layout.shard(r), k, v, cfg.kv_host)
-            for r, (k, v) in enumerate(ranks)
-        ]
-        return receivers[0] if len(receivers) == 1 else ReceiverGroup(receivers)
 
     # -- control plane -------------------------------------------------------------------
     def send(self, msg) -> None:
-        """To the router that placed the message's request (to every router if none did); a
-        batch of tokens is split between the routers whose requests it carries."""
-        if isinstance(msg, m.Tokens) and len(self.links) > 1:
-            parts: dict[RouterLink | None, list[m.TokenOut]] = {}
-            for item in msg.items:
-                parts.setdefault(self.owner.get(item.request_id), []).append(item)
-            for link, items in parts.items():
-                for target in [link] if link is not None else self.links:
-                    target.send(self.codec.encode(m.Tokens(msg.worker_id, items)))
-            return
-        link = self.owner.get(getattr(msg, "request_id", None))
-        for target in [link] if link is not None else self.links:
-            target.send(self.codec.encode(msg))
+        self.routers.send(msg)
 
     def registration(self) -> m.Register:
         receiver = self.decode.receiver if self.decode else None
@@ -286,7 +172,7 @@ class Worker:
         """Abort the requests `link`'s router placed here (all of them with one router)."""
         if len(self.links) == 1:
             return self.drop_all()
-        rids = [rid for rid, owner in self.owner.items() if owner is link]
+        rids = self.routers.requests_of(link)
         for rid in rids:
             self.abort(rid)
             del self.owner[rid]
@@ -297,8 +183,7 @@ class Worker:
         live = set(self.engine.requests).union(
             self.engine.scheduler.held, *(side.request_ids for side in self.sides)
         )
-        for rid in [rid for rid in self.owner if rid not in live]:
-            del self.owner[rid]
+        self.routers.forget(live)
 
     def orphan(self, link: RouterLink, now: float) -> None:
         """A router has been silent for --router-timeout-s (it died, or the network did):
@@ -360,7 +245,7 @@ class Worker:
     def run(self) -> None:
         self.register()
         self.reporter.publish()
-        threading.Thread(target=self.reporter.loop, daemon=True).start()
+        self.reporter.start()
         runner = self.engine.runner
         print(
             f"worker {self.config.worker_id} ({self.role}) ready: weights {runner.weights}, "
@@ -375,7 +260,7 @@ class Worker:
         while self.running:
             busy = self.engine.has_work()
             pushing = self.prefill is not None and bool(self.prefill.pushing)
-            if poller.poll(0 if busy or pushing else 20):
+            if poller.poll(0 if busy or pushing else IDLE_POLL_MS):
                 for link in self.links:
                     while link.sock.poll(0):
                         msg = self.codec.decode(link.sock.recv_multipart())
@@ -399,21 +284,20 @@ class Worker:
             elif stepped and time.monotonic() >= next_trim:  # idle after work (a few ms)
                 trim_heap()
                 stepped, next_trim = False, time.monotonic() + TRIM_INTERVAL_S
-            if time.monotonic() >= next_beat:
+            if time.monotonic() >= next_beat:  # a fresh snapshot for each beat, no more
                 self.reporter.publish()
                 self.forget_finished()
+                next_beat = time.monotonic() + HEARTBEAT_S
             if self.drain_requested:
                 self.drain(time.monotonic())
-                next_beat = time.monotonic() + HEARTBEAT_S / 2
         self.close()
 
     def close(self) -> None:
         receiver = self.decode.receiver if self.decode else None
         sender = self.prefill.sender if self.prefill else None
+        self.reporter.stop()
         for c in (receiver, sender, self.store):
             if c is not None:
                 c.close()
-        for link in self.links:
-            link.sock.setsockopt(zmq.LINGER, 1000)  # the last messages (Leaving) go out
-            link.sock.close()
+        self.routers.close()
         self.engine.close()

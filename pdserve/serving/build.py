@@ -1,0 +1,101 @@
+"""`build_worker`: a worker's wiring, in its order, apart from the loop that runs it.
+
+engine (warmed up, so the warm-up moves no KV) -> its KV layout -> host staging (a GPU cache, or
+PDSERVE_KV_STAGING) -> the role's side: a prefill worker's KV sender and `PrefillSide`, or a
+decode worker's receiver (one per tensor-parallel rank) and `DecodeSide` -> the KV store link ->
+the engine's one connector (store first: a prefix it loads is not pushed) -> the load reporter.
+"""
+
+from __future__ import annotations
+
+from pdserve import envs
+from pdserve.engine.kv_connector import combine
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_store.client import StoreClient
+from pdserve.kv_transfer import KVLayout, KVReceiver, make_receiver, make_sender
+from pdserve.kv_transfer.group import ReceiverGroup
+from pdserve.protocol.channel import Codec, require_secret_for, resolve_secret
+from pdserve.serving.decode_side import DecodeSide
+from pdserve.serving.kv_staging import HostStaging
+from pdserve.serving.load_report import LoadProbe, LoadReporter
+from pdserve.serving.prefill_side import PrefillSide
+from pdserve.serving.router_link import Routers
+from pdserve.serving.store_link import StoreLink
+from pdserve.serving.worker import Worker
+from pdserve.serving.worker_config import WorkerConfig
+
+
+def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worker:
+    """A worker ready to `run`: `engine` (tests pass a tiny one), else one of config.engine."""
+    engine = engine or LLMEngine(config.engine)
+    engine.warm_up()
+    runner, role = engine.runner, config.engine.role
+    if config.kv_store and runner.device.type != "cpu":
+        raise ValueError(
+            f"the KV store (--kv-store) moves blocks of a host-memory KV cache; this worker's "
+            f"cache is on {runner.device}: run it without --kv-store, or with --device cpu"
+        )
+    layout = kv_layout(engine)
+    secret = resolve_secret()
+    routers = Routers(config.routers, config.worker_id, Codec(secret))
+    staging, ranks = host_staging(engine, role)
+    decode = prefill = store = None
+    if role == "prefill":
+        group = {"ranks": ranks} if len(ranks) > 1 else {}
+        sender = make_sender(config.kv_transport, layout, *ranks[0],
+                             compression=config.compression, **group)  # fmt: skip
+        prefill = PrefillSide(engine, sender, routers.send, config.transfer_timeout_s, staging)
+    else:
+        receiver = None
+        if role == "decode":
+            require_secret_for(config.kv_host, secret)
+            receiver = kv_receiver(config, layout, ranks)
+            receiver.start()
+        decode = DecodeSide(engine, layout, routers.send, config.worker_id, receiver, staging)
+    if config.kv_store:
+        client = StoreClient(config.kv_store, layout, runner.k_caches, runner.v_caches)
+        store = StoreLink.for_role(client, engine.block_manager, role)
+    connectors = [store, prefill, decode if decode and decode.receiver else None]
+    engine.connect(combine([c for c in connectors if c is not None]))
+    probe = LoadProbe(engine, store, staging)
+    reporter = LoadReporter(config.worker_id, config.routers, routers.codec, probe)
+    return Worker(config, engine, layout, routers, reporter,
+                  decode=decode, prefill=prefill, store=store)  # fmt: skip
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    """Rank 0's layout: a tensor-parallel group's ranks each hold their share of the heads."""
+    runner, mc = engine.runner, engine.model_config
+    return KVLayout(
+        model_fingerprint=engine.fingerprint,
+        dtype=str(runner.dtype).removeprefix("torch."),
+        num_layers=mc.num_layers,
+        block_size=engine.config.block_size,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+    ).split(engine.config.tensor_parallel_size)
+
+
+def host_staging(engine: LLMEngine, role: str) -> tuple[HostStaging | None, list]:
+    """(staging, every rank's (K, V) caches the connectors move). The connectors move host
+    memory: a GPU cache's transfers are staged through pinned host blocks."""
+    runner = engine.runner
+    ranks = runner.rank_caches
+    if role == "both" or (runner.device.type == "cpu" and not envs.kv_staging()):
+        return None, ranks
+    if len(ranks) > 1:
+        raise ValueError(
+            "host staging of KV transfers (a GPU cache, or PDSERVE_KV_STAGING) moves "
+            "one rank's cache: run tensor-parallel workers on CPU without it"
+        )
+    staging = HostStaging.sized(*ranks[0], engine.max_model_len)
+    return staging, [(staging.k_caches, staging.v_caches)]
+
+
+def kv_receiver(config: WorkerConfig, layout: KVLayout, ranks) -> KVReceiver:
+    """One receiver per rank (its own endpoint; it writes that rank's cache, its heads)."""
+    receivers = [
+        make_receiver(config.kv_transport, layout.shard(r), k, v, config.kv_host)
+        for r, (k, v) in enumerate(ranks)
+    ]
+    return receivers[0] if len(receivers) == 1 else ReceiverGroup(receivers)

@@ -1,9 +1,11 @@
 """Soak: `pdserve serve` (1 prefill + 1 decode worker) under the mixed workload for a long time,
 sampling every process's RSS, open file descriptors and threads, and the workers' free KV
 blocks, every `--sample-s` seconds. Prints each process's RSS floor (its least RSS) over the
-middle and the last third of the run and the growth between them, the blocks still held at the
-end, and TTFT/ITL p99 of the first and last fifths; writes the samples (soak.json), the floors
-and verdicts (summary.json) and a plot (soak.png) to `--out`.
+middle and the last third of the run and the growth between them, each process's open fds once
+the load's clients have closed and the counts have settled against their floor under load, the
+blocks still held at the end, and TTFT/ITL p99 of the first and last fifths; writes the samples
+(soak.json), the floors, settled counts and verdicts (summary.json) and a plot (soak.png) to
+`--out`.
 
     .venv/bin/python benchmarks/soak.py [--rate 0.4] [--duration 600] [--out soak-results]
 """
@@ -95,6 +97,29 @@ def rss_floors(loaded: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
     return floor(loaded[n // 3 : 2 * n // 3]), floor(loaded[2 * n // 3 :])
 
 
+def fd_floors(loaded: list[dict]) -> dict[str, int]:
+    """Per process, the fewest open fds over the middle third of the run: warmed up, with as few
+    client connections open as the load left at any sample."""
+    window = loaded[len(loaded) // 3 : 2 * len(loaded) // 3]
+    names = set().union(*(s["procs"] for s in window))
+    return {p: min(s["procs"][p]["fds"] for s in window if p in s["procs"]) for p in names}
+
+
+def settle(root: int, deadline_s: float = 60.0, every_s: float = 0.5, polls: int = 4) -> dict:
+    """Every process's counts once its open fds and threads have not changed over `polls`
+    samples in a row (`every_s` apart), or at the deadline. Called once the load's clients are
+    gone: a connection still open under load is not a leak, an fd still open now is."""
+    t0, last, same = time.monotonic(), None, 0
+    while True:
+        now = {name: s for pid, name in tree(root).items() if (s := sample(pid)) is not None}
+        counts = {name: (s["fds"], s["threads"]) for name, s in now.items()}
+        same = same + 1 if counts == last else 0
+        last, waited = counts, time.monotonic() - t0
+        if same >= polls - 1 or waited > deadline_s:
+            return {"procs": now, "stable": same >= polls - 1, "after_s": round(waited, 1)}
+        time.sleep(every_s)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -120,12 +145,13 @@ def main() -> int:
         subprocess.run(bench, check=True)
         time.sleep(2 * args.sample_s)  # the idle tail: what is still held after the load
         stop.set()
-        thread.join()
+        thread.join()  # no /health poll of the sampler's in flight while the counts settle
+        settled = settle(root)
     (out / "soak.json").write_text(json.dumps(samples))
-    return 0 if report(samples, out, args) else 1
+    return 0 if report(samples, settled, out, args) else 1
 
 
-def report(samples: list[dict], out: Path, args) -> bool:
+def report(samples: list[dict], settled: dict, out: Path, args) -> bool:
     """Print the figures and a PASS/FAIL line per target; True if all pass."""
     results = json.loads((out / "bench" / "results.json").read_text())
     records = [r for run in results["runs"] for r in run["records"]]
@@ -152,9 +178,10 @@ def report(samples: list[dict], out: Path, args) -> bool:
     }
     loaded = [s for s in samples if s["t"] <= args.duration]
     middle, last_third = rss_floors(loaded)
+    fd_floor, idle = fd_floors(loaded), settled["procs"]
     end = loaded[-1]
     print(f"{'process':<12} {'RSS start':>10} {'RSS floor 2/3':>13} {'RSS floor 3/3':>13} "
-          f"{'growth':>7} {'fds':>9} {'threads':>9}")  # fmt: skip
+          f"{'growth':>7} {'fds':>9} {'fds floor->idle':>15} {'threads':>9}")  # fmt: skip
     for name in end["procs"]:
         a, b = middle.get(name), last_third.get(name)
         first_s = loaded[0]["procs"].get(name, end["procs"][name])
@@ -163,16 +190,29 @@ def report(samples: list[dict], out: Path, args) -> bool:
             continue
         growth = (b - a) / a * 100
         verdicts[f"{name} RSS growth < 5 %"] = growth < 5
+        if name in fd_floor:
+            left = idle[name]["fds"] if name in idle else None
+            verdicts[f"{name} fds once idle <= floor under load + 2"] = (
+                left is not None and left <= fd_floor[name] + 2
+            )
         fds = f"{first_s['fds']}->{last_s['fds']}"
+        fds_idle = f"{fd_floor.get(name)}->{idle.get(name, {}).get('fds')}"
         threads = f"{first_s['threads']}->{last_s['threads']}"
         print(f"{name:<12} {first_s['rss_mb']:>8.0f}MB {a:>11.0f}MB {b:>11.0f}MB {growth:>6.1f}% "
-              f"{fds:>9} {threads:>9}")  # fmt: skip
+              f"{fds:>9} {fds_idle:>15} {threads:>9}")  # fmt: skip
+    print(f"idle counts {'settled' if settled['stable'] else 'NOT settled'} after "
+          f"{settled['after_s']} s")  # fmt: skip
     held = samples[-1].get("held_blocks")
     print(f"blocks held at the end (idle): {held}")
     verdicts["no block held at the end"] = held is not None and not any(held.values())
     for what, passed in verdicts.items():
         print(f"{'PASS' if passed else 'FAIL'}  {what}")
-    summary = {"rss_floor_mb": {"middle": middle, "last": last_third}, "verdicts": verdicts}
+    summary = {
+        "rss_floor_mb": {"middle": middle, "last": last_third},
+        "fds": {"floor": fd_floor, "idle": {n: s["fds"] for n, s in idle.items()}},
+        "settled": {"stable": settled["stable"], "after_s": settled["after_s"]},
+        "verdicts": verdicts,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     try:
         import matplotlib

@@ -55,11 +55,6 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden_size // self.num_heads
 
-    @property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        """K and V elements per token over all layers (multiply by the dtype's size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -56,7 +56,7 @@ def make_model_files(seed: int = 0, **overrides) -> ModelFiles:
 
 def make_engine_config(**overrides) -> EngineConfig:
     # Unquantized weights: every batching variant must give the same tokens, and a quantized
-    # linear picks its kernel by batch size (tests/engine/test_quant.py covers the formats).
+    # linear picks its kernel by batch size (tests/model/test_quant.py covers the formats).
     base = dict(
         dtype="float32",
         device="cpu",

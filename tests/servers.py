@@ -1,6 +1,6 @@
 """The one launcher of real `pdserve serve` processes (router + worker processes, and the KV store
-with --kv-store) for every suite that needs them: tests/serving, chaos, fuzz, security, kv_store,
-and benchmarks/chaos.py through tests/chaos/cluster.py.
+with --kv-store) for every suite that needs them: tests/serving, launch, chaos, fuzz, security,
+kv_store, and benchmarks/chaos.py through tests/chaos/cluster.py.
 
 `Server(*flags)` starts one on a port of its own (--port 0, read back from its ready line) and
 returns once it is ready; `stop()` returns once it and every process it started are gone. Use

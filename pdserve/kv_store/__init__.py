@@ -11,7 +11,7 @@
 * `nixl.py`: the nixl data path (`--transport nixl`, `nixl://` endpoints): block bytes by NIXL
   READs, control on the socket; `arena.py`: the registered memory its buffers come from.
 * `protocol.py`: typed frames and limits; `metrics.py`: Prometheus /metrics; `cli.py`: the
-  `store` subcommand; `bench.py`: put/load time per tier and transport.
+  `store` subcommand. Put/load time per tier and transport: `benchmarks/kv_store_tiers.py`.
 
 Importing this package imports neither torch nor numpy. See docs/kv_store.md.
 """

@@ -174,10 +174,6 @@ class TransferTable:
                 del self._owner[b]
             self._released.append(transfer_id)
 
-    def active_ids(self) -> list[str]:
-        with self._cond:
-            return list(self._transfers)
-
 
 class TableReceiver(KVReceiver):
     """A KVReceiver whose bookkeeping is a TransferTable; backends add transport and endpoint."""

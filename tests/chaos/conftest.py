@@ -2,7 +2,7 @@
 through the prefill pool, float32 so greedy outputs compare token for token, a short heartbeat
 timeout so a killed worker is noticed in ~2 s, and a lease shorter than any test's patience.
 Tests kill and restart its workers themselves (`--no-restart`: serve's own supervision is
-tested in tests/serving/test_supervision.py); each starts with `cluster.ensure_all()` as it
+tested in tests/launch/test_supervision.py); each starts with `cluster.ensure_all()` as it
 needs."""
 
 from __future__ import annotations

@@ -7,11 +7,10 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from launch.test_serve_e2e import PROMPTS, completion_ids
 from servers import Server
 
 from pdserve.serving.kv_staging import HostStaging
-
-from .test_serve_e2e import PROMPTS, completion_ids
 
 CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 # cpu: the GPU path's bookkeeping and copies, forced on a CPU cache; cuda: the real thing

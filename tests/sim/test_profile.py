@@ -1,6 +1,5 @@
 """`pdserve profile`: timing protocol and efficiency fit, against a fake engine with known costs."""
 
-import importlib.util
 import json
 from types import SimpleNamespace
 
@@ -83,8 +82,6 @@ def test_bad_profiles(tmp_path):
 
 @pytest.mark.slow
 def test_profile_real_engine_smoke(tmp_path):
-    if importlib.util.find_spec("pdserve.engine.llm") is None:
-        pytest.skip("pdserve.engine.llm is not built yet (issue 2); cannot profile the engine")
     from pdserve.cli import main
 
     out = tmp_path / "profile.json"

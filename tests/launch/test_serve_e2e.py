@@ -69,7 +69,7 @@ def test_disagg_and_colocated_match_offline(disagg_server, colocated_server, off
 
 def test_float32_workers_default_to_dense_weights_and_the_fused_decode_step(disagg_server):
     """On CPU in float32 (torch's int4 kernel has no fast float32 path; bfloat16 workers take
-    int4: tests/engine/test_quant.py), every worker's ready line says so."""
+    int4: tests/model/test_quant.py), every worker's ready line says so."""
     ready = [line for line in disagg_server.lines if ") ready: " in line]
     assert len(ready) == 2, disagg_server.lines
     assert all("weights bf16, decode fused (" in line for line in ready), ready

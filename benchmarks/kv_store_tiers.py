@@ -1,4 +1,4 @@
-"""Measure the store: `python -m pdserve.kv_store.bench` (put, load from DRAM, load from SSD).
+"""Measure the store: `python benchmarks/kv_store_tiers.py` (put, load from DRAM, load from SSD).
 
 Starts a store process per (transport, tier) on this machine, puts `--blocks` blocks of a
 SmolLM2-135M bfloat16 layout (block size 16: 360 KiB per block) from one cache, loads them into

@@ -20,8 +20,8 @@ from ray.cluster_utils import Cluster
 from servers import Server, run_serve
 from waiting import wait_until
 
-from serving.autoscaling import GREEDY as AS_GREEDY
-from serving.autoscaling import PROMPTS, at, burst
+from launch.autoscaling import GREEDY as AS_GREEDY
+from launch.autoscaling import PROMPTS, at, burst
 
 pytestmark = pytest.mark.slow
 ROLE = "pdserve/role"

@@ -16,7 +16,7 @@ from chaos.cluster import complete
 from servers import Server, live_workers, run_serve, scale_events
 from waiting import wait_until
 
-from serving.autoscaling import GREEDY, PROMPTS, at, burst
+from launch.autoscaling import GREEDY, PROMPTS, at, burst
 
 pytestmark = pytest.mark.slow
 INTERVAL_S = 1.0

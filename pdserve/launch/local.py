@@ -58,8 +58,10 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
     check_tensor_parallel(engine.tensor_parallel_size, args.kv_store)
     if threads or args.threads:
         engine = replace(engine, num_threads=threads or args.threads)
-    if args.role == "prefill":  # a prefill worker computes whole prompts: no chunking
-        engine = replace(engine, chunk_size=None)
+    if args.role == "prefill":  # in chunks: an abort (its client left) stops between them
+        from pdserve.serving.prefill_side import PREFILL_CHUNK_TOKENS
+
+        engine = replace(engine, chunk_size=engine.chunk_size or PREFILL_CHUNK_TOKENS)
     return WorkerConfig(
         kv_store=args.kv_store,
         engine=engine,

@@ -2,11 +2,11 @@
 into the decode worker's blocks as soon as that layer's forward pass ends.
 
 It is the engine's KV connector: `after_layer` queues the layer's blocks of every prompt that
-completes in the step (a long prompt is computed in chunks, PREFILL_CHUNK_TOKENS by default, and
-an Abort read between them stops it), and `request_finished` keeps a finished prompt's blocks held until the
-push is acknowledged (`settle`), when the router gets PrefillDone with the first token. Pushes
-are awaited without blocking the loop: a decode worker that stops reading costs its own
-requests the transfer timeout, never the other prompts queued on this worker.
+completes in the step (a long prompt is computed in chunks, PREFILL_CHUNK_TOKENS by default,
+and an Abort read between them stops it), and `request_finished` keeps a finished prompt's
+blocks held until the push is acknowledged (`settle`), when the router gets PrefillDone with
+the first token. Pushes are awaited without blocking the loop: a decode worker that stops
+reading costs its own requests the transfer timeout, never the other prompts queued here.
 """
 
 from __future__ import annotations

@@ -10,20 +10,11 @@ free queue, never both; the hash index points only at blocks carrying that hash.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
+from pdserve.engine.block import Block
 from pdserve.engine.block_hash import hash_block
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.sequence import Sequence
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None
-    parent: int | None = None  # the hash this block's hash chains from (None: first block)
-    token_ids: tuple[int, ...] = ()
 
 
 class BlockManager:

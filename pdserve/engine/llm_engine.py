@@ -5,6 +5,7 @@ Used directly by workers and wrapped by the offline `LLM`. Not thread-safe: one 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -23,7 +24,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import TokenLogprobs, sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.engine.step_perf import StepLog, StepPerf
 from pdserve.model.loader import ModelFiles, load_model_files, load_tokenizer
 
@@ -214,55 +215,52 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """One iteration: schedule, run the model, sample, and finish what is done. The
-        connector's `after_layer(batch, layer)` runs after each layer when it wants them."""
+        """One iteration: schedule, run the model (the connector's layer hooks around each
+        layer), sample, and finish what is done."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        prefilling = [s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs]
-        prefill_tokens = sum(n for n, p in zip(batch.num_new_tokens, prefilling, strict=True) if p)
-        decode_seqs = prefilling.count(False)
         computed = [s.num_computed_tokens for s in batch.seqs] if self.step_log else []
-        hook = None
-        if self.connector.wants_layers(batch):
-
-            def hook(layer: int) -> None:
-                self.connector.after_layer(batch, layer)
-
-        loading = [s for s in batch.seqs if s.prefix_load is not None]
-        before = None
-        if loading:  # the model waits for each layer of the loaded prefixes before using it
-
-            def before(layer: int) -> None:
-                for s in loading:
-                    s.prefix_load.wait_layer(layer)
-
+        prefill_tokens, decode_seqs = _phase_counts(batch)
         masks = self._start_masks(batch)
         try:
-            indices, logits = self.runner.run(batch, hook, before)
+            indices, logits = self.runner.run(batch, *self._layer_hooks(batch))
         finally:  # never return (or raise) while a load may still write into blocks
-            void = self._settle_loads(loading)
+            void = self.connector.step_finished(batch)
             bitmask = masks.result() if masks is not None else None
         self.scheduler.after_step(batch, void)
-        if void and indices:  # no token for a void step
-            keep = [j for j, i in enumerate(indices) if id(batch.seqs[i]) not in void]
-            indices, logits = [indices[j] for j in keep], logits[keep]
-        outs = []
-        if indices:
-            seqs = [batch.seqs[i] for i in indices]
-            mask = bitmask[indices] if bitmask is not None else None
-            tokens, logprobs = sample(logits, seqs, mask)
-            outs = [
-                self._append(seq, tok, lp)
-                for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)
-            ]
+        outs = self._sample(batch, indices, logits, bitmask, void)
         end = time.perf_counter()
         self.perf.observe(prefill_tokens, decode_seqs, start, end)
         if self.step_log:
             self.step_log.write(start, end - start, batch.num_new_tokens, computed,
                                 prefill_tokens, len(outs))  # fmt: skip
         return outs
+
+    def _layer_hooks(self, batch: ScheduledBatch):
+        """(after each layer, before each layer): the connector's, when it wants them (with
+        neither, a decode step may take the fused path)."""
+        after = before = None
+        if self.connector.wants_layers(batch):
+            after = functools.partial(self.connector.after_layer, batch)
+        if self.connector.loads_layers(batch):
+            before = functools.partial(self.connector.wait_for_layer_load, batch)
+        return after, before
+
+    def _sample(self, batch, indices, logits, bitmask, void: frozenset[int]) -> list[StepOutput]:
+        """A token for each sequence whose whole context is computed (none for a void step)."""
+        if void and indices:
+            keep = [j for j, i in enumerate(indices) if id(batch.seqs[i]) not in void]
+            indices, logits = [indices[j] for j in keep], logits[keep]
+        if not indices:
+            return []
+        seqs = [batch.seqs[i] for i in indices]
+        mask = bitmask[indices] if bitmask is not None else None
+        tokens, logprobs = sample(logits, seqs, mask)
+        return [
+            self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)
+        ]
 
     def _start_masks(self, batch) -> Future | None:
         """Guided sequences that sample this step: their next-token masks, computed on a
@@ -281,20 +279,6 @@ class LLMEngine:
             return bitmask
 
         return self._masker.submit(fill)
-
-    @staticmethod
-    def _settle_loads(seqs: list[Sequence]) -> frozenset[int]:
-        """Wait for the prefix loads that ran under this step. A sequence whose load fell short
-        goes back to the first token that did not land; its step is void (ids returned), and
-        the next step computes the rest, rewriting whatever the load left half-written."""
-        void = set()
-        for seq in seqs:
-            load, seq.prefix_load = seq.prefix_load, None
-            landed = load.finish()
-            if landed < load.num_tokens:
-                seq.num_computed_tokens = seq.num_cached_tokens = load.first_token + landed
-                void.add(id(seq))
-        return frozenset(void)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -351,3 +335,14 @@ class LLMEngine:
             "decode_step_s": self.perf.decode_step_s,
             "pid": os.getpid(),
         }
+
+
+def _phase_counts(batch: ScheduledBatch) -> tuple[int, int]:
+    """(prompt tokens computed, sequences decoding) in a scheduled step, before it advances."""
+    prefill_tokens = decodes = 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            prefill_tokens += n
+        else:
+            decodes += 1
+    return prefill_tokens, decodes

@@ -11,20 +11,10 @@ are freed and it is recomputed later (its generated tokens are kept).
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_connector import KVConnector
-from pdserve.engine.sequence import SeqStatus, Sequence
-
-
-class ScheduledBatch(NamedTuple):
-    seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens computed this step, per sequence
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+from pdserve.engine.sequence import ScheduledBatch, SeqStatus, Sequence
 
 
 class Scheduler:

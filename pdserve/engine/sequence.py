@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -91,3 +91,12 @@ class Sequence:
     def blocks_needed(self, num_tokens: int, block_size: int) -> int:
         """Extra blocks the table needs to hold `num_tokens` tokens."""
         return max(0, -(-num_tokens // block_size) - len(self.block_table))
+
+
+class ScheduledBatch(NamedTuple):
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens computed this step, per sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)

@@ -28,9 +28,10 @@ import logging
 import time
 from collections import OrderedDict
 
+from pdserve.engine.block import Block
 from pdserve.engine.block_hash import block_hashes
-from pdserve.engine.block_manager import Block, BlockManager
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_connector import PrefixLoader
 from pdserve.engine.sequence import Sequence
 from pdserve.kv_store.client import LayerLoad, StoreClient
 from pdserve.kv_store.config import payload_bytes
@@ -40,7 +41,7 @@ log = logging.getLogger("pdserve.worker")
 KNOWN_CAPACITY = 1 << 16  # hashes remembered as held by the store (an LRU; a miss costs a copy)
 
 
-class StoreLink(KVConnector):
+class StoreLink(PrefixLoader):
     """The engine's KV connector to the store. `overlap_loads`: a prefix may load under the
     step that computes the rest (not on a prefill worker, which streams each layer on as soon
     as it is computed). `offload_finished`: a finished request's blocks are offloaded, and held

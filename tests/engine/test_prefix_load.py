@@ -11,7 +11,7 @@ import pytest
 from factories import make_engine, make_model_files, run_to_completion
 
 from pdserve.engine.block_hash import block_hashes
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import PrefixLoader
 from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -69,7 +69,7 @@ class CopyLoad:
         return self.good * 4
 
 
-class CopyLoader(KVConnector):
+class CopyLoader(PrefixLoader):
     """A connector that loads every new sequence's prefix from `source_engine` under the step."""
 
     def __init__(self, engine, source_engine, src_ids, good):

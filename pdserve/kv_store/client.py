@@ -62,7 +62,7 @@ from pdserve.kv_store.protocol import (
 )
 from pdserve.kv_store.put_queue import PutQueue
 from pdserve.kv_store.tickets import PutJob, PutTicket
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.memory import byte_views, check_block_ids, check_caches, paired_runs
 from pdserve.kv_transfer.wire import resolve_secret
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 GB = 1 << 30
 

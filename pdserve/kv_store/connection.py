@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.wire import client_handshake, parse_endpoint
 
 T = TypeVar("T")

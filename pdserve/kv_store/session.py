@@ -34,7 +34,7 @@ from pdserve.kv_store.protocol import (
 )
 from pdserve.kv_store.store import Store
 from pdserve.kv_store.tiers import Entry, Payload
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.wire import ProtocolError, recv_into_exact
 
 

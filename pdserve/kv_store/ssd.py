@@ -25,7 +25,7 @@ import msgspec
 
 from pdserve.kv_store.config import Key, layout_key, payload_bytes
 from pdserve.kv_store.protocol import BlockMeta
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("pdserve.kv_store")
 MAGIC = b"PDKVBLK1"

@@ -31,7 +31,7 @@ from pdserve.kv_store.protocol import BlockMeta, StoreStats, chains
 from pdserve.kv_store.removals import RemovalLog
 from pdserve.kv_store.ssd import CorruptRecord, SsdFiles
 from pdserve.kv_store.tiers import Entry, Payload, Tiers
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("pdserve.kv_store")
 

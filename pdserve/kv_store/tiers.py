@@ -17,7 +17,7 @@ from pdserve.kv_store.config import Key, StoreConfig, payload_bytes
 from pdserve.kv_store.protocol import BlockMeta
 from pdserve.kv_store.removals import RemovalLog
 from pdserve.kv_store.ssd import SsdFiles
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 log = logging.getLogger("pdserve.kv_store")
 Payload = bytes | bytearray | memoryview

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 ENCODING = "fp8"
 _E4M3_MAX = 448.0  # largest finite float8_e4m3fn

@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pdserve.kv_transfer.base import KVLayout, KVLayoutMismatch
+from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch
 from pdserve.kv_transfer.memory import paired_runs
 from pdserve.kv_transfer.send_queue import Job, Link, QueuedSender
 from pdserve.kv_transfer.transfer_table import TableReceiver

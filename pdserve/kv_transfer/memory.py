@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pdserve.kv_transfer.base import HeadSegment, KVLayout
+from pdserve.kv_transfer.layout import HeadSegment, KVLayout
 
 
 class Run(NamedTuple):

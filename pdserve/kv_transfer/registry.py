@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from pdserve.kv_transfer.base import KVLayout, KVReceiver, KVSender
+from pdserve.kv_transfer.base import KVReceiver, KVSender
+from pdserve.kv_transfer.layout import KVLayout
 
 # name -> (module, sender class, receiver class)
 _BACKENDS = {

@@ -5,6 +5,10 @@ A layer goes through: queued (`send_layer`) -> reading (the channel thread moves
 acknowledged (the receiver says it landed, or refused it). `wait` returns when every queued layer
 is acknowledged, or on the first error or the timeout; a failed transfer is cancelled and `wait`
 returns only once no channel reads its source blocks any more.
+
+Over 300 lines on purpose: the transfer states, the channel threads that move them and the
+cancellation that must never leave a thread reading freed blocks are one state machine, read
+best in one place.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.kv_transfer.base import KVLayout, KVSender, StatsCounter, TransferResult, TransferStats
+from pdserve.kv_transfer.base import KVSender, StatsCounter, TransferResult, TransferStats
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.memory import check_block_ids, check_caches
 
 log = logging.getLogger("pdserve.kv_transfer")

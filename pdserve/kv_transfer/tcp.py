@@ -14,7 +14,7 @@ import threading
 import torch
 
 from pdserve.kv_transfer import fp8
-from pdserve.kv_transfer.base import KVLayout, whole_rank
+from pdserve.kv_transfer.layout import KVLayout, whole_rank
 from pdserve.kv_transfer.memory import byte_views, gather_heads, paired_runs
 from pdserve.kv_transfer.send_queue import Job, Link, QueuedSender
 from pdserve.kv_transfer.tcp_receiver import TcpReceiver

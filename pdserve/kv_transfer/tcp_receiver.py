@@ -11,7 +11,7 @@ import time
 
 from pdserve.kv_transfer import fp8
 from pdserve.kv_transfer.acceptor import Acceptor
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.memory import paired_runs
 from pdserve.kv_transfer.transfer_table import TableReceiver, WriteTicket
 from pdserve.kv_transfer.wire import (

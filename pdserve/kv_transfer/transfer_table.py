@@ -16,7 +16,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from pdserve.kv_transfer.base import KVLayout, KVReceiver, StatsCounter, TransferStats
+from pdserve.kv_transfer.base import KVReceiver, StatsCounter, TransferStats
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.memory import byte_views, check_block_ids, check_caches
 
 log = logging.getLogger("pdserve.kv_transfer")

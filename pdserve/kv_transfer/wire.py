@@ -29,7 +29,7 @@ from typing import TypeVar
 import msgspec
 
 from pdserve import envs
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024

@@ -12,6 +12,9 @@ A calibrated serving path (`Cluster.serving`) delays every arrival by
 its per-request overhead and lengthens every iteration by its per-step and per-sequence ones.
 The output is bench's `RequestRecord`s and `summarize` aggregates, so simulated and measured
 runs share one JSON shape.
+
+Over 300 lines on purpose: one event loop whose handlers share the pools' state; the pieces
+that stand alone (latency model, fabric, instances, scaling) are modules of their own.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.protocol import messages as m
 from pdserve.protocol.channel import Codec
 

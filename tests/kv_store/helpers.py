@@ -14,7 +14,7 @@ from pdserve.kv_store.config import Key, StoreConfig, layout_key, payload_bytes
 from pdserve.kv_store.protocol import BlockMeta
 from pdserve.kv_store.server import StoreServer
 from pdserve.kv_store.store import Store
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 __all__ = ["make_caches", "make_layout"]
 NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not HAS_NIXL, reason=NIXL_SKIP))

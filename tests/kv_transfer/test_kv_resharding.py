@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import KVLayout, KVLayoutMismatch, make_receiver, make_sender
-from pdserve.kv_transfer.base import HeadSegment
+from pdserve.kv_transfer.layout import HeadSegment
 
 from .helpers import HAS_NIXL, NIXL_SKIP, SENTINEL, make_layout
 

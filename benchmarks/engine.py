@@ -77,11 +77,8 @@ class Ours:
         label = f"{dtype}->{self.dtype}" if dtype == "auto" else dtype
         eager = "" if runner.fused else " eager"
         self.label = label if runner.weights == "bf16" else f"{label} {runner.weights}{eager}"
-        from pdserve.model.quant import MAX_ROWS
-
-        # What a small step's weights take; above the format's row limit the dense copy runs.
+        # What a small step's weights take; above a linear's max_rows its dense copy runs.
         self.weight_bytes = decode_weight_bytes(runner.model)
-        self.quant_rows = MAX_ROWS.get(runner.weights, 0)
 
     def prefill(self, ids: list[int]) -> float:
         from pdserve import SamplingParams

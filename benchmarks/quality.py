@@ -28,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 TEXT = HERE / "data" / "held_text.txt"
 FORMATS = ("bf16", "int8", "int4")
-STEP = 8  # tokens per step: at most every quantized kernel's MAX_ROWS
+STEP = 8  # tokens per step, at most: fewer where a quantized kernel runs only to fewer rows
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -41,6 +41,14 @@ PROMPTS = [
 ]
 
 
+def quantized_linears(model) -> list:
+    """Every linear that runs a quantized kernel for small steps (none in bf16)."""
+    from pdserve.model.quant import FUSED
+
+    linears = [getattr(layer, attr) for layer in model.layers for attr in FUSED]
+    return [x for x in [*linears, model.lm_head] if x.max_rows > 0]
+
+
 def chunk_nll(llm, ids: list[int]) -> tuple[float, int]:
     """Summed negative log-likelihood of ids[n/2 + 1:] given what precedes, and its count."""
     from pdserve.engine.sampling_params import SamplingParams
@@ -51,10 +59,11 @@ def chunk_nll(llm, ids: list[int]) -> tuple[float, int]:
     seq = Sequence("ppl", ids, SamplingParams(max_tokens=1))
     assert bm.allocate(seq)
     logits = []
+    step = min([STEP] + [x.max_rows for x in quantized_linears(runner.model)])
     try:
         with torch.inference_mode():
-            for start in range(0, len(ids), STEP):
-                n = min(STEP, len(ids) - start)
+            for start in range(0, len(ids), step):
+                n = min(step, len(ids) - start)
                 seq.num_computed_tokens = start
                 inp, pos, meta, _ = runner._prepare(ScheduledBatch([seq], [n]))
                 logits.append(runner.model.logits(runner.model(inp, pos, runner.kv_caches, meta)))

@@ -19,6 +19,7 @@ KV_STAGING = "PDSERVE_KV_STAGING"
 KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 KERNEL_CACHE_ENTRIES = 64
 MODEL = "PDSERVE_MODEL"
+QUANT_MAX_ROWS = "PDSERVE_QUANT_MAX_ROWS"
 NIXL_LOG_LEVEL = "NIXL_LOG_LEVEL"
 SECRET = "PDSERVE_SECRET"
 SECRET_FILE = "PDSERVE_SECRET_FILE"
@@ -44,6 +45,17 @@ def for_workers(prefixes: tuple[str, ...]) -> dict[str, str]:
 def cache_dir() -> Path:
     """Where derived artefacts (e.g. a tokenizer extracted from a GGUF file) are cached."""
     return Path(os.environ.get(CACHE_DIR, Path.home() / ".cache" / "pdserve"))
+
+
+def quant_max_rows() -> int | None:
+    """`PDSERVE_QUANT_MAX_ROWS`: rows up to which every quantized linear uses its quantized
+    kernel (unset: measured per machine and shape, model/kernel_rows.py)."""
+    value = os.environ.get(QUANT_MAX_ROWS)
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{QUANT_MAX_ROWS} must be a whole number of rows, got {value!r}")
+    return int(value)
 
 
 def model_path() -> str | None:

@@ -119,7 +119,12 @@ class ModelRunner:
                 fmt,
                 fmt,
             )
-        quant.quantize_model(self.model, fmt, blocks)
+        rows = None
+        if fmt != "bf16" and self.device.type == "cpu":  # where each kernel wins, here
+            from pdserve.model.kernel_rows import KernelRows
+
+            rows = KernelRows(self.dtype)
+        quant.quantize_model(self.model, fmt, blocks, rows)
         log.info("weights: %s", fmt)
         return fmt
 

@@ -29,7 +29,7 @@ _module = None
 load_note = ""  # "built in 21.3 s" / "loaded in 0.2 s": how long the extension took here
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags: the build uses -march=native, so a cached build is only reused
     on a CPU with the same features."""
     info = Path("/proc/cpuinfo")
@@ -43,7 +43,7 @@ def build_dir() -> Path:
     # or virtual environments sharing one folder would rebuild each other's.
     where = f"{SOURCE.resolve()}|{Path(torch.__file__).parent}|{platform.python_version()}"
     key.update(f"{where}|{FLAGS}|{torch.__version__}".encode())
-    key.update(_cpu_flags().encode())
+    key.update(cpu_flags().encode())
     return envs.cache_dir() / "ext" / f"decode-{key.hexdigest()[:16]}"
 
 

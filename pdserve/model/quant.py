@@ -11,12 +11,14 @@ bytes over DRAM bandwidth; fewer bytes per weight is the speed-up. Formats:
   the file has them, never expanded and re-quantized. Other weights get min/max groups.
 * `int8`: one symmetric scale per output row (`_weight_int8pack_mm`).
 
-Every quantized linear keeps its dense weight too and uses it for inputs of more than
-`MAX_ROWS` rows: the int4/int8 kernels stream weights fast for a few rows, but compute slower
-than the dense GEMM. Measured here (SmolLM2's 30 layers of linears, 2 threads, quiet machine),
-bf16 / int8 / int4 in ms: 9.4 / 4.0 / 2.4 at 1 row; bf16 / int4: 10.4 / 6.0 at 8 rows, 12.1 /
-10.9 at 16, 14.0 / 15.8 at 24, 20.7 / 30.4 at 48; 118 / 348 / 316 at 512. The lm_head
-(49,152 x 576), bf16 / int8: 1.81 / 0.58 at 1 row, 2.05 / 1.61 at 8, 2.45 / 3.19 at 16.
+Every quantized linear keeps its dense weight too and uses it for inputs of more than its
+`max_rows` rows: the int4/int8 kernels stream weights fast for a few rows, but compute slower
+than the dense GEMM. Where that crossover lies depends on the CPU, so it is measured per
+machine and weight shape (`model/kernel_rows.py`). For scale: on an AMD EPYC without AMX
+(SmolLM2's 30 layers of linears, 2 threads) bf16 / int8 / int4 took, in ms, 9.4 / 4.0 / 2.4 at
+1 row; bf16 / int4: 10.4 / 6.0 at 8 rows, 12.1 / 10.9 at 16, 14.0 / 15.8 at 24; the lm_head
+(49,152 x 576), bf16 / int8: 1.81 / 0.58 at 1 row, 2.45 / 3.19 at 16. On an Intel Xeon with
+AMX the dense bf16 GEMM wins from 12-16 rows on (the MLP's gate_up: 123 vs 219 us at 16).
 Prefills stay on dense GEMMs.
 """
 
@@ -29,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32  # int4 group width: GGUF's block width, and gpt-fast's default
-# Rows above which the dense weight is faster than the quantized kernel (see the docstring).
+# A linear built on its own (not by quantize_model, which measures this machine) uses its
+# quantized kernel up to these rows: the AMD EPYC crossovers above.
 MAX_ROWS = {"int4": 16, "int8": 8}
 
 
@@ -53,16 +56,16 @@ class Dense:
     format = "bf16"
     kind = 0  # the fused decode step's `Linear` kind (csrc/decode.cpp): 0 dense, 1 int4, 2 int8
 
+    max_rows = 0  # rows up to which the quantized kernel runs; the dense weight above
+
     def __init__(self, weight: torch.Tensor):
         self.weight = weight  # (N, K)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    @property
-    def max_rows(self) -> int:
-        """Rows up to which the quantized kernel runs; the dense weight above."""
-        return MAX_ROWS.get(self.format, 0)
+    def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
     @property
     def packed(self) -> tuple[torch.Tensor, ...]:
@@ -77,10 +80,14 @@ class Dense:
 class _Quantized(Dense):
     """A quantized kernel for inputs of up to `max_rows` rows, the dense weight above."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) if x.shape[0] > self.max_rows else self._mm(x)
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
+        self.max_rows = MAX_ROWS[self.format]
 
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight) if x.shape[0] > self.max_rows else self.quantized_mm(x)
+
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -99,7 +106,7 @@ class Int4Linear(_Quantized):
     def packed(self) -> tuple[torch.Tensor, ...]:
         return self.q4, self.scales_zeros
 
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.q4, GROUP, self.scales_zeros)
 
 
@@ -117,7 +124,7 @@ class Int8Linear(_Quantized):
     def packed(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.scales
 
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.q, self.scales)
 
 
@@ -181,11 +188,12 @@ FUSED = {
 }
 
 
-def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks]) -> None:
+def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks], rows=None) -> None:
     """Replace the linears of a built `LlamaModel` by `fmt` (int4 from the file's own 4-bit
     blocks where every part of a fused linear has them), and the lm_head by int8: it is
     usually stored as Q8_0 (GGUF) or float, and at 4 bits it would cost more quality than the
-    layers do, for a fifth of the bytes."""
+    layers do, for a fifth of the bytes. `rows` (a kernel_rows.KernelRows): this machine's
+    crossover per shape, else each format's MAX_ROWS."""
     if fmt == "bf16":
         return
     for i, layer in enumerate(model.layers):
@@ -195,3 +203,8 @@ def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks]) -> None:
             blocks = Int4Blocks.concat(have) if all(b is not None for b in have) else None
             setattr(layer, attr, quantize_linear(getattr(layer, attr), fmt, blocks))
     model.lm_head = Int8Linear(model.lm_head.weight)
+    if rows is not None:
+        linears = [getattr(layer, attr) for layer in model.layers for attr in FUSED]
+        for linear in [*linears, model.lm_head]:
+            linear.max_rows = rows.max_rows(linear.format, linear)
+        rows.save()

@@ -1,0 +1,154 @@
+"""Rows up to which a quantized kernel beats the dense GEMM: measured on this machine, once per
+weight shape, format, dtype and thread count, and cached.
+
+The crossover moves with the CPU: a step of 16 rows ran faster on int4 than on bf16 on an AMD
+EPYC without AMX, while on an Intel Xeon with AMX, where oneDNN's bf16 GEMM runs on tile
+instructions, the dense weight already wins at 12-16 rows for SmolLM2's MLP. So no constant
+found on one CPU decides it: the first engine that quantizes a shape here times both kernels
+at a ladder of row counts and keeps the largest count up to which the quantized kernel is the
+faster at every count (a few seconds for a model; then read from
+`$PDSERVE_CACHE_DIR/kernels/<machine key>.json`, where the key covers the CPU's feature flags,
+torch's version and build, the dtype and the thread count). `PDSERVE_QUANT_MAX_ROWS` fixes
+the limit for every shape instead (reproducible runs, tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve import envs
+from pdserve.model.fused import cpu_flags
+
+log = logging.getLogger(__name__)
+VERSION = 1  # of the measurement: a new one invalidates every cached table
+LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # row counts timed, in order
+MIN_CALLS, MAX_CALLS = 10, 200  # timed calls of each kernel per row count
+BUDGET_S = 0.05  # beyond MIN_CALLS, time spent per row count
+MARGIN = 0.97  # the quantized kernel must be at least 3 % faster to be chosen
+
+
+def machine_key(dtype: torch.dtype, threads: int) -> str:
+    key = f"{VERSION}|{cpu_flags()}|{torch.__version__}|{torch.__file__}|{dtype}|{threads}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def table_path(dtype: torch.dtype, threads: int) -> Path:
+    return envs.cache_dir() / "kernels" / f"{machine_key(dtype, threads)}.json"
+
+
+def _best_pair_us(quantized, dense, x: torch.Tensor) -> tuple[float, float]:
+    """The least time of each kernel over calls made in turn (q, d, q, d, ...): a burst of
+    load on a shared machine slows both, and noise only ever adds, so the least is the
+    kernel's own time. At least MIN_CALLS of each, then until BUDGET_S has passed."""
+    quantized(x), dense(x)  # the first calls may pick or build the kernels
+    best_q = best_d = float("inf")
+    start, calls = time.perf_counter(), 0
+    while calls < MIN_CALLS or (time.perf_counter() - start < BUDGET_S and calls < MAX_CALLS):
+        t0 = time.perf_counter()
+        quantized(x)
+        t1 = time.perf_counter()
+        dense(x)
+        t2 = time.perf_counter()
+        best_q, best_d = min(best_q, t1 - t0), min(best_d, t2 - t1)
+        calls += 1
+    return best_q * 1e6, best_d * 1e6
+
+
+def measure(dense, quantized, in_features: int, dtype: torch.dtype) -> int:
+    """The largest row count of LADDER up to which `quantized(x)` beats `dense(x)` at every
+    count (0: never); the ladder stops once the dense GEMM has won twice."""
+    best, losses = 0, 0
+    for rows in LADDER:
+        x = torch.randn(rows, in_features).to(dtype)
+        q_us, d_us = _best_pair_us(quantized, dense, x)
+        if q_us < d_us * MARGIN and losses == 0:
+            best = rows
+        else:
+            losses += 1
+            if losses == 2:
+                break
+    return best
+
+
+class KernelRows:
+    """This machine's table: (format, N, K) -> max rows, measured on first use and saved."""
+
+    def __init__(self, dtype: torch.dtype, threads: int | None = None) -> None:
+        self.dtype = dtype
+        self.threads = threads or torch.get_num_threads()
+        self.path = table_path(dtype, self.threads)
+        self.fixed = envs.quant_max_rows()
+        self.table: dict[str, int] = {}
+        if self.path.exists():
+            try:
+                self.table = json.loads(self.path.read_text())["max_rows"]
+            except (OSError, ValueError, KeyError):
+                log.warning("ignoring an unreadable kernel table at %s", self.path)
+        self.measured: list[str] = []  # shapes measured by this process
+
+    def max_rows(self, fmt: str, layer) -> int:
+        """For the quantized linear `layer` (a quant._Quantized of `fmt`)."""
+        if self.fixed is not None:
+            return self.fixed
+        n, k = layer.weight.shape
+        name = f"{fmt}:{n}x{k}"
+        if name not in self.table:
+            start = time.perf_counter()
+            self.table[name] = measure(layer.dense_mm, layer.quantized_mm, k, self.dtype)
+            self.measured.append(name)
+            log.info("%s: quantized kernel up to %d rows on this machine (measured in %.1f s)",
+                     name, self.table[name], time.perf_counter() - start)  # fmt: skip
+        return self.table[name]
+
+    def save(self) -> None:
+        """Write the table if this process measured anything (atomically: engines that start
+        together each write a whole table, the last one stays)."""
+        if not self.measured:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        body = {"threads": self.threads, "dtype": str(self.dtype), "max_rows": self.table}
+        tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m pdserve.model.kernel_rows`: measure (or re-measure) this machine's table for
+    a model now, as `make install` does for the bundled one, so no worker start waits for it."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m pdserve.model.kernel_rows", description=main.__doc__
+    )
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
+    ap.add_argument("--threads", default=None,
+                    help="comma-separated thread counts (default: 1 and every core)")  # fmt: skip
+    ap.add_argument("--remeasure", action="store_true", help="forget the cached tables first")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from pdserve.config import EngineConfig
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.model.loader import load_model_files
+
+    cores = len(os.sched_getaffinity(0))
+    threads = sorted({int(t) for t in args.threads.split(",")} if args.threads else {1, cores})
+    files = load_model_files(args.model)
+    for n in threads:
+        torch.set_num_threads(n)
+        config = EngineConfig(model=args.model, num_threads=n, kv_cache_gb=0.01, enforce_eager=True)
+        if args.remeasure:
+            table_path(torch.bfloat16, n).unlink(missing_ok=True)
+        runner = ModelRunner(config, files, 256, None)
+        print(f"{n} thread(s): {table_path(runner.dtype, n)}", flush=True)
+    torch.set_num_threads(cores)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""This machine's kernel table (model/kernel_rows.py): the crossover found from timings, kept
+per machine key, read back without measuring, invalidated when the key changes, and applied to
+each quantized linear of a model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from factories import make_model_config, make_model_files
+
+from pdserve.model import kernel_rows, quant
+from pdserve.model.kernel_rows import KernelRows, measure
+from pdserve.model.llama import LlamaModel
+
+
+def _spin(us: float) -> None:
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def test_the_crossover_is_the_last_row_count_where_the_quantized_kernel_wins():
+    # quantized: 100 us per row; dense: 1,000 us whatever the rows -> wins up to 9 rows
+    def quantized(x):
+        _spin(100 * x.shape[0])
+
+    def dense(x):
+        _spin(1000)
+
+    assert measure(dense, quantized, 8, torch.float32) == 8  # the ladder's last count below 10
+
+
+def test_a_quantized_kernel_that_never_wins_gets_zero_rows():
+    assert measure(lambda x: None, lambda x: _spin(200), 8, torch.float32) == 0
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PDSERVE_QUANT_MAX_ROWS", raising=False)
+    return tmp_path
+
+
+def _linear():
+    return quant.Int4Linear((torch.randn(64, 96) / 10).to(torch.bfloat16))
+
+
+def test_a_measured_table_is_saved_and_read_back_without_measuring(cache, monkeypatch):
+    monkeypatch.setattr(kernel_rows, "measure", lambda *a: 12)
+    rows = KernelRows(torch.bfloat16, threads=2)
+    assert rows.max_rows("int4", _linear()) == 12
+    rows.save()
+    assert rows.path.parent == cache / "kernels" and rows.path.exists()
+
+    def fail(*a):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(kernel_rows, "measure", fail)
+    again = KernelRows(torch.bfloat16, threads=2)
+    assert again.max_rows("int4", _linear()) == 12 and not again.measured
+
+
+def test_the_table_is_per_cpu_torch_dtype_and_thread_count(cache, monkeypatch):
+    paths = {
+        kernel_rows.table_path(torch.bfloat16, 2),
+        kernel_rows.table_path(torch.bfloat16, 1),
+        kernel_rows.table_path(torch.float16, 2),
+    }
+    monkeypatch.setattr(kernel_rows, "cpu_flags", lambda: "flags : avx2 (another CPU)")
+    paths.add(kernel_rows.table_path(torch.bfloat16, 2))
+    monkeypatch.setattr(kernel_rows, "VERSION", kernel_rows.VERSION + 1)
+    paths.add(kernel_rows.table_path(torch.bfloat16, 2))
+    assert len(paths) == 5
+
+
+def test_the_environment_fixes_the_rows_for_every_shape(cache, monkeypatch):
+    monkeypatch.setenv("PDSERVE_QUANT_MAX_ROWS", "3")
+    monkeypatch.setattr(kernel_rows, "measure", lambda *a: pytest.fail("measured"))
+    assert KernelRows(torch.bfloat16).max_rows("int4", _linear()) == 3
+    monkeypatch.setenv("PDSERVE_QUANT_MAX_ROWS", "many")
+    with pytest.raises(ValueError, match="PDSERVE_QUANT_MAX_ROWS must be a whole number"):
+        KernelRows(torch.bfloat16)
+
+
+def test_each_quantized_linear_of_a_model_gets_its_shapes_rows(cache, monkeypatch):
+    files = make_model_files(seed=1)
+    model = LlamaModel(make_model_config(), files.weights, torch.bfloat16, torch.device("cpu"))
+    rows = {("int4", 128, 64): 4, ("int4", 64, 64): 8, ("int4", 256, 64): 12,
+            ("int4", 64, 128): 16, ("int8", 256, 64): 2}  # fmt: skip
+
+    def fake(dense, quantized, k, dtype):
+        linear = quantized.__self__
+        return rows[(linear.format, *linear.weight.shape)]
+
+    monkeypatch.setattr(kernel_rows, "measure", fake)
+    table = KernelRows(torch.bfloat16, threads=1)
+    quant.quantize_model(model, "int4", {}, table)
+    for layer in model.layers:
+        assert [x.max_rows for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] == [
+            4, 8, 12, 16,
+        ]  # fmt: skip
+    assert model.lm_head.max_rows == 2
+    assert model.layers[0].qkv.kernel_spec()[1] == 4  # what the fused decode step is given
+    assert len(table.measured) == 5 and table.path.exists()  # once per shape, then saved

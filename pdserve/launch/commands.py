@@ -252,8 +252,7 @@ def serve(args) -> int:
             )
         except RuntimeError as exc:
             print(f"pdserve serve: error: {exc}", flush=True)
-            os.kill(os.getpid(), 2)  # stop uvicorn; on_stop stops the other workers
-            return
+            return False  # uvicorn stops, serve exits 1; on_stop stops the other workers
         procs.forward_output()
         if autoscaler is not None:
             from pdserve.launch.autoscale import AutoscaleLoop
@@ -286,7 +285,11 @@ def serve(args) -> int:
 
 def worker(args) -> int:
     """`pdserve worker`: one engine process that joins a router."""
-    from pdserve.launch.local import pin_cpus, run_worker, worker_config
+    from pdserve.launch.local import config_error, pin_cpus, run_worker, worker_config
 
     n = pin_cpus(args.cpus)
-    return run_worker(worker_config(args, threads=args.threads or n))
+    try:
+        config = worker_config(args, threads=args.threads or n)
+    except (ValueError, FileNotFoundError) as exc:  # a restart would not fix them
+        return config_error(exc)
+    return run_worker(config)

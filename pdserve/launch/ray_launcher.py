@@ -24,6 +24,7 @@ import traceback
 import warnings
 
 from pdserve import envs
+from pdserve.subprocs import cannot_restart
 
 log = logging.getLogger("pdserve.launch")
 ROLE_LABEL = "pdserve/role"
@@ -64,8 +65,9 @@ class WorkerActor:
     """One worker in a Ray actor: `__init__` starts the worker's loop on a thread and returns
     (Ray counts the actor alive once it does). If the loop fails after the worker has served,
     the process exits so that Ray restarts the actor (`max_restarts`), which registers again
-    under the same worker id; a failure before that (a bad flag, a missing model) is kept for
-    `info`, so `serve` reports it instead of Ray restarting it forever."""
+    under the same worker id; a failure before that (a bad flag, a missing model), or one that
+    no restart can fix (refused by the router for its KV layout), is kept for `info`, so
+    `serve` reports it instead of Ray restarting it forever."""
 
     def __init__(self, argv: list[str], public: bool) -> None:
         import ray
@@ -81,6 +83,7 @@ class WorkerActor:
             warnings.simplefilter("ignore", DeprecationWarning)
             self.restarted = ctx.was_current_actor_reconstructed
         self.error: str | None = None
+        self.refused = False  # it cannot serve as configured (`subprocs.cannot_restart`)
         self.worker = None
         self.done = False  # the worker drained and left
         self.leave = False  # asked to (`drain`)
@@ -99,16 +102,19 @@ class WorkerActor:
             worker.drain_requested = self.leave  # asked to leave while it was starting
             worker.run()
             self.done = True
-        except BaseException:  # noqa: BLE001  (SystemExit from argparse too)
+        except BaseException as exc:  # noqa: BLE001  (SystemExit from argparse too)
             self.error = traceback.format_exc()
             print(self.error, flush=True)
-            if self.restarted or (worker is not None and worker.registered):
+            served = worker is not None and worker.registered
+            if cannot_restart(exc) and not served:
+                self.refused = True  # kept for `info`: Ray restarting it would not help
+            elif self.restarted or served:
                 time.sleep(RESTART_PAUSE_S)
                 os._exit(1)  # Ray restarts the actor
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "error": self.error, "done": self.done,
-                **dict(self.placement)}  # fmt: skip
+                "refused": self.refused, **dict(self.placement)}  # fmt: skip
 
     def drain(self) -> None:
         """Drain and leave, as `pdserve worker` on SIGTERM (`RayWorkers.drain`)."""
@@ -150,6 +156,7 @@ class RayWorkers:
         self.info_refs: dict[str, object] = {}
         self.pending: dict[str, tuple[float, str]] = {}  # not yet started: since, what it needs
         self.draining: set[str] = set()  # asked to drain and leave (scale-down)
+        self.unfixable: dict[str, str] = {}  # worker -> the error no restart can fix
         self.stopping = threading.Event()
 
     def start(self, worker_id, role, cpus, router, engine_argv, transport, tp: int = 1) -> None:
@@ -236,6 +243,10 @@ class RayWorkers:
             self.info_refs[wid] = self.actors[wid].info.remote()  # ask again next time
         return None
 
+    def refused(self) -> tuple[str, str] | None:
+        """(worker id, error) of a worker that cannot serve as configured (`WorkerProcs`)."""
+        return next(iter(self.unfixable.items()), None)
+
     def drain(self, worker_id: str) -> None:
         """Have the worker drain and leave; its actor is removed once it has (`supervise`)."""
         actor = self.actors.get(worker_id)
@@ -256,6 +267,10 @@ class RayWorkers:
                     except self.ray.exceptions.RayError:
                         continue  # dead or restarting: Ray handles it
                     pid = info["pid"]
+                    if info["refused"] and wid not in self.unfixable:
+                        self.unfixable[wid] = info["error"]
+                        print(f"pdserve serve: worker {wid} cannot serve as configured and is "
+                              f"not restarted:\n{info['error']}", flush=True)  # fmt: skip
                     if info["done"]:
                         self.remove(wid)
                         print(f"pdserve serve: worker {wid} drained and left; its actor is "

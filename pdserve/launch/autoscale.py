@@ -23,11 +23,14 @@ from collections.abc import Callable
 import numpy as np
 
 from pdserve.bench.metrics import SLO
+from pdserve.flags import config_values
+from pdserve.launch.flags import SCALE_FLAGS
 from pdserve.router import metrics
-from pdserve.sim.autoscale import Autoscaler, Observation, ScaleBounds, ScalePolicy, calibrated
+from pdserve.sim.autoscale import Autoscaler, Observation, calibrated
 from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.hardware import Accelerator, Link
 from pdserve.sim.latency import Efficiency
+from pdserve.sim.scale_policy import ScaleBounds, ScalePolicy
 
 log = logging.getLogger("pdserve.autoscale")
 ROLES = ("prefill", "decode")
@@ -199,10 +202,8 @@ def make_autoscaler(args, model_config) -> Autoscaler:
         raise ValueError("--autoscale needs its targets: give --slo-ttft and --slo-tpot (seconds)")
     bounds = ScaleBounds(args.prefill, args.max_prefill or args.prefill,
                          args.decode, args.max_decode or args.decode)  # fmt: skip
-    policy = ScalePolicy(
-        SLO(args.slo_ttft, args.slo_tpot), bounds,
-        interval_s=args.scale_interval, cooldown_s=args.scale_cooldown,
-    )  # fmt: skip
+    policy = ScalePolicy(SLO(args.slo_ttft, args.slo_tpot), bounds,
+                         **config_values(args, SCALE_FLAGS))  # fmt: skip
     base = Deployment(
         "disagg",
         max_num_seqs=args.max_num_seqs or Deployment.served("disagg").max_num_seqs,

@@ -14,6 +14,7 @@ instance.py    one simulated engine instance: scheduling, decode stretches
 fabric.py      KV transfer flows with shared bandwidth and layer-wise overlap
 simulator.py   the discrete-event loop; bench-shaped records and aggregates
 scaling.py     pools resized while it runs (a controller, start-up, drains); device-hours
+scale_policy.py the autoscaler's settings (pool bounds, interval, cooldown), cheap to import
 autoscale.py   the autoscaler's policy: P:D counts from observed load, by simulation
 stats.py       percentiles of weighted samples (pooled inter-token latencies)
 planner.py     the search behind `pdserve plan`

@@ -28,61 +28,22 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
-from pdserve.bench.metrics import SLO, stats
+from pdserve.bench.metrics import stats
 from pdserve.bench.workload import RequestSpec
 from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.latency import Batch
+from pdserve.sim.scale_policy import ScaleBounds as ScaleBounds  # its users import it from here
+from pdserve.sim.scale_policy import ScalePolicy
 from pdserve.sim.simulator import simulate
 
 CORRECTION_RANGE = (0.5, 4.0)  # observed / predicted beyond this is noise or a transient
 CORRECTION_SMOOTHING = 0.5  # weight of the newest ratio
 NO_BETTER = 1.05  # when no count meets a target: the fewest within 5 % of the most's p90
-
-
-@dataclass(frozen=True)
-class ScaleBounds:
-    """Pool sizes the autoscaler stays within (`--prefill/--decode` .. `--max-*`)."""
-
-    min_prefill: int = 1
-    max_prefill: int = 1
-    min_decode: int = 1
-    max_decode: int = 1
-
-    def __post_init__(self) -> None:
-        if self.min_prefill < 0 or self.min_decode < 1:
-            raise ValueError("autoscaling needs --prefill >= 0 and --decode >= 1 workers")
-        if self.max_prefill < self.min_prefill:
-            raise ValueError(f"--max-prefill ({self.max_prefill}) must be >= --prefill "
-                             f"({self.min_prefill})")  # fmt: skip
-        if self.max_decode < self.min_decode:
-            raise ValueError(f"--max-decode ({self.max_decode}) must be >= --decode "
-                             f"({self.min_decode})")  # fmt: skip
-
-    def clamp(self, prefill: int, decode: int) -> tuple[int, int]:
-        return (min(self.max_prefill, max(self.min_prefill, prefill)),
-                min(self.max_decode, max(self.min_decode, decode)))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ScalePolicy:
-    slo: SLO
-    bounds: ScaleBounds
-    interval_s: float = 5.0  # how often it decides
-    cooldown_s: float = 30.0  # how long a lower target must hold before a pool shrinks
-    headroom: float = 0.8  # plan for p90s at most this share of the SLO
-    horizon_s: float = 60.0  # seconds of the observed load each prediction simulates
-    max_sim_requests: int = 1500  # ... at most this many requests
-
-    def __post_init__(self) -> None:
-        if not self.interval_s > 0 or self.cooldown_s < 0:
-            raise ValueError("--scale-interval must be > 0 and the cooldown >= 0 seconds")
-        if not 0 < self.headroom <= 1:
-            raise ValueError(f"headroom must be in (0, 1], got {self.headroom}")
 
 
 class Observation(NamedTuple):

@@ -8,11 +8,12 @@ import pytest
 
 from pdserve.bench.metrics import SLO
 from pdserve.bench.workload import RequestSpec
-from pdserve.sim.autoscale import Autoscaler, Observation, ScaleBounds, ScalePolicy, calibrated
+from pdserve.sim.autoscale import Autoscaler, Observation, calibrated
 from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.hardware import get_gpu, get_link
 from pdserve.sim.latency import Batch
 from pdserve.sim.models import get_model
+from pdserve.sim.scale_policy import ScaleBounds, ScalePolicy
 from pdserve.sim.scaling import Phase, controlled_by, simulate_scaled
 
 # Llama-3.1-70B on H100, TP 4 per instance: one prefill instance computes a 2,048-token prompt in

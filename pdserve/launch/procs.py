@@ -86,7 +86,7 @@ class WorkerProcs:
         transport: str,
         tp: int = 1,
     ) -> Child:
-        """Start a worker process pinned to `cpus`; its `tp` ranks share them (`engine/tp.py`
+        """Start a worker process pinned to `cpus`; its `tp` ranks share them (`engine/tp/rank.py`
         pins each rank to its part)."""
         cmd = [
             sys.executable, "-m", "pdserve.cli", "worker", "--role", role, "--router", router,

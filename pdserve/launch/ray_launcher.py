@@ -10,7 +10,8 @@ STRICT_PACK (one node: its ranks share host memory for the KV connectors), each 
 pool's resources; the actor (rank 0) runs in bundle 0 and starts its other ranks as processes on
 that node, whose cores the other bundles hold for them. The group is removed with the worker.
 
-`RayWorkers` has the interface of the local launcher's `WorkerProcs` that `serve` uses.
+`RayWorkers` has the interface of the local launcher's `WorkerProcs` that `serve` uses; the
+actor itself, which runs in Ray's worker process, is `launch/ray_actor.py`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ import logging
 import os
 import threading
 import time
-import traceback
-import warnings
 
 from pdserve import envs
-from pdserve.subprocs import cannot_restart
+from pdserve.launch.ray_actor import WorkerActor
 
 log = logging.getLogger("pdserve.launch")
 ROLE_LABEL = "pdserve/role"
@@ -35,7 +34,6 @@ INSTALL_HINT = (
 # what the actors inherit from `serve`'s environment (Ray starts them from its own)
 PASSED_ENV = ("PDSERVE_", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY", "HF_")
 PLACEMENT_WARNING_S = 20.0  # a worker Ray has not started by then is reported with its needs
-RESTART_PAUSE_S = 2.0  # a worker that fails after it served waits this long before Ray restarts it
 
 
 def import_ray():
@@ -59,68 +57,6 @@ def parse_resources(text: str | None, flag: str) -> dict[str, float] | None:
     ):
         raise ValueError(f"{flag}: expected a JSON object of resource amounts, got {text!r}")
     return {k: float(v) for k, v in value.items()}
-
-
-class WorkerActor:
-    """One worker in a Ray actor: `__init__` starts the worker's loop on a thread and returns
-    (Ray counts the actor alive once it does). If the loop fails after the worker has served,
-    the process exits so that Ray restarts the actor (`max_restarts`), which registers again
-    under the same worker id; a failure before that (a bad flag, a missing model), or one that
-    no restart can fix (refused by the router for its KV layout), is kept for `info`, so
-    `serve` reports it instead of Ray restarting it forever."""
-
-    def __init__(self, argv: list[str], public: bool) -> None:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        self.placement = (
-            ("ray_node_id", ctx.get_node_id()),
-            ("ray_actor_id", ctx.get_actor_id()),
-        )
-        if public:  # other hosts must reach this worker's KV receiver
-            argv = [*argv, "--kv-host", ray.util.get_node_ip_address()]
-        with warnings.catch_warnings():  # Ray's own use of a deprecated API inside it
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.restarted = ctx.was_current_actor_reconstructed
-        self.error: str | None = None
-        self.refused = False  # it cannot serve as configured (`subprocs.cannot_restart`)
-        self.worker = None
-        self.done = False  # the worker drained and left
-        self.leave = False  # asked to (`drain`)
-        self.thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
-        self.thread.start()
-
-    def _run(self, argv: list[str]) -> None:
-        from pdserve.cli import build_parser
-        from pdserve.launch.local import worker_config
-        from pdserve.serving.worker import Worker
-
-        worker = None
-        try:
-            args = build_parser().parse_args(["worker", *argv])
-            worker = self.worker = Worker(worker_config(args, placement=self.placement))
-            worker.drain_requested = self.leave  # asked to leave while it was starting
-            worker.run()
-            self.done = True
-        except BaseException as exc:  # noqa: BLE001  (SystemExit from argparse too)
-            self.error = traceback.format_exc()
-            print(self.error, flush=True)
-            served = worker is not None and worker.registered
-            if cannot_restart(exc) and not served:
-                self.refused = True  # kept for `info`: Ray restarting it would not help
-            elif self.restarted or served:
-                time.sleep(RESTART_PAUSE_S)
-                os._exit(1)  # Ray restarts the actor
-
-    def info(self) -> dict:
-        return {"pid": os.getpid(), "error": self.error, "done": self.done,
-                "refused": self.refused, **dict(self.placement)}  # fmt: skip
-
-    def drain(self) -> None:
-        """Drain and leave, as `pdserve worker` on SIGTERM (`RayWorkers.drain`)."""
-        self.leave = True
-        if self.worker is not None:
-            self.worker.drain_requested = True
 
 
 class RayWorkers:

@@ -1,12 +1,31 @@
 """What every launcher of local processes needs (torch-free: the router process uses it):
 a free port on this host, children that die with the process that started them, cores split
-among them, and a heap given back to the system once a burst of work is over."""
+among them, a heap given back to the system once a burst of work is over, and the exit status
+by which a worker tells its launcher that restarting it cannot help."""
 
 from __future__ import annotations
 
 import ctypes
 import signal
 import socket
+
+# The exit status of a worker that cannot serve as it is configured: the router refused it (its
+# KV layout, model or dtype differ from the workers already serving) or its flags or model are
+# wrong. Started again with the same command line it would fail the same way, so a launcher
+# stops (during start-up) or reports it and leaves it down (once serving) instead of
+# restarting it. 78 is EX_CONFIG of sysexits.h.
+EXIT_CONFIG = 78
+
+
+class WorkerRefused(RuntimeError):
+    """The router refused this worker's registration (`RegisterAck(ok=False)`, e.g. a KV layout
+    mismatch): the worker exits with `EXIT_CONFIG`."""
+
+
+def cannot_restart(exc: BaseException) -> bool:
+    """Whether `exc`, raised while a worker starts, is one a restart cannot fix: a refusal by
+    the router, or a wrong setting (ValueError) or model path (FileNotFoundError)."""
+    return isinstance(exc, WorkerRefused | ValueError | FileNotFoundError)
 
 
 def free_port() -> int:

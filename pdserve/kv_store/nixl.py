@@ -44,7 +44,7 @@ from pdserve.kv_store.protocol import (
     send_msg,
 )
 from pdserve.kv_transfer.base import KVLayout
-from pdserve.kv_transfer.nixl import (
+from pdserve.kv_transfer.nixl_agent import (
     NixlAgent,
     Peer,
     decode_peer_info,

@@ -1,5 +1,5 @@
-"""Starting a deployment: the `pdserve serve | router | worker` commands (flags in `cli`, what
-they do in `commands`), the local launcher that runs the router and worker processes on this
-machine (`local`), their supervision (`procs`), the Ray launcher that runs each worker as a Ray
-actor (`ray_launcher`), and the autoscaling loop of `serve --autoscale` (`autoscale`). The only
-layer that imports both `pdserve.router` and `pdserve.serving`."""
+"""Starting a deployment: the `pdserve serve | router | worker` commands (their parsers `cli`, flag
+tables `flags`, what they do `commands`), the local launcher (`local`: cores and GPUs per worker,
+waiting for registration, one worker process; `procs`: the subprocesses, supervised and
+restarted), the Ray launcher (`ray_launcher`, its actor `ray_actor`), and `serve --autoscale`'s
+loop (`autoscale`). The only layer that imports both `pdserve.router` and `pdserve.serving`."""

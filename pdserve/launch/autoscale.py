@@ -3,7 +3,7 @@
 Every `--scale-interval` seconds `AutoscaleLoop.tick` observes (the router's `Traffic`: arrivals
 with their lengths, refused ones too, and the TTFT/TPOT p90 clients saw; the prompt tokens
 queued for prefill; the live, draining and starting workers), refits the simulator's latency
-model to the speeds workers measure and report in heartbeats (`sim.autoscale.calibrated`), and
+model to the speeds workers measure and report in heartbeats (`sim.calibration.calibrated`), and
 asks the policy (`sim.autoscale.Autoscaler`, which simulates candidate P:D counts) for the
 counts to run. It acts through the launcher: a new worker is started (local process or Ray
 actor) and counts as "starting" until it has warmed up and registered, and only then receives
@@ -23,11 +23,15 @@ from collections.abc import Callable
 import numpy as np
 
 from pdserve.bench.metrics import SLO
+from pdserve.flags import config_values
+from pdserve.launch.flags import SCALE_FLAGS
 from pdserve.router import metrics
-from pdserve.sim.autoscale import Autoscaler, Observation, ScaleBounds, ScalePolicy, calibrated
+from pdserve.sim.autoscale import Autoscaler, Observation
+from pdserve.sim.calibration import calibrated
 from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.hardware import Accelerator, Link
 from pdserve.sim.latency import Efficiency
+from pdserve.sim.scale_policy import ScaleBounds, ScalePolicy
 
 log = logging.getLogger("pdserve.autoscale")
 ROLES = ("prefill", "decode")
@@ -199,10 +203,8 @@ def make_autoscaler(args, model_config) -> Autoscaler:
         raise ValueError("--autoscale needs its targets: give --slo-ttft and --slo-tpot (seconds)")
     bounds = ScaleBounds(args.prefill, args.max_prefill or args.prefill,
                          args.decode, args.max_decode or args.decode)  # fmt: skip
-    policy = ScalePolicy(
-        SLO(args.slo_ttft, args.slo_tpot), bounds,
-        interval_s=args.scale_interval, cooldown_s=args.scale_cooldown,
-    )  # fmt: skip
+    policy = ScalePolicy(SLO(args.slo_ttft, args.slo_tpot), bounds,
+                         **config_values(args, SCALE_FLAGS))  # fmt: skip
     base = Deployment(
         "disagg",
         max_num_seqs=args.max_num_seqs or Deployment.served("disagg").max_num_seqs,

@@ -10,19 +10,13 @@ from pathlib import Path
 
 from pdserve import envs
 from pdserve.config import EngineConfig
+from pdserve.engine.cli import ENGINE_FLAGS
+from pdserve.flags import config_values
+from pdserve.launch.flags import ROUTER_CONFIG_FLAGS
 from pdserve.router.config import RouterConfig
 
-ENGINE_FLAGS = (
-    "model",
-    "dtype",
-    "device",
-    "weights",
-    "kv_cache_gb",
-    "block_size",
-    "max_num_seqs",
-    "max_model_len",
-    "tensor_parallel_size",
-)
+# set per worker by serve (its pool's chunk size; threads follow its cores), never forwarded
+PER_WORKER_FLAGS = ("--chunk-size", "--threads")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -32,17 +26,9 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         autoscale_max = (max(args.prefill, args.max_prefill or 0),
                          max(args.decode, args.max_decode or 0))  # fmt: skip
     return RouterConfig(
-        control_host=args.control_host,
-        control_port=args.control_port,
-        mode=args.mode,
-        local_prefill_threshold=args.local_prefill_threshold,
+        **config_values(args, ROUTER_CONFIG_FLAGS),
         short_prefills_to_idle_pool=not args.keep_short_prefills_local,
-        lease_s=args.lease_s,
-        heartbeat_timeout_s=args.heartbeat_timeout_s,
         block_size=args.block_size,
-        max_inflight=args.max_inflight,
-        slo_ttft_s=args.slo_ttft,
-        slo_tpot_s=args.slo_tpot,
         autoscale_max=autoscale_max,
     )
 
@@ -99,15 +85,14 @@ def router(args) -> int:
 
 
 def engine_argv(args) -> list[str]:
+    """The engine flags serve gives every worker: those set (a default of None is left to the
+    worker), but for `PER_WORKER_FLAGS`."""
     argv = []
     for flag in ENGINE_FLAGS:
-        value = getattr(args, flag)
-        if value is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(value)]
-    if args.no_prefix_caching:
-        argv.append("--no-prefix-caching")
-    if args.enforce_eager:
-        argv.append("--enforce-eager")
+        value = getattr(args, flag.dest)
+        if flag.name in PER_WORKER_FLAGS or value is None or value is False:
+            continue
+        argv += [flag.name] if value is True else [flag.name, str(value)]
     return argv
 
 
@@ -166,12 +151,12 @@ def serve(args) -> int:
         )
     if args.step_log:  # the workers inherit it (pdserve.envs.step_log_dir)
         os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
-    from pdserve.launch.local import check_kv_compression, check_tensor_parallel
+    from pdserve.serving.worker_config import check_kv_compression, check_tensor_parallel
 
     tp = tensor_parallel_sizes(args)
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores, tp)
-    check_kv_compression(args)
+    check_kv_compression(args.kv_compression, args.kv_transport)
     for size in tp.values():
         check_tensor_parallel(size, args.kv_store or args.kv_store_endpoint)
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
@@ -252,8 +237,7 @@ def serve(args) -> int:
             )
         except RuntimeError as exc:
             print(f"pdserve serve: error: {exc}", flush=True)
-            os.kill(os.getpid(), 2)  # stop uvicorn; on_stop stops the other workers
-            return
+            return False  # uvicorn stops, serve exits 1; on_stop stops the other workers
         procs.forward_output()
         if autoscaler is not None:
             from pdserve.launch.autoscale import AutoscaleLoop
@@ -286,7 +270,11 @@ def serve(args) -> int:
 
 def worker(args) -> int:
     """`pdserve worker`: one engine process that joins a router."""
-    from pdserve.launch.local import pin_cpus, run_worker, worker_config
+    from pdserve.launch.local import config_error, pin_cpus, run_worker, worker_config
 
     n = pin_cpus(args.cpus)
-    return run_worker(worker_config(args, threads=args.threads or n))
+    try:
+        config = worker_config(args, threads=args.threads or n)
+    except (ValueError, FileNotFoundError) as exc:  # a restart would not fix them
+        return config_error(exc)
+    return run_worker(config)

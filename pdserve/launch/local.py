@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve import envs
-from pdserve.subprocs import split_cores
+from pdserve.subprocs import EXIT_CONFIG, WorkerRefused, cannot_restart, split_cores
 
 log = logging.getLogger("pdserve.serve")
 
@@ -30,22 +30,6 @@ def pin_cpus(cpus: str | None) -> int | None:
     return len(ids)
 
 
-def check_kv_compression(args) -> None:
-    if args.kv_compression != "none" and args.kv_transport != "tcp":
-        raise ValueError(
-            f"--kv-compression {args.kv_compression} needs --kv-transport tcp: the nixl "
-            "transport moves raw blocks (the receiver reads them in place)"
-        )
-
-
-def check_tensor_parallel(size: int, kv_store) -> None:
-    if size > 1 and kv_store:
-        raise ValueError(
-            "a tensor-parallel worker (size > 1) cannot use a KV store yet: the store keeps "
-            "whole blocks of one rank's cache. Run it without --kv-store, or at size 1"
-        )
-
-
 def worker_config(args, threads: int | None = None, placement: tuple = ()):
     """The WorkerConfig of `pdserve worker`'s flags (the Ray launcher's actors use it too)."""
     from dataclasses import replace
@@ -53,9 +37,7 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
     from pdserve.engine.cli import engine_config_from_args
     from pdserve.serving.worker_config import WorkerConfig
 
-    check_kv_compression(args)
     engine = engine_config_from_args(args, role=args.role)
-    check_tensor_parallel(engine.tensor_parallel_size, args.kv_store)
     if threads or args.threads:
         engine = replace(engine, num_threads=threads or args.threads)
     if args.role == "prefill":  # in chunks: an abort (its client left) stops between them
@@ -78,23 +60,41 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
 
 
 def run_worker(config) -> int:
+    """Run one worker until it stops. Its exit status: 0 once it drained or was told to stop;
+    `EXIT_CONFIG` when it cannot serve as configured (refused by the router, a wrong setting
+    or model: `subprocs.cannot_restart`), so that its launcher does not restart it; 2 for
+    another error (no router answered, a failure after it served)."""
     from pdserve.serving.build import build_worker
 
-    worker = build_worker(config)
-
-    def on_term(*_) -> None:  # drain; a second SIGTERM stops at once
-        worker.running = worker.running and not worker.drain_requested
-        worker.drain_requested = True
-
-    signal.signal(signal.SIGTERM, on_term)
+    worker = None
     try:
+        worker = build_worker(config)
+        signal.signal(signal.SIGTERM, _drain_on_term(worker))
         worker.run()
-    except RuntimeError as exc:
+        if worker.refused:  # a router refused it on registering again: do not loop
+            return config_error(WorkerRefused(worker.refused))
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:
+        if cannot_restart(exc) and not (worker is not None and worker.registered):
+            return config_error(exc)
         print(f"pdserve worker: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _drain_on_term(worker):
+    def on_term(*_) -> None:  # drain; a second SIGTERM stops at once
+        worker.running = worker.running and not worker.drain_requested
+        worker.drain_requested = True
+
+    return on_term
+
+
+def config_error(exc: Exception) -> int:
+    """`pdserve worker` given settings it cannot run with: say why, exit `EXIT_CONFIG`."""
+    print(f"pdserve worker: error: {exc}", file=sys.stderr, flush=True)
+    return EXIT_CONFIG
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,9 @@ async def wait_ready(core, procs, n_prefill: int, n_decode: int, timeout_s: floa
     """Wait until the router has every worker of the plan; `core.ready` (GET /health) waits
     for the same. A worker that exits before any has registered fails the start-up (a wrong
     flag, a missing model: restarting would not help); once one has registered, the launcher
-    supervises them all, and one that exits is restarted like any failed worker."""
+    supervises them all, and one that exits is restarted like any failed worker, unless it
+    cannot serve as configured (`procs.refused`: its KV layout refused by the router, a wrong
+    setting): that fails the start-up too."""
     core.expected = (n_prefill, n_decode)
     deadline = time.monotonic() + timeout_s
     supervising = False
@@ -161,6 +163,8 @@ async def wait_ready(core, procs, n_prefill: int, n_decode: int, timeout_s: floa
             supervising = True
         if (not supervising or procs.start_failures_are_final) and (dead := procs.failed()):
             raise RuntimeError(f"worker {dead[0]} failed to start:\n{dead[1]}")
+        if dead := procs.refused():
+            raise RuntimeError(f"worker {dead[0]} cannot serve as configured:\n{dead[1]}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers did not register within {timeout_s:.0f}s")
     if not supervising:
@@ -168,7 +172,8 @@ async def wait_ready(core, procs, n_prefill: int, n_decode: int, timeout_s: floa
 
 
 def serve_forever(app, host: str, port: int, on_ready=None, on_stop=None, drain=None) -> int:
-    """Runs uvicorn with the router app; on_ready(port) after startup; on_stop on exit. With
+    """Runs uvicorn with the router app; on_ready(port) after startup (returning False: the
+    start-up failed, stop with exit status 1); on_stop on exit. With
     `drain` (a coroutine function), SIGTERM first awaits it (the server stops admitting and
     lets what it admitted finish), then stops: exit status 0. SIGINT, or a second SIGTERM,
     stops at once."""
@@ -203,13 +208,13 @@ def serve_forever(app, host: str, port: int, on_ready=None, on_stop=None, drain=
                 return task.result()
             await asyncio.sleep(0.05)
         bound = server.servers[0].sockets[0].getsockname()[1]
-        if on_ready:
-            await on_ready(bound)
+        failed = on_ready is not None and await on_ready(bound) is False
+        server.should_exit = server.should_exit or failed
         await task
+        return 1 if failed else 0
 
     try:
-        asyncio.run(main())
+        return asyncio.run(main()) or 0
     finally:
         if on_stop:
             on_stop()
-    return 0

@@ -3,6 +3,9 @@ while the server runs is restarted with the same command line, after a backoff t
 each crash in the last `RestartPolicy.window_s` (1 s, 2 s, 4 s ... at most 30 s), and every exit
 is reported with the process's last lines of output. A restarted worker warms up, registers again
 under its id and serves; the router migrates or re-prefills what it held, as for any lost worker.
+A worker that exits with `subprocs.EXIT_CONFIG` cannot serve as configured (the router refused
+its KV layout, a wrong setting or model): it is reported and left down, and during start-up
+`serve` stops with its error (`refused`), since a restart would fail the same way.
 The KV store is not restarted (workers treat a store that is gone as "compute it"); `pdserve
 serve --no-restart` leaves restarting to an outside supervisor (systemd, Kubernetes).
 """
@@ -18,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.subprocs import die_with_parent
+from pdserve.subprocs import EXIT_CONFIG, die_with_parent
 
 log = logging.getLogger("pdserve.serve")
 TAIL_LINES = 40  # of each process's output, kept for the report when it exits
@@ -53,6 +56,7 @@ class Child:
     restarts: int = 0
     gone: bool = False  # exited, reported, not to be restarted
     draining: bool = False  # sent SIGTERM to leave (scale-down): not restarted whatever its exit
+    refused: str | None = None  # its last output, when it exited with EXIT_CONFIG
     pump: threading.Thread | None = None
 
 
@@ -82,7 +86,7 @@ class WorkerProcs:
         transport: str,
         tp: int = 1,
     ) -> Child:
-        """Start a worker process pinned to `cpus`; its `tp` ranks share them (`engine/tp.py`
+        """Start a worker process pinned to `cpus`; its `tp` ranks share them (`engine/tp/rank.py`
         pins each rank to its part)."""
         cmd = [
             sys.executable, "-m", "pdserve.cli", "worker", "--role", role, "--router", router,
@@ -166,6 +170,13 @@ class WorkerProcs:
                 return child.name, "".join(child.tail)
         return None
 
+    def refused(self) -> tuple[str, str] | None:
+        """(name, its last output) of the first worker that cannot serve as configured."""
+        for child in self.children:
+            if child.refused is not None:
+                return child.name, child.refused
+        return None
+
     # -- supervision -----------------------------------------------------------------------
     def supervise(self, interval_s: float = 0.5) -> threading.Thread:
         """Watch the children on a thread of its own until `stop`."""
@@ -204,6 +215,14 @@ class WorkerProcs:
         if child.draining:  # asked to leave before it was ready (SIGTERM during start-up)
             child.gone = True
             print(f"pdserve serve: {child.name} stopped (code {code}); not restarted", flush=True)
+            return
+        if code == EXIT_CONFIG:
+            child.gone, child.refused = True, last
+            print(
+                f"pdserve serve: {child.name} cannot serve as configured (exit code {code}) and "
+                f"is not restarted: it would fail the same way; its last output:\n{last}",
+                flush=True,
+            )
             return
         if not child.restart:
             child.gone = True

@@ -10,7 +10,8 @@ STRICT_PACK (one node: its ranks share host memory for the KV connectors), each 
 pool's resources; the actor (rank 0) runs in bundle 0 and starts its other ranks as processes on
 that node, whose cores the other bundles hold for them. The group is removed with the worker.
 
-`RayWorkers` has the interface of the local launcher's `WorkerProcs` that `serve` uses.
+`RayWorkers` has the interface of the local launcher's `WorkerProcs` that `serve` uses; the
+actor itself, which runs in Ray's worker process, is `launch/ray_actor.py`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import logging
 import os
 import threading
 import time
-import traceback
-import warnings
 
 from pdserve import envs
+from pdserve.launch.ray_actor import WorkerActor
 
 log = logging.getLogger("pdserve.launch")
 ROLE_LABEL = "pdserve/role"
@@ -34,7 +34,6 @@ INSTALL_HINT = (
 # what the actors inherit from `serve`'s environment (Ray starts them from its own)
 PASSED_ENV = ("PDSERVE_", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY", "HF_")
 PLACEMENT_WARNING_S = 20.0  # a worker Ray has not started by then is reported with its needs
-RESTART_PAUSE_S = 2.0  # a worker that fails after it served waits this long before Ray restarts it
 
 
 def import_ray():
@@ -58,63 +57,6 @@ def parse_resources(text: str | None, flag: str) -> dict[str, float] | None:
     ):
         raise ValueError(f"{flag}: expected a JSON object of resource amounts, got {text!r}")
     return {k: float(v) for k, v in value.items()}
-
-
-class WorkerActor:
-    """One worker in a Ray actor: `__init__` starts the worker's loop on a thread and returns
-    (Ray counts the actor alive once it does). If the loop fails after the worker has served,
-    the process exits so that Ray restarts the actor (`max_restarts`), which registers again
-    under the same worker id; a failure before that (a bad flag, a missing model) is kept for
-    `info`, so `serve` reports it instead of Ray restarting it forever."""
-
-    def __init__(self, argv: list[str], public: bool) -> None:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        self.placement = (
-            ("ray_node_id", ctx.get_node_id()),
-            ("ray_actor_id", ctx.get_actor_id()),
-        )
-        if public:  # other hosts must reach this worker's KV receiver
-            argv = [*argv, "--kv-host", ray.util.get_node_ip_address()]
-        with warnings.catch_warnings():  # Ray's own use of a deprecated API inside it
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.restarted = ctx.was_current_actor_reconstructed
-        self.error: str | None = None
-        self.worker = None
-        self.done = False  # the worker drained and left
-        self.leave = False  # asked to (`drain`)
-        self.thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
-        self.thread.start()
-
-    def _run(self, argv: list[str]) -> None:
-        from pdserve.cli import build_parser
-        from pdserve.launch.local import worker_config
-        from pdserve.serving.build import build_worker
-
-        worker = None
-        try:
-            args = build_parser().parse_args(["worker", *argv])
-            worker = self.worker = build_worker(worker_config(args, placement=self.placement))
-            worker.drain_requested = self.leave  # asked to leave while it was starting
-            worker.run()
-            self.done = True
-        except BaseException:  # noqa: BLE001  (SystemExit from argparse too)
-            self.error = traceback.format_exc()
-            print(self.error, flush=True)
-            if self.restarted or (worker is not None and worker.registered):
-                time.sleep(RESTART_PAUSE_S)
-                os._exit(1)  # Ray restarts the actor
-
-    def info(self) -> dict:
-        return {"pid": os.getpid(), "error": self.error, "done": self.done,
-                **dict(self.placement)}  # fmt: skip
-
-    def drain(self) -> None:
-        """Drain and leave, as `pdserve worker` on SIGTERM (`RayWorkers.drain`)."""
-        self.leave = True
-        if self.worker is not None:
-            self.worker.drain_requested = True
 
 
 class RayWorkers:
@@ -150,6 +92,7 @@ class RayWorkers:
         self.info_refs: dict[str, object] = {}
         self.pending: dict[str, tuple[float, str]] = {}  # not yet started: since, what it needs
         self.draining: set[str] = set()  # asked to drain and leave (scale-down)
+        self.unfixable: dict[str, str] = {}  # worker -> the error no restart can fix
         self.stopping = threading.Event()
 
     def start(self, worker_id, role, cpus, router, engine_argv, transport, tp: int = 1) -> None:
@@ -236,6 +179,10 @@ class RayWorkers:
             self.info_refs[wid] = self.actors[wid].info.remote()  # ask again next time
         return None
 
+    def refused(self) -> tuple[str, str] | None:
+        """(worker id, error) of a worker that cannot serve as configured (`WorkerProcs`)."""
+        return next(iter(self.unfixable.items()), None)
+
     def drain(self, worker_id: str) -> None:
         """Have the worker drain and leave; its actor is removed once it has (`supervise`)."""
         actor = self.actors.get(worker_id)
@@ -256,6 +203,10 @@ class RayWorkers:
                     except self.ray.exceptions.RayError:
                         continue  # dead or restarting: Ray handles it
                     pid = info["pid"]
+                    if info["refused"] and wid not in self.unfixable:
+                        self.unfixable[wid] = info["error"]
+                        print(f"pdserve serve: worker {wid} cannot serve as configured and is "
+                              f"not restarted:\n{info['error']}", flush=True)  # fmt: skip
                     if info["done"]:
                         self.remove(wid)
                         print(f"pdserve serve: worker {wid} drained and left; its actor is "

@@ -29,8 +29,8 @@ from pdserve.model.fused import cpu_flags
 log = logging.getLogger(__name__)
 VERSION = 1  # of the measurement: a new one invalidates every cached table
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # row counts timed, in order
-MIN_CALLS, MAX_CALLS = 10, 200  # timed calls of each kernel per row count
-BUDGET_S = 0.05  # beyond MIN_CALLS, time spent per row count
+MIN_CALLS, MAX_CALLS = 20, 400  # timed calls of each kernel per row count
+BUDGET_S = 0.1  # beyond MIN_CALLS, time spent per row count
 MARGIN = 0.97  # the quantized kernel must be at least 3 % faster to be chosen
 
 
@@ -133,20 +133,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--remeasure", action="store_true", help="forget the cached tables first")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from pdserve.config import EngineConfig
-    from pdserve.engine.model_runner import ModelRunner
-    from pdserve.model.loader import load_model_files
+    from pdserve.model import quant
+    from pdserve.model.llama import LlamaModel
+    from pdserve.model.loader import load_int4_blocks, load_model_files
 
     cores = len(os.sched_getaffinity(0))
     threads = sorted({int(t) for t in args.threads.split(",")} if args.threads else {1, cores})
-    files = load_model_files(args.model)
+    files, cpu, dtype = load_model_files(args.model), torch.device("cpu"), torch.bfloat16
+    blocks = load_int4_blocks(files)
+    fmt = quant.resolve_format("auto", cpu, blocks, dtype)
+    model = LlamaModel(files.config, files.weights, dtype, cpu)
+    quant.quantize_model(model, fmt, blocks)
     for n in threads:
         torch.set_num_threads(n)
-        config = EngineConfig(model=args.model, num_threads=n, kv_cache_gb=0.01, enforce_eager=True)
         if args.remeasure:
-            table_path(torch.bfloat16, n).unlink(missing_ok=True)
-        runner = ModelRunner(config, files, 256, None)
-        print(f"{n} thread(s): {table_path(runner.dtype, n)}", flush=True)
+            table_path(dtype, n).unlink(missing_ok=True)
+        quant.set_kernel_rows(model, KernelRows(dtype, n))
+        print(f"{fmt}, {n} thread(s): {table_path(dtype, n)}", flush=True)
     torch.set_num_threads(cores)
 
 

@@ -204,7 +204,14 @@ def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks], rows=Non
             setattr(layer, attr, quantize_linear(getattr(layer, attr), fmt, blocks))
     model.lm_head = Int8Linear(model.lm_head.weight)
     if rows is not None:
-        linears = [getattr(layer, attr) for layer in model.layers for attr in FUSED]
-        for linear in [*linears, model.lm_head]:
+        set_kernel_rows(model, rows)
+
+
+def set_kernel_rows(model, rows) -> None:
+    """Give each quantized linear of `model` its shape's max_rows from `rows` (measuring the
+    shapes it lacks, then saving it)."""
+    linears = [getattr(layer, attr) for layer in model.layers for attr in FUSED]
+    for linear in [*linears, model.lm_head]:
+        if isinstance(linear, _Quantized):
             linear.max_rows = rows.max_rows(linear.format, linear)
-        rows.save()
+    rows.save()

@@ -26,7 +26,7 @@ from pdserve.serving.prefill_side import PrefillSide
 from pdserve.serving.router_link import RouterLink, Routers
 from pdserve.serving.store_link import StoreLink
 from pdserve.serving.worker_config import WorkerConfig
-from pdserve.subprocs import trim_heap
+from pdserve.subprocs import WorkerRefused, trim_heap
 
 log = logging.getLogger("pdserve.worker")
 PUSH_POLL_S = 0.002  # an idle prefill worker with pushes in flight reads the router this often
@@ -55,6 +55,7 @@ class Worker:
         self.registered = False  # a router has accepted this worker once
         self.drain_requested = False  # set by SIGTERM (a signal handler: just a flag)
         self.draining_since: float | None = None
+        self.refused: str | None = None  # why a router refused it while serving
 
     # -- control plane -------------------------------------------------------------------
     def send(self, msg) -> None:
@@ -92,8 +93,8 @@ class Worker:
                 if not isinstance(ack, m.RegisterAck):
                     continue
                 if not ack.ok:
-                    raise RuntimeError(f"the router at {link.endpoint} refused this worker: "
-                                       f"{ack.error}")  # fmt: skip
+                    raise WorkerRefused(f"the router at {link.endpoint} refused this worker: "
+                                        f"{ack.error}")  # fmt: skip
                 link.seen = time.monotonic()
                 self.registered = True
                 return
@@ -138,8 +139,9 @@ class Worker:
                 self.abort(msg.request_id)
             case m.Reset():
                 self.reset(link)
-            case m.RegisterAck(ok=False):
+            case m.RegisterAck(ok=False):  # registering again: no restart fixes it either
                 log.error("the router refused this worker: %s", msg.error)
+                self.refused = f"the router at {link.endpoint} refused this worker: {msg.error}"
                 self.running = False
             case m.Shutdown():  # the worker stops once every router it serves has
                 link.shut_down = True

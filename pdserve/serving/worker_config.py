@@ -40,16 +40,8 @@ class WorkerConfig:
             raise ValueError(
                 f"unknown --kv-compression {self.kv_compression!r}: choose one of {KV_COMPRESSIONS}"
             )
-        if self.kv_compression != "none" and self.kv_transport != "tcp":
-            raise ValueError(
-                f"--kv-compression {self.kv_compression} needs --kv-transport tcp: the nixl "
-                "transport moves raw blocks (the receiver reads them in place)"
-            )
-        if self.engine.tensor_parallel_size > 1 and self.kv_store:
-            raise ValueError(
-                "a tensor-parallel worker (size > 1) cannot use a KV store yet: the store keeps "
-                "whole blocks of one rank's cache. Run it without --kv-store, or at size 1"
-            )
+        check_kv_compression(self.kv_compression, self.kv_transport)
+        check_tensor_parallel(self.engine.tensor_parallel_size, self.kv_store)
         for name in ("transfer_timeout_s", "router_timeout_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 flag = "--" + name.replace("_", "-")
@@ -59,3 +51,21 @@ class WorkerConfig:
     def compression(self) -> str | None:
         """The sender's wire compression (None: raw blocks)."""
         return None if self.kv_compression == "none" else self.kv_compression
+
+
+def check_kv_compression(compression: str, transport: str) -> None:
+    """(`pdserve serve` checks this too, before it starts any worker.)"""
+    if compression != "none" and transport != "tcp":
+        raise ValueError(
+            f"--kv-compression {compression} needs --kv-transport tcp: the nixl "
+            "transport moves raw blocks (the receiver reads them in place)"
+        )
+
+
+def check_tensor_parallel(size: int, kv_store: str | None) -> None:
+    """(`pdserve serve` checks this too, before it starts any worker.)"""
+    if size > 1 and kv_store:
+        raise ValueError(
+            "a tensor-parallel worker (size > 1) cannot use a KV store yet: the store keeps "
+            "whole blocks of one rank's cache. Run it without --kv-store, or at size 1"
+        )

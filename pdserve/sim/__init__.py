@@ -6,7 +6,8 @@ kvmath.py      KV bytes per token/prompt (GQA, MQA, MLA; fp32..int4), transfer t
 kvsize.py      `pdserve kv-size` output
 latency.py     roofline per forward pass with fitted efficiencies (LatencyModel)
 profile.py     timing the real engine and fitting the efficiencies
-calibration.py this machine's FLOP/s, bandwidths, and the profile JSON file
+calibration.py this machine's FLOP/s, bandwidths, and the profile JSON file; a cluster fitted
+               to the speeds serving workers measure (`calibrated`)
 deployment.py  what is simulated: Cluster (hardware, model, ServingOverhead), Deployment
 overhead.py    the serving path's overhead, fitted to probe requests against a real server
 served.py      the engine's efficiencies refitted to the steps a served engine logged
@@ -14,6 +15,7 @@ instance.py    one simulated engine instance: scheduling, decode stretches
 fabric.py      KV transfer flows with shared bandwidth and layer-wise overlap
 simulator.py   the discrete-event loop; bench-shaped records and aggregates
 scaling.py     pools resized while it runs (a controller, start-up, drains); device-hours
+scale_policy.py the autoscaler's settings (pool bounds, interval, cooldown), cheap to import
 autoscale.py   the autoscaler's policy: P:D counts from observed load, by simulation
 stats.py       percentiles of weighted samples (pooled inter-token latencies)
 planner.py     the search behind `pdserve plan`

@@ -1,4 +1,5 @@
-"""This machine as a simulator target: measured peak FLOP/s and memory bandwidth, the profile JSON.
+"""This machine as a simulator target: measured peak FLOP/s and memory bandwidth, the profile JSON,
+and a cluster's speeds fitted to what serving workers measure (`calibrated`, for the autoscaler).
 
 A profile file holds the measured CPU "hardware" entry, the engine model's shape and dtype, the
 raw timings and the fitted `Efficiency`, and optionally ("serving", added by `save_overhead`)
@@ -9,18 +10,19 @@ needs (an `Accelerator`, a `ModelSpec`, an `Efficiency`, the weight dtype, the o
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from pdserve.sim.deployment import Cluster, ServingOverhead
 from pdserve.sim.hardware import Accelerator, Link
-from pdserve.sim.latency import Efficiency
+from pdserve.sim.latency import Batch, Efficiency
 from pdserve.sim.models import ModelSpec
 from pdserve.sim.overhead import OverheadFit
 from pdserve.sim.profile import PROFILE_VERSION, Fit, Point
@@ -209,3 +211,54 @@ def _profile_doc(path: str | Path) -> dict:
     """The JSON of the valid profile at `path` (ValueError as `load_profile` when not)."""
     load_profile(path)
     return json.loads(Path(path).read_text())
+
+
+def calibrated(
+    cluster: Cluster,
+    prompt_tokens: float,
+    prefill_tok_s: float | None,
+    decode_batch: int,
+    context_tokens: float,
+    decode_step_s: float | None,
+    tp: int = 1,
+) -> Cluster:
+    """`cluster` with its device's FLOP/s and memory bandwidth scaled so that the latency model
+    gives the measured speeds: a prefill of `prompt_tokens` at `prefill_tok_s`, a decode step
+    of `decode_batch` sequences of `context_tokens` each in `decode_step_s` (what workers report
+    in their heartbeats, at TP `tp`). A speed not measured (None or 0) leaves its factor as
+    is."""
+    n = int(prompt_tokens)
+    step = Batch(decode_batch, decode_batch, 0, decode_batch * context_tokens, decode_batch)
+
+    def prefill_s(c: Cluster) -> float:
+        return c.latency(tp).prefill(n)
+
+    def decode_s(c: Cluster) -> float:
+        return c.latency(tp).iteration(step)
+
+    for _ in range(3):  # the two factors interact a little through the roofline's max
+        if prefill_tok_s and n >= 1:
+            cluster = _with(cluster, flops=_solve(cluster, prefill_s, n / prefill_tok_s, "flops"))
+        if decode_step_s and decode_batch >= 1:
+            cluster = _with(cluster, mem=_solve(cluster, decode_s, decode_step_s, "mem"))
+    return cluster
+
+
+def _with(cluster: Cluster, flops: float = 1.0, mem: float = 1.0) -> Cluster:
+    a = cluster.accel
+    return replace(cluster, accel=replace(
+        a, peak_flops=a.peak_flops * flops, mem_bytes_per_s=a.mem_bytes_per_s * mem))  # fmt: skip
+
+
+def _solve(cluster: Cluster, seconds, want: float, which: str) -> float:
+    """The factor k (1e-4 .. 1e4) on the device's `which` (flops or mem) at which the
+    decreasing `seconds(cluster scaled by k)` is closest to `want` (bisection on a log scale;
+    fixed costs may make `want` unreachable: the bound is kept)."""
+    lo, hi = math.log(1e-4), math.log(1e4)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if seconds(_with(cluster, **{which: math.exp(mid)})) > want:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2)

@@ -1,4 +1,4 @@
-"""Tensor parallelism (`engine/tp.py`): an engine of N ranks (real processes, gloo) gives the
+"""Tensor parallelism (`engine/tp/`): an engine of N ranks (real processes, gloo) gives the
 greedy tokens of one rank, and logprobs within a stated tolerance, for every N the model's head
 counts allow: KV heads split (N divides them) and replicated (N a multiple of them). Sizes that
 cannot split a model are refused before any process starts, with the sizes that would."""

@@ -12,7 +12,8 @@ from pdserve.launch.autoscale import AutoscaleLoop
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.traffic import Traffic
-from pdserve.sim.autoscale import Decision, ScaleBounds, ScalePolicy
+from pdserve.sim.autoscale import Decision
+from pdserve.sim.scale_policy import ScaleBounds, ScalePolicy
 
 
 class Policy:

@@ -1,5 +1,5 @@
 """The autoscaler's policy (`pdserve.sim.autoscale`) on a GPU preset, alone and driving a short
-simulated ramp (`pdserve.sim.scaling`), and `calibrated`."""
+simulated ramp (`pdserve.sim.scaling`)."""
 
 import re
 
@@ -8,11 +8,11 @@ import pytest
 
 from pdserve.bench.metrics import SLO
 from pdserve.bench.workload import RequestSpec
-from pdserve.sim.autoscale import Autoscaler, Observation, ScaleBounds, ScalePolicy, calibrated
+from pdserve.sim.autoscale import Autoscaler, Observation
 from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.hardware import get_gpu, get_link
-from pdserve.sim.latency import Batch
 from pdserve.sim.models import get_model
+from pdserve.sim.scale_policy import ScaleBounds, ScalePolicy
 from pdserve.sim.scaling import Phase, controlled_by, simulate_scaled
 
 # Llama-3.1-70B on H100, TP 4 per instance: one prefill instance computes a 2,048-token prompt in
@@ -111,16 +111,3 @@ def test_pools_grow_during_a_ramp_and_shrink_after_it():
     end = max(r.arrival_s + r.e2e_s for r in run.result.records)
     assert run.device_s < (top + max(d for _, d in counts.values())) * 4 * end
     assert run.result.aggregates["slo_attainment"] > 0.5
-
-
-def test_calibrated_reproduces_the_measured_speeds():
-    cluster = Cluster(get_model("llama-3.1-8b"), get_gpu("h100"), get_link("ib-ndr"))
-    prompt, tok_s, batch, context, step_s = 2048, 9000.0, 16, 1024, 0.030
-    fitted = calibrated(cluster, prompt, tok_s, batch, context, step_s)
-    lat = fitted.latency(1)
-    assert prompt / lat.prefill(prompt) == pytest.approx(tok_s, rel=0.05)
-    step = Batch(batch, batch, 0, batch * context, batch)
-    assert lat.iteration(step) == pytest.approx(step_s, rel=0.05)
-    # A speed not measured keeps its factor.
-    only_prefill = calibrated(cluster, prompt, tok_s, batch, context, None)
-    assert only_prefill.accel.mem_bytes_per_s == cluster.accel.mem_bytes_per_s

@@ -1,0 +1,122 @@
+"""A rank's place in a tensor-parallel group and its collectives over gloo: the all-reduce of
+the partial sums, rank 0's broadcast of each step (`codec.py`), a gather, and the KV caches of
+every rank as rank 0 sees them (the others' in shared memory: `shm.py`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.tp.codec import Step, decode, encode
+from pdserve.engine.tp.shard import TPShard
+from pdserve.engine.tp.shm import map_caches, shared_caches
+from pdserve.model.attention import AttentionMetadata
+
+INIT_TIMEOUT_S = 300.0  # for the other ranks to start, load and join
+
+
+class TPGroup:
+    """This process's place in the group and its collectives."""
+
+    def __init__(self, shard: TPShard, port: int, procs: list[subprocess.Popen] | None = None):
+        """Join the group's gloo process group (rank 0 hosts its rendezvous at `port`). The
+        group is this engine's own, not torch.distributed's default one: a process may hold
+        several engines (tests do)."""
+        self.shard, self.procs = shard, procs or []
+        self.restore: tuple[set[int], int] | None = None  # rank 0: its cores and threads before
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            shard.size,
+            shard.rank == 0,
+            timeout=timedelta(seconds=INIT_TIMEOUT_S),
+        )
+        options = dist.ProcessGroupGloo._Options()
+        # no timeout on steps: an idle engine's ranks wait for the next one as long as it takes;
+        # a rank that dies closes its sockets, which fails the others' collectives at once
+        options._timeout = timedelta(days=365)
+        # the ranks are one host's processes: their pairs (the steps' inputs) stay on it
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        self._pg = dist.ProcessGroupGloo(self._store, shard.rank, shard.size, options)
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks (in float32: gloo and the sum order alike)."""
+        if self.size == 1:
+            return x
+        total = x.float()
+        self._pg.allreduce([total]).wait()
+        return total.to(x.dtype)
+
+    def broadcast(self, obj, kind=None):
+        """Rank 0 sends `obj` to every rank and returns it; the others return it decoded as
+        `kind` (msgspec: typed, no pickle; tensors and arrays as dtype, shape and bytes)."""
+        data = encode(obj) if self.shard.rank == 0 else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([data.numel()])
+        self._pg.broadcast(size, 0).wait()
+        if self.shard.rank != 0:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        self._pg.broadcast(data, 0).wait()
+        return obj if self.shard.rank == 0 else decode(data, kind)
+
+    def gather(self, obj, kind: type) -> list:
+        """Every rank's `obj` (of type `kind`), in rank order, on every rank."""
+        data = encode(obj)
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
+        self._pg.allgather([sizes], [torch.tensor([data.numel()])]).wait()
+        longest = max(int(s) for s in sizes)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        self._pg.allgather([out], [padded]).wait()
+        return [decode(o[: int(s)], kind) for o, s in zip(out, sizes, strict=True)]
+
+    def send_step(self, input_ids, positions, meta: AttentionMetadata) -> None:
+        """Rank 0: the step's inputs to the other ranks (`follow`)."""
+        self.broadcast(Step(input_ids, positions, meta.slot_mapping, meta.num_decodes,
+                            meta.decode_groups, meta.prefills))  # fmt: skip
+
+    def caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int):
+        """This rank's KV cache (K and V: `num_layers` tensors of `shape` each), and on rank 0
+        every rank's, in rank order. Collective: every rank calls it at once. The other ranks'
+        are `shared_caches` that rank 0 maps."""
+        if self.shard.rank == 0:
+            mine = [torch.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]
+            handle = None
+        else:
+            mine, handle = shared_caches(shape, dtype, num_layers)
+        handles = self.gather(handle, tuple[int, int] | None)
+        ranks = [_split(mine, num_layers)]
+        if self.shard.rank == 0:
+            for pid, fd in handles[1:]:
+                ranks.append(_split(map_caches(pid, fd, shape, dtype, num_layers), num_layers))
+        return ranks
+
+    def close(self) -> None:
+        """Rank 0: the other ranks stop (they leave their loop and exit)."""
+        if self.shard.rank == 0 and self._pg is not None:
+            try:
+                self.broadcast(None)  # no Step: stop
+            except RuntimeError:
+                pass  # a rank is gone already
+        self._pg = self._store = None
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if self.restore is not None:  # this process lives on (tests): unpin it
+            os.sched_setaffinity(0, self.restore[0])
+            torch.set_num_threads(self.restore[1])
+            self.restore = None
+
+
+def _split(tensors: list[torch.Tensor], num_layers: int):
+    return tensors[:num_layers], tensors[num_layers:]

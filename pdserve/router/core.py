@@ -10,15 +10,15 @@ A local request is Admit(remote=False) to D, then Tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
 import time
 
-import msgspec
-
 from pdserve.kv_transfer.base import KVLayoutMismatch
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.router import admission, metrics, placement
 from pdserve.router.config import RouterConfig
 from pdserve.router.control import Channel, ControlSocket
@@ -186,7 +186,7 @@ class RouterCore:
         state.decode_id, state.prefill_id, state.remote = decode.worker_id, None, False
         decode.inflight.add(state.request_id)
         # the client has the prompt logprobs already (they came with the first token)
-        params = msgspec.structs.replace(state.params, max_tokens=remaining, prompt_logprobs=None)
+        params = dataclasses.replace(state.params, max_tokens=remaining, prompt_logprobs=None)
         replay = state.prompt + state.tokens
         admit = m.Admit(
             state.request_id, replay, params, False, self.config.lease_s, len(state.tokens)
@@ -223,7 +223,9 @@ class RouterCore:
         return min(lens) if lens else None
 
     # -- requests --------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: m.Params, near: str | None = None) -> RequestState:
+    def submit(
+        self, prompt: list[int], params: SamplingParams, near: str | None = None
+    ) -> RequestState:
         """Place a validated request; its events arrive on the returned state's queue.
         `near`: the decode worker where a request with the same prompt got its first token
         (n > 1): this one goes there and uses the KV it holds (`placement.place`).

@@ -5,6 +5,7 @@ the whole answer or its SSE stream, and the request metrics."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -12,15 +13,13 @@ import json
 import logging
 import time
 from contextlib import aclosing
-from typing import NamedTuple
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.guided import GuideSpec
-from pdserve.model.tokenizer import IncrementalDecoder, Tokenizer
-from pdserve.protocol import messages as m
+from pdserve.engine.stops import TextStream
+from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import metrics, tools
 from pdserve.router import protocol as p
 from pdserve.router.admission import Overloaded
@@ -28,8 +27,8 @@ from pdserve.router.core import RouterCore
 from pdserve.router.fairness import Gate, RateLimits, Ticket
 from pdserve.router.output import Choice, Piece
 from pdserve.router.placement import NoWorker
+from pdserve.router.plans import Plan, chat_plan, check_token_ids, completion_plan
 from pdserve.router.state import RequestState
-from pdserve.router.stop import StopChecker
 from pdserve.router.traffic import Traffic
 
 log = logging.getLogger("pdserve.router")
@@ -122,12 +121,6 @@ class Frontend:
                 code="model_not_found",
             )
 
-    def check_token_ids(self, ids, param: str) -> None:
-        if any(not 0 <= t < self.tok.vocab_size for t in ids):
-            raise p.APIError(
-                400, f"{param} must be token ids in [0, {self.tok.vocab_size})", param=param
-            )
-
     def chat_ids(
         self, req, tool_list: list | None, add_generation_prompt: bool = True
     ) -> list[int]:
@@ -142,65 +135,15 @@ class Frontend:
     def prepare(self, req, chat: bool) -> Plan:
         """Validate a parsed request against the model and turn it into a Plan (400s here)."""
         self.check_model(req.model)
-        guide, tools_on, echo = p.guide_of(req), False, None
-        if chat:
-            ids, tools_on, tool_guide = self.render(req)
-            if tool_guide is not None and guide is not None:
-                raise p.APIError(
-                    400,
-                    "tool_choice required or named constrains the output, and so does "
-                    "response_format; send one of them",
-                    param="tool_choice",
-                )
-            guide = guide or tool_guide
-            max_tokens = (
-                req.max_completion_tokens
-                if req.max_completion_tokens is not None
-                else req.max_tokens
-            )
-            want_logprobs, k = bool(req.logprobs), req.top_logprobs or 0
-        else:
-            prompt = p.prompt_of(req)
-            ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            max_tokens = 16 if req.max_tokens is None else req.max_tokens
-            self.check_token_ids(ids, "prompt")
-            if req.echo:
-                echo = prompt if isinstance(prompt, str) else self.tok.decode(ids)
-            want_logprobs, k = req.logprobs is not None, req.logprobs or 0
         window = self.core.max_model_len
         if window is None:
             raise p.APIError(
                 503, "no worker is ready yet; retry shortly", headers={"Retry-After": "1"}
             )
-        if len(ids) >= window:
-            raise p.APIError(
-                400,
-                f"the prompt has {len(ids)} tokens but the context window is {window}: "
-                f"shorten it to at most {window - 1} tokens",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        self.check_token_ids(req.stop_token_ids or (), "stop_token_ids")
-        keep_output = max_tokens != 0  # 0: completions with echo, the prompt's logprobs only
-        max_tokens = min(max_tokens or window - len(ids), window - len(ids))
-        params = m.Params(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            seed=req.seed,
-            ignore_eos=req.ignore_eos,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
-            logit_bias=p.logit_bias_of(req, self.tok.vocab_size),
-            logprobs=k if want_logprobs else None,
-            prompt_logprobs=k if want_logprobs and echo is not None else None,
-            guide=guide,
-        )
-        return Plan(ids, params, req.n, p.stop_list(req), chat, want_logprobs, tools_on, echo,
-                    keep_output)  # fmt: skip
+        if not chat:
+            return completion_plan(req, self.tok, window)
+        ids, tools_on, tool_guide = self.render(req)
+        return chat_plan(req, ids, tools_on, tool_guide, self.tok.vocab_size, window)
 
     def tokenize(self, req: p.TokenizeRequest) -> dict:
         """vLLM's answer shape (`count`, `max_model_len`, `tokens`), which holds llama.cpp's."""
@@ -221,7 +164,7 @@ class Frontend:
     def detokenize(self, req: p.DetokenizeRequest) -> dict:
         """vLLM's `prompt` and llama.cpp's `content`: the same text."""
         self.check_model(req.model)
-        self.check_token_ids(req.tokens, "tokens")
+        check_token_ids(req.tokens, "tokens", self.tok.vocab_size)
         text = self.tok.decode(req.tokens)
         return {"prompt": text, "content": text}
 
@@ -262,7 +205,7 @@ class Frontend:
         """Yields a Piece per token; raises APIError on a worker failure or timeout. With
         `request` (non-streaming), a client that hangs up is noticed within a second (the
         caller's `finally` then aborts the request on its workers)."""
-        dec, stop = IncrementalDecoder(self.tok), StopChecker(stops)
+        text = TextStream(self.tok, stops, self.eos)
         deadline = time.monotonic() + self.request_timeout_s
         next_check = time.monotonic() + 0.5
         while True:
@@ -283,14 +226,14 @@ class Frontend:
                 retry = {"Retry-After": "2"} if ev[1] == 503 else None
                 raise p.APIError(ev[1], ev[2], headers=retry)
             _, token, finish, logprobs = ev
-            text = stop.push(dec.push(token)) if token is not None and token not in self.eos else ""
-            if stop.hit:
-                yield Piece(text, "stop", token, logprobs)
+            delta = text.push(token)
+            if text.hit:
+                yield Piece(delta, "stop", token, logprobs)
                 return
             if finish is not None:
-                yield Piece(text + stop.flush(), finish, token, logprobs)
+                yield Piece(delta + text.flush(), finish, token, logprobs)
                 return
-            yield Piece(text, None, token, logprobs)
+            yield Piece(delta, None, token, logprobs)
 
     async def pieces(self, plan: Plan, states: list, i: int, request: Request | None):
         """Choice i's pieces. Choices after the first are submitted once the first has its
@@ -299,9 +242,9 @@ class Frontend:
         if i > 0:
             await states[0].started.wait()
             seed = None if plan.params.seed is None else (plan.params.seed + i) % 2**63
-            params = msgspec.structs.replace(plan.params, seed=seed, prompt_logprobs=None)
+            params = dataclasses.replace(plan.params, seed=seed, prompt_logprobs=None)
             states[i] = self.submit(plan.ids, params, near=states[0].decode_id)
-        async for piece in self.events(states[i], plan.stops, request):
+        async for piece in self.events(states[i], plan.params.stop, request):
             yield piece
 
     async def choices(self, plan: Plan, states: list, request: Request | None):
@@ -430,20 +373,6 @@ class Frontend:
             yield p.sse("[DONE]")
         finally:  # also runs when the client disconnects (the generator is closed)
             self.close(states, status, ticket)
-
-
-class Plan(NamedTuple):
-    """A validated request: what to submit (n times) and how to shape the answer."""
-
-    ids: list[int]
-    params: m.Params
-    n: int
-    stops: tuple[str, ...]
-    chat: bool
-    want_logprobs: bool
-    tools: bool  # the answer may be a tool call: parse it
-    echo: str | None  # completions with echo: the prompt's text
-    keep_output: bool  # False: max_tokens=0 with echo, the prompt alone is the answer
 
 
 async def merge(gens: list):

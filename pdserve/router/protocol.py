@@ -11,9 +11,9 @@ import msgspec
 from pdserve.engine.guided import GuideSpec, check_spec
 from pdserve.router.tools import Tool, ToolCall, ToolChoice
 
-MAX_BODY_BYTES = 8 << 20
+MAX_BODY_BYTES = 8 << 20  # checked as the body is read (Frontend.read_body)
 MAX_N = 16  # choices per request
-MAX_LOGPROBS = 20  # top logprobs per token (vLLM's limit; OpenAI's is 5 on completions)
+MAX_STOPS = 4  # stop strings per request (OpenAI's limit)
 
 
 class APIError(Exception):
@@ -67,7 +67,9 @@ class StructuredOutputs(_Strict):
     grammar: str | None = None
 
 
-class _Sampling(_Strict):
+class SamplingFields(_Strict):
+    """The fields both generation endpoints take; their ranges are SamplingParams' own."""
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -108,7 +110,7 @@ class _Sampling(_Strict):
     parallel_tool_calls: bool | None = None
 
 
-class CompletionRequest(_Sampling, kw_only=True):
+class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[int | str | list[int]]  # text, token ids, or a batch of one
     echo: bool = False
     logprobs: int | None = None  # the chosen token's and this many top logprobs (0..20)
@@ -127,7 +129,7 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
 
 
-class ChatRequest(_Sampling, kw_only=True):
+class ChatRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -155,9 +157,8 @@ class DetokenizeRequest(_Strict):
 
 
 def parse(body: bytes, kind: type):
-    """Decode and validate a request body; APIError(400) saying what to change otherwise."""
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+    """Decode and validate a request body (read within MAX_BODY_BYTES); APIError(400) saying
+    what to change otherwise."""
     try:
         req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -179,7 +180,7 @@ def parse(body: bytes, kind: type):
     except UnicodeDecodeError:
         raise APIError(400, "the body is not valid UTF-8; send UTF-8 encoded JSON") from None
     _check_unsupported(req)
-    _check_sampling(req)
+    _check_request(req)
     return req
 
 
@@ -206,7 +207,7 @@ UNSUPPORTED = {
 
 
 def _check_unsupported(req) -> None:
-    if not isinstance(req, _Sampling):
+    if not isinstance(req, SamplingFields):
         return
     for name, (allowed, message) in UNSUPPORTED.items():
         if getattr(req, name) not in allowed:
@@ -219,11 +220,12 @@ def _check_unsupported(req) -> None:
         )
 
 
-def _check_sampling(req) -> None:
-    if not isinstance(req, _Sampling):
+def _check_request(req) -> None:
+    """The rules of the OpenAI request itself; the sampling parameters' ranges are checked when
+    they are made (SamplingParams, router/plans.py)."""
+    if not isinstance(req, SamplingFields):
         return
     chat = isinstance(req, ChatRequest)
-    top = req.top_logprobs if chat else req.logprobs
     checks = [
         (not 1 <= req.n <= MAX_N, "n", f"n must be in [1, {MAX_N}]"),
         (
@@ -237,35 +239,11 @@ def _check_sampling(req) -> None:
             "max_completion_tokens",
             "max_completion_tokens must be >= 1",
         ),
-        (not 0 <= req.temperature <= 2, "temperature", "temperature must be between 0 and 2"),
         (abs(req.priority) >= 2**31, "priority", "priority must be in (-2^31, 2^31)"),
-        (not 0 < req.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
-        (not 0 <= req.top_k < 2**31, "top_k", "top_k must be in [0, 2^31) (0 = off)"),
-        (req.seed is not None and not 0 <= req.seed < 2**63, "seed", "seed must be in [0, 2^63)"),
         (
             req.max_tokens is not None and req.max_tokens >= 2**31,
             "max_tokens",
             "max_tokens must be < 2^31",
-        ),
-        (
-            not -2 <= req.presence_penalty <= 2,
-            "presence_penalty",
-            "presence_penalty must be in [-2, 2]",
-        ),
-        (
-            not -2 <= req.frequency_penalty <= 2,
-            "frequency_penalty",
-            "frequency_penalty must be in [-2, 2]",
-        ),
-        (
-            not 0 < req.repetition_penalty <= 2,
-            "repetition_penalty",
-            "repetition_penalty must be in (0, 2] (1 = off)",
-        ),
-        (
-            top is not None and not 0 <= top <= MAX_LOGPROBS,
-            "top_logprobs" if chat else "logprobs",
-            f"{'top_logprobs' if chat else 'logprobs'} must be in [0, {MAX_LOGPROBS}]",
         ),
         (
             chat and req.top_logprobs is not None and not req.logprobs,
@@ -273,21 +251,19 @@ def _check_sampling(req) -> None:
             "top_logprobs needs logprobs=true",
         ),
         (
-            any(t < 0 for t in req.stop_token_ids or ()),
-            "stop_token_ids",
-            "stop_token_ids must be token ids (>= 0)",
+            len(stop_list(req)) > MAX_STOPS,
+            "stop",
+            f"stop takes up to {MAX_STOPS} non-empty strings",
         ),
     ]
     for bad, param, message in checks:
         if bad:
             raise APIError(400, message, param=param)
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise APIError(400, "stop takes up to 4 non-empty strings", param="stop")
 
 
-def logit_bias_of(req: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias in [-100, 100]} as (id, bias) pairs; 400 if malformed."""
+def logit_bias_of(req: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; 400 for a key that is not a token id
+    (SamplingParams checks the biases)."""
     out = []
     for key, bias in (req.logit_bias or {}).items():
         if not key.isdigit() or int(key) >= vocab_size:
@@ -296,13 +272,11 @@ def logit_bias_of(req: _Sampling, vocab_size: int) -> tuple[tuple[int, float], .
                 f"logit_bias keys are token ids in [0, {vocab_size}) as strings; got {key!r}",
                 param="logit_bias",
             )
-        if not -100 <= bias <= 100:
-            raise APIError(400, "logit_bias values must be in [-100, 100]", param="logit_bias")
         out.append((int(key), float(bias)))
     return tuple(out)
 
 
-def guide_of(req: _Sampling) -> GuideSpec | None:
+def guide_of(req: SamplingFields) -> GuideSpec | None:
     """The output constraint a request asks for (response_format, structured_outputs, or the
     guided_* extensions; at most one), compiled once to refuse a bad one with a 400."""
     asked = []
@@ -364,7 +338,7 @@ def _spec(kind: str, value) -> GuideSpec:
     return GuideSpec(kind, value)
 
 
-def stop_list(req: _Sampling) -> tuple[str, ...]:
+def stop_list(req: SamplingFields) -> tuple[str, ...]:
     return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
 
 

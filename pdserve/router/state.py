@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 
 
 @dataclass
@@ -52,7 +53,7 @@ class WorkerInfo:
 class RequestState:
     request_id: str
     prompt: list[int]
-    params: m.Params
+    params: SamplingParams
     remote: bool
     decode_id: str | None = None
     prefill_id: str | None = None

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.router.state import RequestState
 
 from .conftest import load, pending, worker
 
-PARAMS = m.Params(max_tokens=8)
+PARAMS = SamplingParams(max_tokens=8)
 
 
 def _disagg(core, decoders=("d0", "d1")):
@@ -88,7 +89,7 @@ def test_a_lost_decode_worker_migrates_with_the_streamed_tokens_skipped(core):
     state.deliver(0, 70, None)
     state.deliver(1, 71, None)
     c.worker_lost(c.workers["d0"], "test")
-    params = m.Params(max_tokens=6)  # 8 - the 2 tokens already streamed
+    params = SamplingParams(max_tokens=6)  # 8 - the 2 tokens already streamed
     admit = m.Admit("r0", [1] * 10 + [70, 71], params, False, 120.0, skip_tokens=2)
     assert c.channel.take() == [("d1", admit)]
     assert state.decode_id == "d1" and state.migrations == 1 and not c.workers["d0"].inflight

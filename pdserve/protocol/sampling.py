@@ -1,5 +1,5 @@
 """SamplingParams: the one sampling type, from the router's OpenAI mapping
-(router/openai_api/sampling.py) through the control messages (Admit, Prefill) into the engine's
+(router/openai_api/plans.py) through the control messages (Admit, Prefill) into the engine's
 sampler, and the offline API's `pdserve.SamplingParams`. Validated here, once, when it is made
 (also when a worker decodes it off the wire); a bad value raises SamplingError naming the field,
 which the router answers with a 400 for that field.

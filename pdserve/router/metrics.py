@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import REGISTRY
@@ -100,3 +102,20 @@ def register_workers(core) -> WorkerCollector:
     collector = WorkerCollector(core)
     REGISTRY.register(collector)
     return collector
+
+
+def observe_request(state, status: str) -> tuple[float | None, float | None]:
+    """Count a finished request (a RequestState) by status and observe its latencies; its
+    (TTFT, TPOT) when it had a first token (and a second)."""
+    REQUESTS.labels(status).inc()
+    ttft = tpot = None
+    if state.first_token_at:
+        ttft = state.first_token_at - state.created
+        TTFT.observe(ttft)
+        TTFT_BY_CACHE.labels("warm" if state.warm else "cold").observe(ttft)
+        n = len(state.tokens)
+        if n > 1:
+            tpot = (state.last_token_at - state.first_token_at) / (n - 1)
+            ITL.observe(tpot)
+    E2E.observe(time.monotonic() - state.created)
+    return ttft, tpot

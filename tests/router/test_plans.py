@@ -6,8 +6,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pdserve.router import protocol as p
-from pdserve.router.plans import chat_plan, completion_plan
+from pdserve.router.openai_api.errors import APIError
+from pdserve.router.openai_api.plans import chat_plan, completion_plan
+from pdserve.router.openai_api.schemas import ChatRequest, CompletionRequest
+from pdserve.router.openai_api.validation import parse
 
 
 class Tok:
@@ -20,13 +22,13 @@ class Tok:
         return "".join(chr(i) for i in ids)
 
 
-def completion(**fields) -> p.CompletionRequest:
-    return p.parse(msgspec.json.encode({"prompt": "hello", **fields}), p.CompletionRequest)
+def completion(**fields) -> CompletionRequest:
+    return parse(msgspec.json.encode({"prompt": "hello", **fields}), CompletionRequest)
 
 
-def chat(**fields) -> p.ChatRequest:
+def chat(**fields) -> ChatRequest:
     messages = [{"role": "user", "content": "hi"}]
-    return p.parse(msgspec.json.encode({"messages": messages, **fields}), p.ChatRequest)
+    return parse(msgspec.json.encode({"messages": messages, **fields}), ChatRequest)
 
 
 def test_completion_plan_maps_the_request():
@@ -61,7 +63,7 @@ def test_chat_plan_maps_top_logprobs():
     ],
 )
 def test_a_bad_value_is_a_400_naming_the_field(make, fields, param, message):
-    with pytest.raises(p.APIError) as caught:
+    with pytest.raises(APIError) as caught:
         if make is completion:
             completion_plan(make(**fields), Tok(), 64)
         else:
@@ -71,5 +73,5 @@ def test_a_bad_value_is_a_400_naming_the_field(make, fields, param, message):
 
 
 def test_a_prompt_over_the_window_is_refused():
-    with pytest.raises(p.APIError, match="context window is 4"):
+    with pytest.raises(APIError, match="context window is 4"):
         completion_plan(completion(), Tok(), 4)

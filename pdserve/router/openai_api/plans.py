@@ -10,7 +10,10 @@ from typing import NamedTuple
 from pdserve.engine.guided import GuideSpec
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.protocol.sampling import SamplingError, SamplingParams
-from pdserve.router import protocol as p
+from pdserve.router.openai_api import fields
+from pdserve.router.openai_api.errors import APIError
+from pdserve.router.openai_api.guides import guide_of
+from pdserve.router.openai_api.schemas import ChatRequest, CompletionRequest, SamplingFields
 
 
 class Plan(NamedTuple):
@@ -26,9 +29,9 @@ class Plan(NamedTuple):
     keep_output: bool  # False: max_tokens=0 with echo, the prompt alone is the answer
 
 
-def completion_plan(req: p.CompletionRequest, tok: Tokenizer, window: int) -> Plan:
+def completion_plan(req: CompletionRequest, tok: Tokenizer, window: int) -> Plan:
     """/v1/completions: a prompt (text or token ids), optionally echoed with its logprobs."""
-    prompt = p.prompt_of(req)
+    prompt = fields.prompt_of(req)
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
     check_token_ids(ids, "prompt", tok.vocab_size)
     check_window(ids, window)
@@ -43,7 +46,7 @@ def completion_plan(req: p.CompletionRequest, tok: Tokenizer, window: int) -> Pl
         max_tokens=output_budget(asked, ids, window),
         logprobs=k if want_logprobs else None,
         prompt_logprobs=k if want_logprobs and echo is not None else None,
-        guide=p.guide_of(req),
+        guide=guide_of(req),
     )
     return Plan(
         ids, params, req.n, chat=False, want_logprobs=want_logprobs, tools=False, echo=echo,
@@ -52,15 +55,15 @@ def completion_plan(req: p.CompletionRequest, tok: Tokenizer, window: int) -> Pl
 
 
 def chat_plan(
-    req: p.ChatRequest, ids: list[int], tools_on: bool, tool_guide: GuideSpec | None,
+    req: ChatRequest, ids: list[int], tools_on: bool, tool_guide: GuideSpec | None,
     vocab_size: int, window: int,
 ) -> Plan:  # fmt: skip
     """/v1/chat/completions, its conversation rendered into `ids` (`tools_on`: the answer may
     be a tool call; `tool_guide`: tool_choice required or named forces one)."""
     check_window(ids, window)
-    guide = p.guide_of(req)
+    guide = guide_of(req)
     if tool_guide is not None and guide is not None:
-        raise p.APIError(
+        raise APIError(
             400,
             "tool_choice required or named constrains the output, and so does "
             "response_format; send one of them",
@@ -83,7 +86,7 @@ def chat_plan(
 
 
 def sampling_params(
-    req: p.SamplingFields, vocab_size: int, renamed: dict[str, str] | None = None, **endpoint
+    req: SamplingFields, vocab_size: int, renamed: dict[str, str] | None = None, **endpoint
 ) -> SamplingParams:
     """The request's SamplingParams: the fields both endpoints share, and `endpoint`'s own
     (max_tokens, logprobs, ...). An out-of-range value is a 400 naming the request's field
@@ -95,18 +98,18 @@ def sampling_params(
             top_k=req.top_k,
             top_p=req.top_p,
             seed=req.seed,
-            stop=p.stop_list(req),
+            stop=fields.stop_list(req),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
-            logit_bias=p.logit_bias_of(req, vocab_size),
+            logit_bias=fields.logit_bias_of(req, vocab_size),
             **endpoint,
         )
     except SamplingError as exc:
         param = (renamed or {}).get(exc.param, exc.param)
-        raise p.APIError(400, f"{param} {exc.rule}", param=param) from None
+        raise APIError(400, f"{param} {exc.rule}", param=param) from None
 
 
 def output_budget(asked: int | None, ids: list[int], window: int) -> int:
@@ -118,7 +121,7 @@ def output_budget(asked: int | None, ids: list[int], window: int) -> int:
 
 def check_window(ids: list[int], window: int) -> None:
     if len(ids) >= window:
-        raise p.APIError(
+        raise APIError(
             400,
             f"the prompt has {len(ids)} tokens but the context window is {window}: "
             f"shorten it to at most {window - 1} tokens",
@@ -129,4 +132,4 @@ def check_window(ids: list[int], window: int) -> None:
 
 def check_token_ids(ids, param: str, vocab_size: int) -> None:
     if any(not 0 <= t < vocab_size for t in ids):
-        raise p.APIError(400, f"{param} must be token ids in [0, {vocab_size})", param=param)
+        raise APIError(400, f"{param} must be token ids in [0, {vocab_size})", param=param)

@@ -18,7 +18,7 @@ from pdserve.router.openai_api.errors import APIError
 from pdserve.router.openai_api.plans import Plan
 from pdserve.router.openai_api.responses import usage
 from pdserve.router.output import Choice, Piece
-from pdserve.router.state import RequestState
+from pdserve.router.state import ErrorEvent, RequestState, TokenEvent
 
 
 class ClientGone(Exception):
@@ -62,18 +62,19 @@ class Answer:
                 ev = await asyncio.wait_for(state.events.get(), min(left, 0.5))
             except TimeoutError:
                 continue
-            if ev[0] == "error":  # a 503 (its worker lost, no other) is worth a retry
-                retry = {"Retry-After": "2"} if ev[1] == 503 else None
-                raise APIError(ev[1], ev[2], headers=retry)
-            _, token, finish, logprobs = ev
-            delta = text.push(token)
-            if text.hit:
-                yield Piece(delta, "stop", token, logprobs)
-                return
-            if finish is not None:
-                yield Piece(delta + text.flush(), finish, token, logprobs)
-                return
-            yield Piece(delta, None, token, logprobs)
+            match ev:
+                case ErrorEvent(status, message):  # a 503 (its worker lost, no other): retry
+                    retry = {"Retry-After": "2"} if status == 503 else None
+                    raise APIError(status, message, headers=retry)
+                case TokenEvent(token, finish, logprobs):
+                    delta = text.push(token)
+                    if text.hit:
+                        yield Piece(delta, "stop", token, logprobs)
+                        return
+                    if finish is not None:
+                        yield Piece(delta + text.flush(), finish, token, logprobs)
+                        return
+                    yield Piece(delta, None, token, logprobs)
 
     async def pieces(self, i: int, request: Request | None):
         """Choice i's pieces. Choices after the first are submitted once the first has its
@@ -91,9 +92,11 @@ class Answer:
     async def choices(self, request: Request | None):
         """(Choice, Piece) as they come, from all n choices (an echoed prompt first)."""
         plan = self.plan
+        shape = dict(
+            want_logprobs=plan.want_logprobs, tools=plan.tools, keep_output=plan.keep_output
+        )
         out = [
-            Choice(i, plan.chat, self.token_text, plan.want_logprobs, plan.tools, plan.keep_output)
-            for i in range(plan.n)
+            Choice(i, chat=plan.chat, token_text=self.token_text, **shape) for i in range(plan.n)
         ]
         started = set()
         gens = [self.pieces(i, request) for i in range(plan.n)]

@@ -5,7 +5,7 @@ endpoints share, so adding a knob is its schema field, a line there, and the sam
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from pdserve.engine.guided import GuideSpec
 from pdserve.model.tokenizer import Tokenizer
@@ -16,7 +16,8 @@ from pdserve.router.openai_api.guides import guide_of
 from pdserve.router.openai_api.schemas import ChatRequest, CompletionRequest, SamplingFields
 
 
-class Plan(NamedTuple):
+@dataclass(frozen=True, kw_only=True)
+class Plan:
     """A validated request: what to submit (n times) and how to shape the answer."""
 
     ids: list[int]
@@ -49,8 +50,8 @@ def completion_plan(req: CompletionRequest, tok: Tokenizer, window: int) -> Plan
         guide=guide_of(req),
     )
     return Plan(
-        ids, params, req.n, chat=False, want_logprobs=want_logprobs, tools=False, echo=echo,
-        keep_output=asked != 0,  # 0: completions with echo, the prompt's logprobs only
+        ids=ids, params=params, n=req.n, chat=False, want_logprobs=want_logprobs, tools=False,
+        echo=echo, keep_output=asked != 0,  # 0: completions with echo, the prompt's logprobs only
     )  # fmt: skip
 
 
@@ -80,8 +81,8 @@ def chat_plan(
         renamed={"logprobs": "top_logprobs"},
     )
     return Plan(
-        ids, params, req.n, chat=True, want_logprobs=want_logprobs, tools=tools_on, echo=None,
-        keep_output=True,
+        ids=ids, params=params, n=req.n, chat=True, want_logprobs=want_logprobs, tools=tools_on,
+        echo=None, keep_output=True,
     )  # fmt: skip
 
 

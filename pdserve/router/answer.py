@@ -6,23 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Callable
 from contextlib import aclosing
 
-from fastapi import Request
-
 from pdserve.engine.stops import TextStream
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.router.client_watch import ClientGone
 from pdserve.router.openai_api.errors import APIError
 from pdserve.router.openai_api.plans import Plan
 from pdserve.router.openai_api.responses import usage
 from pdserve.router.output import Choice, Piece
-from pdserve.router.state import ErrorEvent, RequestState, TokenEvent
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
+from pdserve.router.state import ClientLeft, ErrorEvent, RequestState, TokenEvent
 
 
 class Answer:
@@ -42,27 +36,25 @@ class Answer:
         self.plan, self.submit, self.tok = plan, submit, tokenizer
         self.token_text, self.eos, self.timeout_s = token_text, eos, timeout_s
         self.states: list[RequestState | None] = [first] + [None] * (plan.n - 1)
+        self.gone = False  # the client left (client_left)
 
-    async def events(self, state: RequestState, request: Request | None = None):
-        """Yields a Piece per token; raises APIError on a worker failure or timeout. With
-        `request` (non-streaming), a client that hangs up is noticed within a second (the
-        caller's `finally` then aborts the request on its workers)."""
+    async def events(self, state: RequestState):
+        """Yields a Piece per token; raises APIError on a worker failure or timeout, ClientGone
+        once the client has left (`client_left`; the caller's `finally` then aborts the
+        request on its workers)."""
         text = TextStream(self.tok, self.plan.params.stop, self.eos)
-        deadline = time.monotonic() + self.timeout_s
-        next_check = time.monotonic() + 0.5
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise APIError(504, f"the request did not finish within {self.timeout_s:.0f}s")
-            if request is not None and time.monotonic() >= next_check:
-                next_check = time.monotonic() + 0.5
-                if await request.is_disconnected():
-                    raise ClientGone
             try:
-                ev = await asyncio.wait_for(state.events.get(), min(left, 0.5))
+                async with asyncio.timeout_at(deadline):
+                    ev = await state.events.get()
             except TimeoutError:
-                continue
+                raise APIError(
+                    504, f"the request did not finish within {self.timeout_s:.0f}s"
+                ) from None
             match ev:
+                case ClientLeft():
+                    raise ClientGone
                 case ErrorEvent(status, message):  # a 503 (its worker lost, no other): retry
                     retry = {"Retry-After": "2"} if status == 503 else None
                     raise APIError(status, message, headers=retry)
@@ -76,7 +68,15 @@ class Answer:
                         return
                     yield Piece(delta, None, token, logprobs)
 
-    async def pieces(self, i: int, request: Request | None):
+    def client_left(self) -> None:
+        """The client disconnected: every choice's events end (with ClientGone) now, whether
+        or not a token is on its way."""
+        self.gone = True
+        for state in self.states:
+            if state is not None:
+                state.events.put_nowait(ClientLeft())
+
+    async def pieces(self, i: int):
         """Choice i's pieces. Choices after the first are submitted once the first has its
         first token, to its decode worker, where they find the prompt's KV in the prefix
         cache (computed, and with P/D transferred, once); each gets seed + i."""
@@ -86,10 +86,12 @@ class Answer:
             seed = None if plan.params.seed is None else (plan.params.seed + i) % 2**63
             params = dataclasses.replace(plan.params, seed=seed, prompt_logprobs=None)
             states[i] = self.submit(plan.ids, params, near=states[0].decode_id)
-        async for piece in self.events(states[i], request):
+            if self.gone:
+                states[i].events.put_nowait(ClientLeft())
+        async for piece in self.events(states[i]):
             yield piece
 
-    async def choices(self, request: Request | None):
+    async def choices(self):
         """(Choice, Piece) as they come, from all n choices (an echoed prompt first)."""
         plan = self.plan
         shape = dict(
@@ -99,7 +101,7 @@ class Answer:
             Choice(i, chat=plan.chat, token_text=self.token_text, **shape) for i in range(plan.n)
         ]
         started = set()
-        gens = [self.pieces(i, request) for i in range(plan.n)]
+        gens = [self.pieces(i) for i in range(plan.n)]
         async with aclosing(merge(gens)) as merged:  # closed early: its tasks are cancelled
             async for i, piece in merged:
                 if plan.echo is not None and i not in started:

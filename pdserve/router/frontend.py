@@ -1,7 +1,8 @@
 """Frontend: one OpenAI request from body to answer over RouterCore: who it is (auth.py), its
 body read and checked (openai_api/validation.py) and made into a Plan (openai_api/plans.py),
 admission (a fair turn at capacity, rate limits), submission, the answer as its tokens arrive
-(answer.py) returned whole or as an SSE stream, and the request's metrics; draining on SIGTERM."""
+(answer.py) returned whole or as an SSE stream, a client that leaves noticed at once
+(client_watch.py: its request aborted on its workers), the request's metrics; draining."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import metrics
 from pdserve.router.admission import Overloaded
-from pdserve.router.answer import Answer, ClientGone
+from pdserve.router.answer import Answer
 from pdserve.router.auth import Auth
+from pdserve.router.client_watch import ClientGone, ClientWatch
 from pdserve.router.core import RouterCore
 from pdserve.router.fairness import Gate, RateLimits, Ticket
 from pdserve.router.openai_api import responses
@@ -112,7 +114,10 @@ class Frontend:
                 503, "no decode worker is available; retry shortly", headers={"Retry-After": "2"}
             ) from None
 
-    def close(self, answer: Answer, status: str, ticket: Ticket) -> None:
+    def close(self, answer: Answer, status: str, ticket: Ticket, watch: ClientWatch) -> None:
+        """The answer ended (`status`): its slots back, its requests forgotten (aborted on
+        their workers unless they finished), its metrics."""
+        watch.stop()
         self.gate.leave(ticket)
         for state in answer.states:
             if state is not None:
@@ -136,10 +141,19 @@ class Frontend:
         req = parse(await read_body(request), ChatRequest if chat else CompletionRequest)
         plan = self.prepare(req, chat)
         arrival = self.traffic.arrived(len(plan.ids), plan.params.max_tokens)
-        ticket = await self.admit(request, req, key, plan.n)
+        watch = ClientWatch(request)  # from here on, a client that leaves is noticed at once
+        try:
+            ticket = await watch.unless_gone(self.admit(request, req, key, plan.n))
+        except ClientGone:
+            watch.stop()
+            return Response(status_code=499)
+        except BaseException:
+            watch.stop()
+            raise
         try:
             first = self.submit(plan.ids, plan.params)
         except BaseException:
+            watch.stop()
             self.gate.leave(ticket)
             raise
         first.arrival = arrival
@@ -147,18 +161,20 @@ class Frontend:
             plan, first, self.submit, self.prompts.tok, self.prompts.token_text,
             self.prompts.eos, self.request_timeout_s,
         )  # fmt: skip
+        watch.on_leave(answer.client_left)
         rid = responses.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self.stream(answer, rid, include_usage, ticket), media_type="text/event-stream"
+                self.stream(answer, rid, include_usage, ticket, watch),
+                media_type="text/event-stream",
             )
-        return await self.whole(request, answer, rid, ticket)
+        return await self.whole(answer, rid, ticket, watch)
 
-    async def whole(self, request: Request, answer: Answer, rid: str, ticket) -> Response:
+    async def whole(self, answer: Answer, rid: str, ticket: Ticket, watch: ClientWatch):
         status, out = "error", {}
         try:
-            async with aclosing(answer.choices(request)) as choices:
+            async with aclosing(answer.choices()) as choices:
                 async for choice, _ in choices:
                     out[choice.index] = choice
             status = "ok"
@@ -166,15 +182,15 @@ class Frontend:
             status = "cancelled"
             return Response(status_code=499)
         finally:
-            self.close(answer, status, ticket)
+            self.close(answer, status, ticket, watch)
         body = [out[i].whole() for i in sorted(out)]
         use, chat = answer.usage(), answer.plan.chat
         return JSONResponse(responses.completion_body(rid, self.model_name, body, use, chat))
 
-    async def stream(self, answer: Answer, rid: str, include_usage: bool, ticket):
+    async def stream(self, answer: Answer, rid: str, include_usage: bool, ticket, watch):
         status, chat = "cancelled", answer.plan.chat
         try:
-            async with aclosing(answer.choices(None)) as choices:
+            async with aclosing(answer.choices()) as choices:
                 async for choice, _ in choices:
                     delta = choice.delta()
                     if delta is not None:
@@ -185,9 +201,11 @@ class Frontend:
                 yield responses.sse(responses.chunk_body(rid, self.model_name, [], chat, use))
             yield responses.sse("[DONE]")
             status = "ok"
+        except ClientGone:
+            pass  # nobody to tell: the stream just ends ("cancelled")
         except APIError as exc:
             status = "error"
             yield responses.sse(exc.body())
             yield responses.sse("[DONE]")
-        finally:  # also runs when the client disconnects (the generator is closed)
-            self.close(answer, status, ticket)
+        finally:  # also runs when Starlette closes the generator (it saw the client leave)
+            self.close(answer, status, ticket, watch)

@@ -68,7 +68,12 @@ class ErrorEvent:
     message: str
 
 
-RequestEvent = TokenEvent | ErrorEvent
+@dataclass(frozen=True, slots=True)
+class ClientLeft:
+    """The HTTP client disconnected before its answer was ready (router/client_watch.py)."""
+
+
+RequestEvent = TokenEvent | ErrorEvent | ClientLeft
 
 
 @dataclass

@@ -119,3 +119,16 @@ def observe_request(state, status: str) -> tuple[float | None, float | None]:
             ITL.observe(tpot)
     E2E.observe(time.monotonic() - state.created)
     return ttft, tpot
+
+
+def observe_prefill_done(msg, encoding: str, placed_at: float | None) -> None:
+    """A prefill worker's PrefillDone: its KV push (bytes by wire `encoding`, seconds, what the
+    forward pass did not hide), how long D's blocks waited since `placed_at`, and a failure."""
+    KV_BYTES.labels(encoding).inc(msg.transfer_bytes)
+    KV_SECONDS.inc(msg.transfer_s)
+    KV_EXPOSED.observe(msg.exposed_s)
+    if placed_at is not None:  # D's blocks waited under lease this long
+        DECODE_KV_WAIT.observe(time.monotonic() - placed_at)
+    REMOTE_PREFILL.observe(msg.prefill_s)
+    if msg.first_token is None:
+        KV_FAILURES.inc()

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pdserve.router.frontend import Frontend
 from pdserve.router.openai_api.errors import APIError
@@ -41,6 +42,10 @@ def build_app(frontend: Frontend) -> FastAPI:
         }
         err = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
         return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        return Response(status_code=499)  # it left while sending its body: nobody to answer
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):

@@ -79,3 +79,14 @@ def test_a_client_that_leaves_while_queued_for_capacity_is_never_submitted(route
     time.sleep(0.2)
     assert len(router.workers.of(m.Admit, "d0")) == admits  # no worker ever saw it
     assert gate.used == 0
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_error(router, caplog):
+    head = b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"pro'
+    admits = len(router.workers.of(m.Admit, "d0"))
+    with socket.create_connection(("127.0.0.1", router.port), timeout=5) as s:
+        s.sendall(head)
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert "unhandled error" not in caplog.text
+    assert len(router.workers.of(m.Admit, "d0")) == admits

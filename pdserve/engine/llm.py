@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stops import TextStream
 
 
 @dataclass
@@ -49,12 +50,31 @@ class LLM:
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
         seqs = [self.engine.make_sequence(p, params) for p in prompts]  # validate all first
+        # stop strings are found in the text as it grows; without any, it is decoded once
+        texts = {s.request_id: self._text_stream(params) for s in seqs} if params.stop else {}
         for seq in seqs:
             self.engine.requests[seq.request_id] = seq
             self.engine.scheduler.add(seq)
+        stopped = set()  # ended by a stop string
         while self.engine.has_work():
-            self.engine.step()
-        return [self._output(s) for s in seqs]
+            for out in self.engine.step():
+                self._watch_stops(out, texts, stopped)
+        return [self._output(s, texts.get(s.request_id), s.request_id in stopped) for s in seqs]
+
+    def _watch_stops(self, out, texts: dict[str, TextStream], stopped: set[str]) -> None:
+        """A sequence whose text reached a stop string ends there (its token is its last)."""
+        rid = out.seq.request_id
+        if rid not in texts or rid in stopped:
+            return
+        texts[rid].push(out.new_token)
+        if texts[rid].hit:
+            stopped.add(rid)
+            if not out.finished:
+                self.engine.abort(rid)
+
+    def _text_stream(self, params: SamplingParams) -> TextStream:
+        eos = self.tokenizer.eos_token_id
+        return TextStream(self.tokenizer, params.stop, set() if eos is None else {eos})
 
     def chat(
         self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
@@ -69,18 +89,16 @@ class LLM:
             raise ValueError("chat needs at least one message")
         return self.tokenizer.apply_chat_template(messages)
 
-    def _output(self, seq) -> RequestOutput:
-        text = (
-            seq.output_text
-            if seq.params.stop and seq.finish_reason == "stop" and seq.output_text
-            else None
-        )
-        if text is None:
+    def _output(self, seq, stream: TextStream | None, stopped: bool) -> RequestOutput:
+        """`stream`: the output's text as it grew (cut before a stop string), if it had stops."""
+        if stream is not None:
+            text = stream.text
+        else:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         return RequestOutput(
             seq.request_id,
             seq.token_ids[: seq.num_prompt_tokens],
             seq.output_token_ids,
             text,
-            seq.finish_reason,
+            "stop" if stopped else seq.finish_reason,
         )

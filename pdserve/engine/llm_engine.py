@@ -294,12 +294,6 @@ class LLMEngine:
                 return "stop"
             if seq.guide.is_finished:  # nothing but EOS may follow
                 return "stop"
-        if p.stop:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            cut = min((i for s in p.stop if (i := text.find(s)) >= 0), default=None)
-            if cut is not None:
-                seq.output_text = text[:cut]
-                return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

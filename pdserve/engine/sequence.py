@@ -44,7 +44,6 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hits at admission (not recomputed)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
-    output_text: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -10,28 +10,11 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.guided import GuideSpec
 from pdserve.kv_transfer.base import KVLayout
+from pdserve.protocol.sampling import SamplingParams
 
-
-class Params(msgspec.Struct, frozen=True):
-    """Sampling parameters as they travel (mirrors engine.SamplingParams)."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None  # chosen-token logprob and this many top ones
-    prompt_logprobs: int | None = None  # the same for the prompt (sent with the first token)
-    guide: GuideSpec | None = None  # what the output must match (structured outputs, tools)
+# The sampling type under the name the worker code and its tests use (m.Params): one type.
+Params = SamplingParams
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -96,7 +79,7 @@ class Admit(msgspec.Struct, tag=True):
 
     request_id: str
     prompt: list[int]
-    params: Params
+    params: SamplingParams
     remote_prefill: bool
     lease_s: float  # how long D holds blocks for remote KV (RouterConfig.lease_s)
     skip_tokens: int = 0  # output tokens already streamed to the client (migration replay)
@@ -116,7 +99,7 @@ class Prefill(msgspec.Struct, tag=True):
 
     request_id: str
     prompt: list[int]
-    params: Params
+    params: SamplingParams
     kv_endpoints: list[str]  # D's ranks: each is pushed its own KV heads
     dst_block_ids: list[int]  # D's blocks for the whole prompt
     num_cached_tokens: int  # D already holds these (whole blocks): not sent

@@ -10,9 +10,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from pdserve.router import protocol as p
 from pdserve.router.frontend import Frontend
+from pdserve.router.openai_api.errors import APIError
+from pdserve.router.openai_api.schemas import DetokenizeRequest, TokenizeRequest
+from pdserve.router.openai_api.validation import parse, read_body
 
 log = logging.getLogger("pdserve.router")
 
@@ -26,8 +29,8 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, lifespan=lifespan)
 
-    @app.exception_handler(p.APIError)
-    async def api_error(request: Request, exc: p.APIError):
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -37,14 +40,18 @@ def build_app(frontend: Frontend) -> FastAPI:
             "/v1/models, /tokenize, /detokenize, /health, /live, /metrics",
             405: f"{request.method} is not allowed on {request.url.path}",
         }
-        err = p.APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+        err = APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
         return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        return Response(status_code=499)  # it left while sending its body: nobody to answer
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         log.exception("unhandled error")
         return JSONResponse(
-            p.APIError(500, f"internal error: {type(exc).__name__}").body(), status_code=500
+            APIError(500, f"internal error: {type(exc).__name__}").body(), status_code=500
         )
 
     @app.post("/v1/completions")
@@ -57,19 +64,21 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        frontend.check_auth(request)
-        req = p.parse(await frontend.read_body(request), p.TokenizeRequest)
-        return frontend.tokenize(req)
+        frontend.auth.check(request)
+        req = parse(await read_body(request), TokenizeRequest)
+        frontend.check_model(req.model)
+        return frontend.prompts.tokenize(req, frontend.core.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        frontend.check_auth(request)
-        req = p.parse(await frontend.read_body(request), p.DetokenizeRequest)
-        return frontend.detokenize(req)
+        frontend.auth.check(request)
+        req = parse(await read_body(request), DetokenizeRequest)
+        frontend.check_model(req.model)
+        return frontend.prompts.detokenize(req)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        frontend.check_auth(request)
+        frontend.auth.check(request)
         return {
             "object": "list",
             "data": [

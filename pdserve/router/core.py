@@ -5,20 +5,24 @@ Lifecycle of a remote-prefill request (numbers as in docs/architecture.md):
   submit -> Admit(remote) to D -> Placement from D -> Prefill to P -> PrefillDone from P
   (first token to the client) -> KVReady to D -> Tokens from D ... -> finished.
 A local request is Admit(remote=False) to D, then Tokens.
+
+Over 300 lines on purpose: one class over one state (the worker registry and the live
+requests, which nearly every handler reads together); each handler is small, and splitting
+them across files would only pass that state around.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
 import time
 
-import msgspec
-
 from pdserve.kv_transfer.base import KVLayoutMismatch
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.router import admission, metrics, placement
 from pdserve.router.config import RouterConfig
 from pdserve.router.control import Channel, ControlSocket
@@ -186,7 +190,7 @@ class RouterCore:
         state.decode_id, state.prefill_id, state.remote = decode.worker_id, None, False
         decode.inflight.add(state.request_id)
         # the client has the prompt logprobs already (they came with the first token)
-        params = msgspec.structs.replace(state.params, max_tokens=remaining, prompt_logprobs=None)
+        params = dataclasses.replace(state.params, max_tokens=remaining, prompt_logprobs=None)
         replay = state.prompt + state.tokens
         admit = m.Admit(
             state.request_id, replay, params, False, self.config.lease_s, len(state.tokens)
@@ -223,7 +227,9 @@ class RouterCore:
         return min(lens) if lens else None
 
     # -- requests --------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: m.Params, near: str | None = None) -> RequestState:
+    def submit(
+        self, prompt: list[int], params: SamplingParams, near: str | None = None
+    ) -> RequestState:
         """Place a validated request; its events arrive on the returned state's queue.
         `near`: the decode worker where a request with the same prompt got its first token
         (n > 1): this one goes there and uses the KV it holds (`placement.place`).
@@ -295,21 +301,11 @@ class RouterCore:
             w.inflight.discard(msg.request_id)
         if state is None:
             return
-        sender = self.workers.get(wid)
-        encoding = "fp8" if sender is not None and sender.kv_compression == "fp8" else "raw"
-        metrics.KV_BYTES.labels(encoding).inc(msg.transfer_bytes)
-        metrics.KV_SECONDS.inc(msg.transfer_s)
-        metrics.KV_EXPOSED.observe(msg.exposed_s)
-        if state.placed_at is not None:  # D's blocks waited under lease this long
-            metrics.DECODE_KV_WAIT.observe(time.monotonic() - state.placed_at)
-        metrics.REMOTE_PREFILL.observe(msg.prefill_s)
+        fp8 = w is not None and w.kv_compression == "fp8"
+        metrics.observe_prefill_done(msg, "fp8" if fp8 else "raw", state.placed_at)
         if msg.first_token is None:
-            metrics.KV_FAILURES.inc()
-            log.warning(
-                "prefill of %s failed (%s): decode worker prefills locally",
-                msg.request_id,
-                msg.error,
-            )
+            log.warning("prefill of %s failed (%s): decode worker prefills locally",
+                        msg.request_id, msg.error)  # fmt: skip
             self.send(state.decode_id, m.KVReady(msg.request_id, None))
             return
         # D reports whether it also ends the request

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import REGISTRY
@@ -100,3 +102,33 @@ def register_workers(core) -> WorkerCollector:
     collector = WorkerCollector(core)
     REGISTRY.register(collector)
     return collector
+
+
+def observe_request(state, status: str) -> tuple[float | None, float | None]:
+    """Count a finished request (a RequestState) by status and observe its latencies; its
+    (TTFT, TPOT) when it had a first token (and a second)."""
+    REQUESTS.labels(status).inc()
+    ttft = tpot = None
+    if state.first_token_at:
+        ttft = state.first_token_at - state.created
+        TTFT.observe(ttft)
+        TTFT_BY_CACHE.labels("warm" if state.warm else "cold").observe(ttft)
+        n = len(state.tokens)
+        if n > 1:
+            tpot = (state.last_token_at - state.first_token_at) / (n - 1)
+            ITL.observe(tpot)
+    E2E.observe(time.monotonic() - state.created)
+    return ttft, tpot
+
+
+def observe_prefill_done(msg, encoding: str, placed_at: float | None) -> None:
+    """A prefill worker's PrefillDone: its KV push (bytes by wire `encoding`, seconds, what the
+    forward pass did not hide), how long D's blocks waited since `placed_at`, and a failure."""
+    KV_BYTES.labels(encoding).inc(msg.transfer_bytes)
+    KV_SECONDS.inc(msg.transfer_s)
+    KV_EXPOSED.observe(msg.exposed_s)
+    if placed_at is not None:  # D's blocks waited under lease this long
+        DECODE_KV_WAIT.observe(time.monotonic() - placed_at)
+    REMOTE_PREFILL.observe(msg.prefill_s)
+    if msg.first_token is None:
+        KV_FAILURES.inc()

@@ -29,6 +29,7 @@ class Choice:
     def __init__(
         self,
         index: int,
+        *,
         chat: bool,
         token_text: Callable[[int], str],
         want_logprobs: bool = False,

@@ -67,7 +67,7 @@ def prefill_queues(requests: Iterable[RequestState]) -> Counter[str | None]:
     return queues
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Choice:
     decode: WorkerInfo
     remote: bool  # prefilled by the prefill pool (else on `decode`)
@@ -83,13 +83,16 @@ def place(
     its index may not know yet): the request goes there and computes only its last block."""
     for w in view.decoders:
         if w.worker_id == near:
-            return Choice(w, False, True, min(len(prompt), config.block_size))
+            return Choice(
+                decode=w, remote=False, warm=True, uncached=min(len(prompt), config.block_size)
+            )
     decode = pick_decode(view, prompt, config.block_size)
     cached = cached_blocks(view, decode, block_hashes(prompt, config.block_size))
     overlap = min(cached * config.block_size, len(prompt))
     warm = overlap > 0 and overlap >= len(prompt) // 2
     uncached = len(prompt) - overlap
-    return Choice(decode, prefill_remotely(config, view, decode, uncached, warm), warm, uncached)
+    remote = prefill_remotely(config, view, decode, uncached, warm)
+    return Choice(decode=decode, remote=remote, warm=warm, uncached=uncached)
 
 
 def pick_decode(view: ClusterView, prompt: list[int], block_size: int) -> WorkerInfo:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 
 
 @dataclass
@@ -48,15 +49,42 @@ class WorkerInfo:
         return self.load.free_blocks if self.load else self.total_blocks
 
 
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """The next output token for the client (token None: the finish reason alone, for a
+    request its last delivered token turned out to end)."""
+
+    token: int | None
+    finish: str | None
+    logprobs: m.Logprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    """The request failed (a worker said so, or none can take it): the HTTP status and the
+    message for the client."""
+
+    status: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLeft:
+    """The HTTP client disconnected before its answer was ready (router/client_watch.py)."""
+
+
+RequestEvent = TokenEvent | ErrorEvent | ClientLeft
+
+
 @dataclass
 class RequestState:
     request_id: str
     prompt: list[int]
-    params: m.Params
+    params: SamplingParams
     remote: bool
     decode_id: str | None = None
     prefill_id: str | None = None
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[RequestEvent] = field(default_factory=asyncio.Queue)
     tokens: list[int] = field(default_factory=list)  # delivered, in order
     logprobs: list[m.Logprobs | None] = field(default_factory=list)  # per delivered token
     prompt_logprobs: list[m.Logprobs] | None = None  # with the first token, when asked
@@ -84,7 +112,7 @@ class RequestState:
             return False
         if index == len(self.tokens) - 1 and finish_reason is not None:
             self.finished = True  # the last delivered token (e.g. from the prefill worker) ends it
-            self.events.put_nowait(("token", None, finish_reason, None))
+            self.events.put_nowait(TokenEvent(None, finish_reason))
             return True
         if index != len(self.tokens):
             return False
@@ -98,11 +126,11 @@ class RequestState:
         self.started.set()
         if finish_reason is not None:
             self.finished = True
-        self.events.put_nowait(("token", token, finish_reason, logprobs))
+        self.events.put_nowait(TokenEvent(token, finish_reason, logprobs))
         return True
 
     def fail(self, status: int, message: str) -> None:
         if not self.finished:
             self.finished = True
             self.started.set()
-            self.events.put_nowait(("error", status, message))
+            self.events.put_nowait(ErrorEvent(status, message))

@@ -16,11 +16,10 @@ the ones the client already has.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-
-import msgspec
 
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
@@ -34,8 +33,9 @@ from pdserve.serving.kv_staging import HostStaging
 log = logging.getLogger("pdserve.worker")
 
 
-def to_sampling(p: m.Params, **overrides) -> SamplingParams:
-    return SamplingParams(**{**msgspec.structs.asdict(p), **overrides})
+def to_sampling(p: SamplingParams, **overrides) -> SamplingParams:
+    """The engine's params for a request: the message's own (one type), with `overrides`."""
+    return dataclasses.replace(p, **overrides) if overrides else p
 
 
 def prompt_logprobs(seq: Sequence) -> list[m.Logprobs] | None:

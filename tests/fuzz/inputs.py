@@ -8,7 +8,7 @@ import json
 
 from hypothesis import strategies as st
 
-from pdserve.router import protocol as p
+from pdserve.router.openai_api import schemas as p
 
 from .driver import Input
 

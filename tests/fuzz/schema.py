@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.router import protocol as p
+from pdserve.router.openai_api import schemas as p
 
 ENDPOINTS = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatRequest"}
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -20,7 +20,7 @@ def positive_int(maximum: int) -> dict:
     return {"anyOf": [{"type": "integer", "minimum": 1, "maximum": maximum}, NULL]}
 
 
-RULES = {  # what protocol._check_sampling, _check_unsupported and Frontend.prepare accept
+RULES = {  # what openai_api.validation, SamplingParams and Frontend.prepare accept
     "model": {"anyOf": [{"const": MODEL}, NULL]},
     "max_tokens": positive_int(2**31 - 1),
     "max_completion_tokens": positive_int(U64),

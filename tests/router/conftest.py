@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.protocol import messages as m
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.state import RequestState, WorkerInfo
@@ -25,7 +26,7 @@ def worker(wid: str, role: str, load: m.Load | None) -> WorkerInfo:
 
 def pending(core: RouterCore, rid: str, tokens: int, remote: bool, decode_id: str):
     """A request admitted on `decode_id` that has no first token yet."""
-    params = m.Params(max_tokens=8)
+    params = SamplingParams(max_tokens=8)
     state = RequestState(
         rid, [1] * tokens, params, remote, decode_id=decode_id, uncached_tokens=tokens
     )

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.protocol import messages as m
-from pdserve.router.state import RequestState
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.router.state import ErrorEvent, RequestEvent, RequestState, TokenEvent
 
 from .conftest import load, pending, worker
 
-PARAMS = m.Params(max_tokens=8)
+PARAMS = SamplingParams(max_tokens=8)
 
 
 def _disagg(core, decoders=("d0", "d1")):
@@ -21,7 +22,7 @@ def _disagg(core, decoders=("d0", "d1")):
     return c
 
 
-def _events(state: RequestState) -> list[tuple]:
+def _events(state: RequestState) -> list[RequestEvent]:
     out = []
     while not state.events.empty():
         out.append(state.events.get_nowait())
@@ -38,9 +39,9 @@ def test_deliver_drops_duplicates_and_gaps_and_ends_on_a_repeated_last_token():
     assert s.deliver(1, 11, "length")  # the last token again, now with the finish reason
     assert s.finished and not s.deliver(2, 12, None)
     assert _events(s) == [
-        ("token", 10, None, None),
-        ("token", 11, None, None),
-        ("token", None, "length", None),
+        TokenEvent(10, None, None),
+        TokenEvent(11, None, None),
+        TokenEvent(None, "length", None),
     ]
     s.fail(500, "late")  # nothing after the end
     assert _events(s) == []
@@ -88,7 +89,7 @@ def test_a_lost_decode_worker_migrates_with_the_streamed_tokens_skipped(core):
     state.deliver(0, 70, None)
     state.deliver(1, 71, None)
     c.worker_lost(c.workers["d0"], "test")
-    params = m.Params(max_tokens=6)  # 8 - the 2 tokens already streamed
+    params = SamplingParams(max_tokens=6)  # 8 - the 2 tokens already streamed
     admit = m.Admit("r0", [1] * 10 + [70, 71], params, False, 120.0, skip_tokens=2)
     assert c.channel.take() == [("d1", admit)]
     assert state.decode_id == "d1" and state.migrations == 1 and not c.workers["d0"].inflight
@@ -112,7 +113,7 @@ def test_migration_fails_the_request_with_503_when_no_worker_can_take_it(core):
     state = pending(c, "r0", 10, remote=False, decode_id="d0")
     c.worker_lost(c.workers["d0"], "test")
     assert state.finished and _events(state) == [
-        ("error", 503, "the worker serving this request failed and no other can take it")
+        ErrorEvent(503, "the worker serving this request failed and no other can take it")
     ]
     assert c.channel.take() == []
 

@@ -9,7 +9,7 @@ import socket
 import httpx
 import pytest
 
-from pdserve.router.protocol import MAX_BODY_BYTES
+from pdserve.router.openai_api.validation import MAX_BODY_BYTES
 
 from .conftest import API_KEY
 

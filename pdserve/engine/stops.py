@@ -1,9 +1,14 @@
-"""Stop strings on streamed text: hold back a tail that could still become a stop string."""
+"""Stop strings on streamed text, token by token: the router's answers and the offline
+`LLM.generate` both end their text here (the engine itself knows only stop token ids)."""
 
 from __future__ import annotations
 
+from pdserve.model.tokenizer import IncrementalDecoder, Tokenizer
+
 
 class StopChecker:
+    """Holds back a tail of the text that could still become a stop string."""
+
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
         self.text = ""
@@ -36,3 +41,29 @@ class StopChecker:
     def flush(self) -> str:
         out, self.sent = self.text[self.sent :], len(self.text)
         return out
+
+
+class TextStream:
+    """Output tokens in, text out: decoded incrementally (special tokens such as EOS add no
+    text), cut before the first stop string (`hit` then)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], eos: set[int]):
+        self.decoder, self.stop, self.eos = IncrementalDecoder(tokenizer), StopChecker(stops), eos
+
+    @property
+    def hit(self) -> bool:
+        return self.stop.hit
+
+    @property
+    def text(self) -> str:
+        """All the text so far, held-back tail included."""
+        return self.stop.text
+
+    def push(self, token: int | None) -> str:
+        """The text that may be sent after `token` (None: no token, only a finish)."""
+        if token is None or token in self.eos or self.stop.hit:
+            return ""
+        return self.stop.push(self.decoder.push(token))
+
+    def flush(self) -> str:
+        return self.stop.flush()

@@ -21,6 +21,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.guided import GuideCompiler, GuideError
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.prompt_check import check_prompt
 from pdserve.engine.sampler import TokenLogprobs, sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -95,31 +96,6 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError saying what to change when the prompt cannot be served."""
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token of text")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but the context window is "
-                f"{self.max_model_len}: shorten the prompt to at most {self.max_model_len - 1}"
-            )
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {self.model_config.vocab_size})"
-            )
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        blocks = -(-(len(token_ids) + 1) // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"the prompt needs {blocks} KV blocks but the cache has only "
-                f"{self.block_manager.num_blocks}: raise --kv-cache-gb or shorten the prompt"
-            )
-
     def make_sequence(
         self,
         prompt: str | list[int],
@@ -129,7 +105,8 @@ class LLMEngine:
     ) -> Sequence:
         """`replayed`: the prompt ends with this many output tokens (a migrated request)."""
         token_ids = self.encode(prompt)
-        self.validate_prompt(token_ids, params)
+        check_prompt(token_ids, params, self.max_model_len, self.model_config.vocab_size,
+                     self.block_manager.num_blocks, self.config.block_size)  # fmt: skip
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -1,11 +1,12 @@
 """Rows up to which a quantized kernel beats the dense GEMM: measured on this machine, once per
 weight shape, format, dtype and thread count, and cached.
 
-The crossover moves with the CPU: a step of 16 rows ran faster on int4 than on bf16 on an AMD
-EPYC without AMX, while on an Intel Xeon with AMX, where oneDNN's bf16 GEMM runs on tile
-instructions, the dense weight already wins at 12-16 rows for SmolLM2's MLP. So no constant
-found on one CPU decides it: the first engine that quantizes a shape here times both kernels
-at a ladder of row counts and keeps the largest count up to which the quantized kernel is the
+The crossover moves with the CPU and the thread count: the 16 rows of int4 were measured on
+the AMD EPYC of an earlier session; on a Zen 5 EPYC (AVX512-BF16) the dense bf16 GEMM already
+won from 8-16 rows at two threads and from 4-8 at one, and on CPUs with AMX, where oneDNN's
+bf16 GEMM runs on tile instructions, it is expected to win sooner still. So no constant found
+on one CPU decides it: the first engine that quantizes a shape here times both kernels at a
+ladder of row counts and keeps the largest count up to which the quantized kernel is the
 faster at every count (a few seconds for a model; then read from
 `$PDSERVE_CACHE_DIR/kernels/<machine key>.json`, where the key covers the CPU's feature flags,
 torch's version and build, the dtype and the thread count). `PDSERVE_QUANT_MAX_ROWS` fixes

@@ -14,11 +14,11 @@ bytes over DRAM bandwidth; fewer bytes per weight is the speed-up. Formats:
 Every quantized linear keeps its dense weight too and uses it for inputs of more than its
 `max_rows` rows: the int4/int8 kernels stream weights fast for a few rows, but compute slower
 than the dense GEMM. Where that crossover lies depends on the CPU, so it is measured per
-machine and weight shape (`model/kernel_rows.py`). For scale: on an AMD EPYC without AMX
-(SmolLM2's 30 layers of linears, 2 threads) bf16 / int8 / int4 took, in ms, 9.4 / 4.0 / 2.4 at
-1 row; bf16 / int4: 10.4 / 6.0 at 8 rows, 12.1 / 10.9 at 16, 14.0 / 15.8 at 24; the lm_head
-(49,152 x 576), bf16 / int8: 1.81 / 0.58 at 1 row, 2.45 / 3.19 at 16. On an Intel Xeon with
-AMX the dense bf16 GEMM wins from 12-16 rows on (the MLP's gate_up: 123 vs 219 us at 16).
+machine and weight shape (`model/kernel_rows.py`). For scale: on an AMD EPYC (SmolLM2's 30
+layers of linears, 2 threads) bf16 / int8 / int4 took, in ms, 9.4 / 4.0 / 2.4 at 1 row;
+bf16 / int4: 10.4 / 6.0 at 8 rows, 12.1 / 10.9 at 16, 14.0 / 15.8 at 24; the lm_head
+(49,152 x 576), bf16 / int8: 1.81 / 0.58 at 1 row, 2.45 / 3.19 at 16. On a Zen 5 EPYC the
+dense GEMM won from 8-16 rows (the MLP's gate_up at 16 rows: 123 vs 219 us).
 Prefills stay on dense GEMMs.
 """
 

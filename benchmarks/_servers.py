@@ -3,9 +3,11 @@ Prometheus counters."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +22,23 @@ SERVE = f"{shlex.quote(sys.executable)} -m pdserve.cli serve"
 def server(mode: str, *extra: str, log_dir: Path = Path("/tmp")) -> ServerProcess:
     spec = ServerSpec(SERVE, "disagg" if mode == "disagg" else "colocated", extra=tuple(extra))
     return ServerProcess(spec, log_dir / f"bench-serve-{mode}-{int(time.time())}.log")
+
+
+def closed_loop(
+    url: str, concurrency: int, requests: int, prompt: int, output: int, out_dir: Path, *extra: str
+) -> dict:
+    """`pdserve bench` at `concurrency` in flight (`prompt`-token prompts, `output` tokens out,
+    ignore_eos): the run's aggregates (pdserve.bench.metrics' shape)."""
+    load = (
+        f"--prompt-tokens {prompt} --output-tokens {output} "
+        f"--concurrency {concurrency} --num-requests {requests} --no-progress"
+    )
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url, *load.split(), *extra]
+    done = subprocess.run([*cmd, "--out", str(out_dir)], capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+        raise RuntimeError(f"`{shlex.join(cmd)}` failed (exit {done.returncode}):\n{tail}")
+    return json.loads((out_dir / "results.json").read_text())["runs"][0]["aggregates"]
 
 
 def metric(url: str, name: str) -> float:

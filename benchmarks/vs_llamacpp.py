@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _llamacpp import find_bin  # noqa: E402
+from _servers import closed_loop  # noqa: E402
 
 SERVED = {"concurrency": (1, 16), "requests": {1: 16, 16: 64}, "prompt": 256, "output": 128}
 
@@ -103,15 +104,8 @@ def worker_peak_rss_mib(root_pid: int) -> list[float]:
 
 
 def bench(url: str, concurrency: int, out_dir: Path) -> dict:
-    n = SERVED["requests"][concurrency]
-    load = (
-        f"--prompt-tokens {SERVED['prompt']} --output-tokens {SERVED['output']} "
-        f"--concurrency {concurrency} --num-requests {n} --no-progress"
-    )
-    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--url", url, *load.split()]
-    cmd += ["--out", str(out_dir)]
-    subprocess.run(cmd, check=True, capture_output=True)
-    agg = json.loads((out_dir / "results.json").read_text())["runs"][0]["aggregates"]
+    n, prompt, output = SERVED["requests"][concurrency], SERVED["prompt"], SERVED["output"]
+    agg = closed_loop(url, concurrency, n, prompt, output, out_dir)
     return {
         "tok_s": agg["output_token_throughput"],
         "itl_p50_ms": agg["itl_s"]["p50"] * 1e3,

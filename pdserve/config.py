@@ -75,7 +75,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
-    tensor_parallel_size: int = 1  # ranks (processes) of this engine: engine/tp.py
+    tensor_parallel_size: int = 1  # ranks (processes) of this engine: engine/tp/
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -45,7 +45,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    """`tp`: this process's rank of a tensor-parallel engine (`engine/tp.py`); rank 0 runs
+    """`tp`: this process's rank of a tensor-parallel engine (`engine/tp/`); rank 0 runs
     every step and sends its inputs to the other ranks, which run `forward` alike."""
 
     def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int, tp=None):

@@ -21,7 +21,7 @@ import weakref
 
 import numpy as np
 
-from pdserve.kv_transfer.nixl import NixlAgent
+from pdserve.kv_transfer.nixl_agent import NixlAgent
 
 
 class Arena:

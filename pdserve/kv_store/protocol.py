@@ -12,7 +12,7 @@ client sends requests and reads one reply each, in order:
     any bad request        -> Error(reason), then the server closes the connection
 
 A store started with the nixl transport also serves clients whose hello carries their NIXL
-agent (`kv_transfer.nixl.NixlPeerInfo`); their block bytes move by NIXL READs, never on the
+agent (`kv_transfer.nixl_agent.NixlPeerInfo`); their block bytes move by NIXL READs, never on the
 socket, and each side READs only into its own memory (docs/kv_store.md):
 
     Attach()                  -> AttachReply(agent metadata)       before the first NixlLoad

@@ -2,7 +2,7 @@
 tensor-parallel group has.
 
 The handshake between a prefill and a decode worker (and the KV store's) compares layouts and
-refuses a mismatch by naming the field. A tensor-parallel engine (`engine/tp.py`) holds its KV
+refuses a mismatch by naming the field. A tensor-parallel engine (`engine/tp/`) holds its KV
 heads split over its ranks: a layout names the group's size and its rank (`tp_size`,
 `tp_rank`), and each rank's caches hold that rank's heads. When the two groups split the heads
 differently, `KVLayout.segments_from` says which of the sender's ranks and heads fill each of

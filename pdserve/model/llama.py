@@ -53,7 +53,7 @@ class Layer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """`tp`: this rank's part of a tensor-parallel model (`engine/tp.py`): `weights` are its
+    """`tp`: this rank's part of a tensor-parallel model (`engine/tp/`): `weights` are its
     slices, attention runs over its heads, and the ranks' partial sums are added after the
     attention output and the MLP. None: the whole model."""
 

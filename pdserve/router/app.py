@@ -96,7 +96,8 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def health():
         """Readiness: 200 once every worker the launcher started has registered and while a
         decode-capable worker is up (`RouterCore.ready`), else 503; each worker's last load
-        report (block counts, queues, integrity) so operators and tests see nothing leaked."""
+        report (block counts, queues, integrity) so operators and tests see nothing leaked; the
+        workers whose registration was refused, and why (`refused`)."""
         alive = frontend.core.alive()
         workers = {
             w.worker_id: {
@@ -117,6 +118,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                 "kv_store_blocks_known": len(frontend.core.store_index),
                 "admission": frontend.gate.snapshot(),
                 **({"autoscale": frontend.autoscale} if frontend.autoscale is not None else {}),
+                **({"refused": frontend.core.refused} if frontend.core.refused else {}),
             },
             status_code=200 if ok else 503,
         )

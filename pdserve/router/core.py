@@ -42,6 +42,7 @@ class RouterCore:
         self.endpoint = self.channel.endpoint
         self.workers: dict[str, WorkerInfo] = {}
         self.requests: dict[str, RequestState] = {}
+        self.refused: dict[str, str] = {}  # worker id -> why its registration was refused
         # Block hashes the shared KV store holds, as workers report them: added when a worker's
         # put or load shows the store holds a block, dropped when the store reports evicting
         # it. A stale entry only means the decode worker computes more than expected.
@@ -102,9 +103,12 @@ class RouterCore:
                 continue
             try:
                 other.layout.check_compatible(msg.layout, mine=other.worker_id, theirs=wid)
-            except KVLayoutMismatch as exc:
+            except KVLayoutMismatch as exc:  # no restart fixes it: the worker exits 78
+                log.error("refused worker %s: %s", wid, exc)
+                self.refused[wid] = str(exc)
                 self.send(wid, m.RegisterAck(False, str(exc)))
                 return
+        self.refused.pop(wid, None)
         old = self.workers.get(wid)
         if old is not None and old.alive:
             self.worker_lost(old, "it re-registered (restarted)")

@@ -25,7 +25,7 @@ from pdserve.kv_store.protocol import (
     send_msg,
 )
 from pdserve.kv_store.protocol import Error as ErrorReply
-from pdserve.kv_transfer.nixl import NixlAgent
+from pdserve.kv_transfer.nixl_agent import NixlAgent
 from pdserve.kv_transfer.wire import client_handshake
 
 from .helpers import NIXL, make_caches, make_chain, make_layout

@@ -5,11 +5,14 @@ reported and left down."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 
+import httpx
 import pytest
-from servers import run_serve
+from chaos.fakes import FakePrefill, real_layout
+from servers import Command, free_port, run_serve
 from waiting import wait_until
 
 from pdserve.launch.procs import RestartPolicy, WorkerProcs
@@ -60,3 +63,27 @@ def test_a_kv_layout_mismatch_fails_serve_start_up_with_the_routers_message():
     assert "KV layout mismatch between prefill and decode workers (block_size: " in text, text
     assert "cannot serve as configured" in text and "restarting it" not in text, text
     print(f"serve exited {out.returncode} {time.monotonic() - started:.0f} s after it started")
+
+
+def test_a_worker_refused_while_serving_exits_78_and_health_names_it():
+    """A router already serving (here with one stand-in prefill worker of the bundled model's
+    layout) refuses a decode worker of another block size: the worker exits EXIT_CONFIG with
+    the router's message, and the router's /health lists it under `refused`."""
+    port = free_port()
+    ready = r"router on (http://127\.0\.0\.1:\d+)/v1"
+    with Command("router", "--port", "0", "--control-port", str(port), ready=ready) as router:
+        fake = FakePrefill(f"tcp://127.0.0.1:{port}", "p0", "stall", real_layout("bfloat16"))
+        try:
+            assert fake.register().ok
+            worker = subprocess.run(
+                [sys.executable, "-m", "pdserve.cli", "worker", "--role", "decode", "--router",
+                 f"tcp://127.0.0.1:{port}", "--worker-id", "d-wrong", "--block-size", "32",
+                 "--kv-cache-gb", "0.05"],
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert worker.returncode == EXIT_CONFIG, worker.stderr[-2000:]
+            assert "KV layout mismatch" in worker.stderr
+            refused = httpx.get(router.match[1] + "/health", timeout=10).json()["refused"]
+            assert "KV layout mismatch" in refused["d-wrong"]
+        finally:
+            fake.close()

@@ -133,7 +133,7 @@ def test_batched_chunked_and_cached_runs_match_single(llm):
 
 
 def test_three_tensor_parallel_ranks_give_the_same_greedy_tokens(llm):
-    """The bundled model (9 query heads, 3 KV heads) split over 3 ranks (engine/tp.py), with
+    """The bundled model (9 query heads, 3 KV heads) split over 3 ranks (engine/tp/), with
     the same float32 weights as `llm`: batched prompts give the same greedy tokens."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     single = [o.token_ids for o in llm.generate(PROMPTS, params)]

@@ -147,6 +147,9 @@ def test_registration_refuses_a_worker_with_another_kv_layout(core):
     [(wid, ack)] = c.channel.take()
     assert wid == "d1" and not ack.ok and "model" in ack.error
     assert list(c.workers) == ["d0"]
+    assert c.refused == {"d1": ack.error}  # GET /health reports it
+    c.handle("d1", m.Register("d1", "decode", layout, None, 100, 2048))  # fixed and back
+    assert c.channel.take() == [("d1", m.RegisterAck(True))] and c.refused == {}
 
 
 def test_finish_with_abort_frees_the_request_on_every_worker_holding_it(core):

@@ -39,7 +39,8 @@ ENGINE_FLAGS = (
     Flag.of(EngineConfig, "block_size", f"tokens per KV block (default {EngineConfig.block_size})"),
     Flag.of(
         EngineConfig, "chunk_size", "chunked prefill: per-step token budget (default: off, whole "
-        "prompts)", type=int,
+        "prompts; on a prefill worker 1024, so that an abort stops a long prompt between "
+        "chunks)", type=int,
     ),
     Flag.of(EngineConfig, "max_num_seqs", "max sequences in a batch"),
     Flag.of(EngineConfig, "max_model_len", "context window (default: the model's)", type=int),

@@ -202,7 +202,7 @@ SERVE_FLAGS = (  # serve: after the pools and autoscaling
             Flag(
                 f"--{role}-args", metavar="FLAGS",
                 help=f"engine flags for the {role} pool only, either launcher, e.g. "
-                + ('"--chunk-size 1024"' if role == "prefill" else '"--max-num-seqs 128"')
+                + ('"--chunk-size 2048"' if role == "prefill" else '"--max-num-seqs 128"')
                 + " (given after the shared ones, so they win)",
             ),
         )

@@ -54,7 +54,10 @@ class WorkerActor:
             worker = self.worker = build_worker(worker_config(args, placement=self.placement))
             worker.drain_requested = self.leave  # asked to leave while it was starting
             worker.run()
-            self.done = True
+            if worker.refused:  # a router refused it on registering again: no restart helps
+                self.error, self.refused = worker.refused, True
+            else:
+                self.done = True
         except BaseException as exc:  # noqa: BLE001  (SystemExit from argparse too)
             self.error = traceback.format_exc()
             print(self.error, flush=True)

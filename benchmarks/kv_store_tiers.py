@@ -22,7 +22,7 @@ import torch
 from pdserve.engine.block_hash import block_hashes
 from pdserve.kv_store.client import StoreClient
 from pdserve.kv_store.config import payload_bytes
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.registry import TRANSPORTS
 
 SMOLLM2 = KVLayout("smollm2-135m", "bfloat16", 30, 16, 3, 64)

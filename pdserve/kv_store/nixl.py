@@ -43,7 +43,7 @@ from pdserve.kv_store.protocol import (
     recv_reply,
     send_msg,
 )
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.nixl_agent import (
     NixlAgent,
     Peer,

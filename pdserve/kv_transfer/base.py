@@ -12,7 +12,7 @@ CPU tensors of shape `[num_blocks, block_size, num_kv_heads, head_dim]`. Connect
 block memory in place; they never allocate a copy of the cache.
 
 What a cache holds, and which heads each tensor-parallel rank has, is its `KVLayout`
-(`kv_transfer/layout.py`, re-exported here): the handshake compares layouts, and a sender of a
+(`kv_transfer/layout.py`): the handshake compares layouts, and a sender of a
 group reads every rank's caches while a receiver is one rank's.
 
 This module must stay importable without torch (the router imports `KVLayout`).
@@ -25,15 +25,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
-
-from pdserve.kv_transfer.layout import (  # noqa: F401  (the interface's types, in one place)
-    DTYPE_SIZES,
-    HeadSegment,
-    KVLayout,
-    KVLayoutMismatch,
-    kv_head_range,
-    whole_rank,
-)
 
 if TYPE_CHECKING:
     import torch

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from pdserve.kv_transfer.base import KVLayout, whole_rank
+from pdserve.kv_transfer.layout import KVLayout, whole_rank
 from pdserve.kv_transfer.memory import paired_runs
 from pdserve.kv_transfer.nixl_agent import NixlAgent, Peer, decode_peer_info, encode_peer_info
 from pdserve.kv_transfer.send_queue import Job

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from pdserve import envs
-from pdserve.kv_transfer.base import HeadSegment, KVLayout
+from pdserve.kv_transfer.layout import HeadSegment, KVLayout
 from pdserve.kv_transfer.wire import ProtocolError
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.kv_transfer.base import KVLayout
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.protocol.sampling import SamplingParams
 
 # The sampling type under the name the worker code and its tests use (m.Params): one type.

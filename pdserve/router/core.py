@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 
-from pdserve.kv_transfer.base import KVLayoutMismatch
+from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.protocol import messages as m
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.router import admission, metrics, placement

@@ -142,19 +142,16 @@ class Frontend:
         plan = self.prepare(req, chat)
         arrival = self.traffic.arrived(len(plan.ids), plan.params.max_tokens)
         watch = ClientWatch(request)  # from here on, a client that leaves is noticed at once
+        ticket = None
         try:
             ticket = await watch.unless_gone(self.admit(request, req, key, plan.n))
-        except ClientGone:
-            watch.stop()
-            return Response(status_code=499)
-        except BaseException:
-            watch.stop()
-            raise
-        try:
             first = self.submit(plan.ids, plan.params)
-        except BaseException:
+        except BaseException as exc:  # nothing was submitted: nothing to abort
             watch.stop()
-            self.gate.leave(ticket)
+            if ticket is not None:
+                self.gate.leave(ticket)
+            if isinstance(exc, ClientGone):
+                return Response(status_code=499)
             raise
         first.arrival = arrival
         answer = Answer(

@@ -46,9 +46,7 @@ class Worker:
         self.role = config.engine.role
         self.engine, self.layout, self.reporter = engine, layout, reporter
         self.routers = routers
-        self.codec = routers.codec
         self.links = routers.links
-        self.owner = routers.owner  # request -> the router that placed it here
         self.decode, self.prefill, self.store = decode, prefill, store
         self.sides = [side for side in (decode, prefill) if side is not None]
         self.running = True
@@ -81,7 +79,7 @@ class Worker:
         """Register with every router; return once one has accepted (the others accept
         when they answer: a router that is down gets the registration when it comes up)."""
         for link in self.links:
-            link.send(self.codec.encode(self.registration()))
+            self.routers.send_to(link, self.registration())
         poller = zmq.Poller()
         for link in self.links:
             poller.register(link.sock, zmq.POLLIN)
@@ -89,7 +87,7 @@ class Worker:
         while (left := deadline - time.monotonic()) > 0:
             for sock, _ in poller.poll(int(left * 1000)):
                 link = next(x for x in self.links if x.sock is sock)
-                ack = self.codec.decode(sock.recv_multipart())
+                ack = self.routers.codec.decode(sock.recv_multipart())
                 if not isinstance(ack, m.RegisterAck):
                     continue
                 if not ack.ok:
@@ -107,11 +105,11 @@ class Worker:
         link.seen = time.monotonic()
         if link.orphaned and not isinstance(msg, m.Reset | m.Shutdown):  # it is back: rejoin
             link.orphaned = link.shut_down = False  # (it declares our old self lost)
-            link.send(self.codec.encode(self.registration()))
+            self.routers.send_to(link, self.registration())
         rid = getattr(msg, "request_id", None)
         if isinstance(msg, (m.Admit, m.Prefill)):
-            self.owner[rid] = link
-        elif rid is not None and self.owner.get(rid, link) is not link:
+            self.routers.owner[rid] = link
+        elif rid is not None and self.routers.owner.get(rid, link) is not link:
             log.warning("ignored %s for %s from a router that did not place it",
                         type(msg).__name__, rid)  # fmt: skip
             return
@@ -167,7 +165,7 @@ class Worker:
             self.abort(rid)
         for rid in list(self.engine.scheduler.held):
             self.engine.release(rid)
-        self.owner.clear()
+        self.routers.owner.clear()
         return len(rids)
 
     def drop(self, link: RouterLink) -> int:
@@ -177,7 +175,7 @@ class Worker:
         rids = self.routers.requests_of(link)
         for rid in rids:
             self.abort(rid)
-            del self.owner[rid]
+            del self.routers.owner[rid]
         return len(rids)
 
     def forget_finished(self) -> None:
@@ -206,7 +204,7 @@ class Worker:
         link.orphaned = False
         n = self.drop(link)
         log.warning("router reset this worker: dropped %d requests, registering again", n)
-        link.send(self.codec.encode(self.registration()))
+        self.routers.send_to(link, self.registration())
 
     def holds_work(self) -> bool:
         return self.engine.has_work() or any(side.request_ids for side in self.sides)
@@ -265,7 +263,7 @@ class Worker:
             if poller.poll(0 if busy or pushing else IDLE_POLL_MS):
                 for link in self.links:
                     while link.sock.poll(0):
-                        msg = self.codec.decode(link.sock.recv_multipart())
+                        msg = self.routers.codec.decode(link.sock.recv_multipart())
                         if msg is not None:
                             self.handle(msg, link)
             now = time.monotonic()  # (silence is checked after reading what came)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.kv_transfer.base import kv_head_range
+from pdserve.kv_transfer.layout import kv_head_range
 
 
 @dataclass(frozen=True)

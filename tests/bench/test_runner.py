@@ -74,7 +74,8 @@ def test_sweep_finds_the_stub_capacity():
             Endpoint(url), TINY, approximate_builder(0), load, slo, [15, 30, 50, 60], progress=False
         )
     attained = [run.aggregates["slo_attainment"] for run in result.runs]
-    assert attained[:2] == [1.0, 1.0]
+    # Goodput's own bar (>= 90 % within the SLO): a loaded machine may delay one request of 30.
+    assert min(attained[:2]) >= 0.9
     assert max(attained[2:]) < 0.5
     assert result.goodput == 30
     assert [len(run.records) for run in result.runs] == [30] * 4

@@ -35,10 +35,27 @@ class ServingOverhead:
 
 
 @dataclass(frozen=True)
+class Device:
+    """One pool's hardware: the accelerator, the engine's efficiencies and weight format on it,
+    and the KV link its instances reach the other pool over (a transfer between two devices
+    runs at the slower end's rate: the fabric caps every flow by both ends)."""
+
+    accel: Accelerator
+    eff: Efficiency
+    weight_dtype: str
+    link: Link
+
+    @property
+    def name(self) -> str:
+        return self.accel.name
+
+
+@dataclass(frozen=True)
 class Cluster:
     """What the deployment runs on: model, device, KV link, efficiencies and dtypes, and the
     serving path's overhead per mode (`pdserve profile`'s serving calibration; none by default,
-    as for a GPU preset)."""
+    as for a GPU preset). `devices` are further hardware a pool may name (heterogeneous pools,
+    `Deployment.prefill_gpu` / `decode_gpu` / `gpu`); a pool naming none runs on `accel`."""
 
     model: ModelSpec
     accel: Accelerator
@@ -48,6 +65,17 @@ class Cluster:
     kv_dtype: str = "bf16"
     serving: Mapping[str, ServingOverhead] = field(default_factory=dict)
     kv_wire: str = "none"  # --kv-compression: fp8 puts 8 bits per element on the wire
+    devices: Mapping[str, Device] = field(default_factory=dict)
+
+    def device(self, name: str | None = None) -> Device:
+        """The hardware called `name` (None: the cluster's own `accel`); ValueError lists the
+        names when there is none of that name."""
+        if name is None:
+            return Device(self.accel, self.eff, self.weight_dtype, self.link)
+        if name not in self.devices:
+            known = ", ".join(self.devices) or "none"
+            raise ValueError(f"no device {name!r} in this cluster (it has: {known})")
+        return self.devices[name]
 
     def wire_bytes(self, tokens: int) -> float:
         """Bytes a `tokens`-long prompt's KV puts on the link (FP8: 8 bits per element; its
@@ -61,15 +89,19 @@ class Cluster:
         """The serving overhead of `mode` (zero when none was calibrated)."""
         return self.serving.get(mode, ServingOverhead())
 
-    def latency(self, tp: int, mode: str | None = None) -> LatencyModel:
-        """Iteration times at TP `tp`; with a `mode`, every iteration also pays that mode's
-        serving overhead per step and per sequence."""
-        eff = self.eff
+    def latency(
+        self, tp: int, mode: str | None = None, gpu: str | None = None, ep: int = 1
+    ) -> LatencyModel:
+        """Iteration times at TP `tp` (and EP `ep`) on device `gpu` (None: `accel`); with a
+        `mode`, every iteration also pays that mode's serving overhead per step and per
+        sequence."""
+        dev = self.device(gpu)
+        eff = dev.eff
         if mode and mode in self.serving:
             over = self.serving[mode]
             eff = replace(eff, iteration_overhead_s=eff.iteration_overhead_s + over.step_s,
                           per_seq_overhead_s=eff.per_seq_overhead_s + over.seq_s)  # fmt: skip
-        return LatencyModel(self.model, self.accel, tp, eff, self.weight_dtype, self.kv_dtype)
+        return LatencyModel(self.model, dev.accel, tp, eff, dev.weight_dtype, self.kv_dtype, ep)
 
 
 @dataclass(frozen=True)
@@ -92,16 +124,28 @@ class Deployment:
     # keeps the simpler threshold-only policy)
     short_prefills_to_idle_pool: bool = False
     decode_chunk: int | None = None  # disagg: token budget of a decode instance's steps
+    # Heterogeneous pools: a `Cluster.devices` name per pool (None: the cluster's `accel`).
+    gpu: str | None = None
+    prefill_gpu: str | None = None
+    decode_gpu: str | None = None
+    # Expert parallelism per pool (MoE): experts over this many ranks, a multiple of the TP.
+    prefill_ep: int = 1
+    decode_ep: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(
                 f"deployment mode must be one of {', '.join(MODES)}, got {self.mode!r}"
             )
-        counts = ("tp", "replicas", "prefill_tp", "num_prefill", "decode_tp", "num_decode")
+        counts = ("tp", "replicas", "prefill_tp", "num_prefill", "decode_tp", "num_decode",
+                  "prefill_ep", "decode_ep")  # fmt: skip
         for name in (*counts, "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for tp, ep, flag in ((self.prefill_tp, self.prefill_ep, "prefill"),
+                             (self.decode_tp, self.decode_ep, "decode")):  # fmt: skip
+            if ep > 1 and ep % tp:
+                raise ValueError(f"--{flag}-ep {ep} must be a multiple of --{flag}-tp {tp}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0 tokens")
         for name in ("chunk", "decode_chunk"):
@@ -130,18 +174,62 @@ class Deployment:
         }
         return cls(mode, **router, decode_chunk=DECODE_CHUNK_SIZE, **engine)
 
+    def pools(self) -> list[tuple[str, str | None, int, int, int]]:
+        """(pool, device name, instances, TP, EP) of each pool: "colocated", or "prefill" and
+        "decode"."""
+        if self.mode == "colocated":
+            return [("colocated", self.gpu, self.replicas, self.tp, 1)]
+        return [("prefill", self.prefill_gpu, self.num_prefill, self.prefill_tp, self.prefill_ep),
+                ("decode", self.decode_gpu, self.num_decode, self.decode_tp, self.decode_ep)]  # fmt: skip
+
     @property
     def num_gpus(self) -> int:
-        if self.mode == "colocated":
-            return self.tp * self.replicas
-        return self.prefill_tp * self.num_prefill + self.decode_tp * self.num_decode
+        return sum(n * _group(tp, ep) for _, _, n, tp, ep in self.pools())
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Prefill and decode on different hardware."""
+        return self.mode == "disagg" and self.prefill_gpu != self.decode_gpu
+
+    def gpus_by_device(self, cluster: Cluster) -> dict[str, int]:
+        """Devices of each hardware type the deployment holds, by name."""
+        out: dict[str, int] = {}
+        for _, gpu, n, tp, ep in self.pools():
+            name = cluster.device(gpu).name
+            out[name] = out.get(name, 0) + n * _group(tp, ep)
+        return out
+
+    def cost_per_hour(self, cluster: Cluster) -> float:
+        """$ per hour of all its devices (each device's `cost_per_hour`, an assumption)."""
+        return sum(n * _group(tp, ep) * cluster.device(gpu).accel.cost_per_hour
+                   for _, gpu, n, tp, ep in self.pools())  # fmt: skip
+
+    def power_w(self, cluster: Cluster) -> float:
+        """Watts of all its devices at board power."""
+        return sum(n * _group(tp, ep) * cluster.device(gpu).accel.power_w
+                   for _, gpu, n, tp, ep in self.pools())  # fmt: skip
 
     @property
     def label(self) -> str:
+        def on(gpu: str | None) -> str:
+            return f" on {_short(gpu)}" if gpu else ""
+
         if self.mode == "colocated":
             chunk = f", chunked prefill {self.chunk}" if self.chunk else ""
-            return f"co-located {self.replicas} x TP{self.tp}{chunk}"
+            return f"co-located {self.replicas} x TP{self.tp}{on(self.gpu)}{chunk}"
+        pep = f" EP{self.prefill_ep}" if self.prefill_ep > 1 else ""
+        dep = f" EP{self.decode_ep}" if self.decode_ep > 1 else ""
         return (
-            f"disaggregated {self.num_prefill}P x TP{self.prefill_tp} : "
-            f"{self.num_decode}D x TP{self.decode_tp}"
+            f"disaggregated {self.num_prefill}P x TP{self.prefill_tp}{pep}{on(self.prefill_gpu)} : "
+            f"{self.num_decode}D x TP{self.decode_tp}{dep}{on(self.decode_gpu)}"
         )
+
+
+def _group(tp: int, ep: int) -> int:
+    """GPUs of one instance: its TP group, or its EP ranks when experts span more."""
+    return max(tp, ep)
+
+
+def _short(gpu: str) -> str:
+    """A device name for labels: a profile path's file name."""
+    return gpu.rsplit("/", 1)[-1]

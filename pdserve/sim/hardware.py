@@ -9,6 +9,12 @@ NVLink ~80 %; the seed quotes 10-11 GB/s practical for 100 Gbps Ethernet). RDMA 
 GbE is one port per 8-GPU node (as on cloud GPU instances without RDMA), so its bandwidth is
 shared by the node's GPUs (`gpus_per_port`). This machine's CPU
 is not a preset: `pdserve profile` measures it and `Accelerator.from_profile` reads it back.
+
+Price and power per device are what `pdserve plan --optimize cost|power` weighs. They are
+ASSUMPTIONS, not measurements: prices are approximate 2025 public on-demand list prices per
+GPU-hour of the cheaper GPU clouds (e.g. Lambda Cloud's H100 SXM $2.99 and A100 SXM 80 GB
+$1.79), power is the vendor datasheet's board power (TDP: H100 SXM 700 W, A100 SXM 400 W).
+Both are overridden per device with `--gpu-cost h100=4.5,a100-80gb=2.1` and `--gpu-power`.
 """
 
 from __future__ import annotations
@@ -101,11 +107,16 @@ class Accelerator:
     mem_bytes: float
     tp_link: str = "nvlink4"
     max_tp: int = 8
+    cost_per_hour: float = 0.0  # $ per device-hour (0: unknown; an assumption, see above)
+    power_w: float = 0.0  # board power in watts (0: unknown)
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "mem_bytes_per_s", "mem_bytes"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"accelerator {self.name!r}: {field} must be > 0")
+        for field in ("cost_per_hour", "power_w"):
+            if not 0 <= getattr(self, field) < float("inf"):
+                raise ValueError(f"accelerator {self.name!r}: {field} must be a number >= 0")
         get_link(self.tp_link)
 
     @classmethod
@@ -119,24 +130,30 @@ class Accelerator:
             mem_bytes=float(hardware["mem_bytes"]),
             tp_link=hardware.get("tp_link", "pcie-gen4"),
             max_tp=int(hardware.get("max_tp", 1)),
+            cost_per_hour=float(hardware.get("cost_per_hour", 0.0)),
+            power_w=float(hardware.get("power_w", 0.0)),
         )
 
 
-def _gpu(name, desc, tflops, tb_s, gb, link="nvlink4"):
-    return Accelerator(name, desc, tflops * 1e12, tb_s * 1e12, gb * 1e9, link)
+def _gpu(name, desc, tflops, tb_s, gb, link, dollars, watts):
+    return Accelerator(name, desc, tflops * 1e12, tb_s * 1e12, gb * 1e9, link, 8, dollars, watts)
 
 
 GPUS: dict[str, Accelerator] = {
     gpu.name: gpu
     for gpu in (
-        _gpu("a100-40gb", "NVIDIA A100 SXM 40 GB", 312, 1.555, 40, "nvlink3"),
-        _gpu("a100-80gb", "NVIDIA A100 SXM 80 GB", 312, 2.039, 80, "nvlink3"),
-        _gpu("h100-sxm", "NVIDIA H100 SXM 80 GB", 989, 3.35, 80),
-        _gpu("h100-pcie", "NVIDIA H100 PCIe 80 GB (NVLink bridge)", 756, 2.0, 80, "nvlink3"),
-        _gpu("h200", "NVIDIA H200 SXM 141 GB", 989, 4.8, 141),
-        _gpu("b200", "NVIDIA B200 180 GB", 2250, 8.0, 180, "nvlink5"),
-        _gpu("l40s", "NVIDIA L40S 48 GB (PCIe, no NVLink)", 362, 0.864, 48, "pcie-gen4"),
-        _gpu("mi300x", "AMD Instinct MI300X 192 GB", 1307, 5.3, 192, "infinity-fabric"),
+        # name, description, dense BF16 TFLOP/s, TB/s, GB, TP link, $/device-hour, watts
+        _gpu("a100-40gb", "NVIDIA A100 SXM 40 GB", 312, 1.555, 40, "nvlink3", 1.29, 400),
+        _gpu("a100-80gb", "NVIDIA A100 SXM 80 GB", 312, 2.039, 80, "nvlink3", 1.79, 400),
+        _gpu("h100-sxm", "NVIDIA H100 SXM 80 GB", 989, 3.35, 80, "nvlink4", 2.99, 700),
+        _gpu("h100-pcie", "NVIDIA H100 PCIe 80 GB (NVLink bridge)", 756, 2.0, 80, "nvlink3",
+             2.49, 350),  # fmt: skip
+        _gpu("h200", "NVIDIA H200 SXM 141 GB", 989, 4.8, 141, "nvlink4", 3.79, 700),
+        _gpu("b200", "NVIDIA B200 180 GB", 2250, 8.0, 180, "nvlink5", 4.99, 1000),
+        _gpu("l40s", "NVIDIA L40S 48 GB (PCIe, no NVLink)", 362, 0.864, 48, "pcie-gen4", 0.99,
+             350),  # fmt: skip
+        _gpu("mi300x", "AMD Instinct MI300X 192 GB", 1307, 5.3, 192, "infinity-fabric", 2.49,
+             750),  # fmt: skip
     )
 }
 _GPU_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb"}
@@ -149,3 +166,25 @@ def get_gpu(name: str) -> Accelerator:
     if gpu is None:
         raise ValueError(f"unknown GPU {name!r}; choose one of {', '.join([*GPUS, 'h100'])}")
     return gpu
+
+
+def parse_figures(text: str | None, flag: str) -> dict[str, float]:
+    """`h100=4.5,a100-80gb=2.1` (a --gpu-cost / --gpu-power value) as {device name: figure};
+    preset aliases resolve ("h100" is h100-sxm); other names (a profile path, "cpu") are kept
+    as given. ValueError names the malformed entry."""
+    out: dict[str, float] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, eq, value = item.partition("=")
+        try:
+            figure = float(value)
+        except ValueError:
+            figure = -1.0
+        if not eq or not name.strip() or not 0 <= figure < float("inf"):
+            raise ValueError(
+                f"{flag}: {item.strip()!r} is not DEVICE=NUMBER (e.g. {flag} h100=4.5,a100=2.1)"
+            )
+        key = name.strip().lower()
+        out[_GPU_ALIASES.get(key, key)] = figure
+    return out

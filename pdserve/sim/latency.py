@@ -14,6 +14,14 @@ and decode on the bandwidth side; a chunked-prefill batch falls wherever its mix
 Attention (4 x layers x heads x head_dim per query-key pair) is costed on its own because
 engines implement it apart from the GEMMs, at their own efficiency. All efficiencies and the
 overheads are what `pdserve profile` fits on this machine.
+
+Expert parallelism (`ep` > 1, mixture-of-experts models only) splits the routed experts whole
+over `ep` ranks of one node, the wide-EP layout of SGLang and vLLM: attention runs tensor
+parallel over `tp` ranks in `ep / tp` data-parallel groups, each serving its share of the
+sequences with its own KV cache, so an instance holds max(tp, ep) GPUs. Per GPU it keeps the
+dense weights / tp and the experts / ep; each MoE layer dispatches every token's hidden state
+to its top-k experts and combines them back (two all-to-alls over the node's link) instead of
+the all-reduce. Balanced expert load is assumed (no hot experts).
 """
 
 from __future__ import annotations
@@ -97,20 +105,24 @@ class LatencyModel:
         eff: Efficiency | None = None,
         weight_dtype: str = "bf16",
         kv_dtype: str = "bf16",
+        ep: int = 1,
     ) -> None:
         if tp < 1:
             raise ValueError(f"tensor parallelism must be >= 1, got {tp}")
-        self.model, self.accel, self.tp = model, accel, tp
+        check_ep(model, tp, ep)
+        self.model, self.accel, self.tp, self.ep = model, accel, tp, ep
+        self.dp = ep // tp if ep > 1 else 1  # data-parallel attention groups
+        self.gpus = tp * self.dp
         self.eff = eff or Efficiency()
         self.weight_bytes = model.num_params * dtype_bits(weight_dtype) / 8
         self._act_bytes = 2 if dtype_bits(weight_dtype) <= 16 else 4
         kv_token = kv_bytes_per_token(model, kv_dtype)
         # KV heads are split over TP ranks; past the head count (and for MLA's single latent)
-        # every rank keeps a copy.
+        # every rank keeps a copy. Data-parallel groups each hold their own sequences' KV.
         shards = 1 if model.kv_lora_rank is not None else min(tp, model.num_kv_heads)
-        self.kv_bytes_per_token_gpu = kv_token / shards
-        self._flops_s = accel.peak_flops * tp * self.eff.mfu
-        self._attn_s = accel.peak_flops * tp * self.eff.attn_eff
+        self.kv_bytes_per_token_gpu = kv_token / shards / self.dp
+        self._flops_s = accel.peak_flops * self.gpus * self.eff.mfu
+        self._attn_s = accel.peak_flops * self.gpus * self.eff.attn_eff
         self._bytes_s = accel.mem_bytes_per_s * self.eff.mbu
         self._attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim
         self._head_flops = 2 * model.vocab_size * model.hidden_size
@@ -119,7 +131,7 @@ class LatencyModel:
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV cache that fit beside the weights (0 when the weights do not fit)."""
-        free = self.accel.mem_bytes * MEMORY_UTILIZATION - self.weight_bytes / self.tp
+        free = self.accel.mem_bytes * MEMORY_UTILIZATION - self._dense_w - self._expert_w
         return max(0, int(free / self.kv_bytes_per_token_gpu))
 
     def weights_read(self, tokens: int) -> float:
@@ -130,8 +142,10 @@ class LatencyModel:
         return self._dense_w + self._expert_w * (1.0 - (1.0 - share) ** tokens)
 
     def allreduce_s(self, tokens: int) -> float:
-        """Two ring all-reduces of the activations per layer across the TP group."""
-        if self.tp == 1 or tokens == 0:
+        """The instance's communication per pass: two ring all-reduces of the activations per
+        layer across the TP group; with EP, one (attention's) plus the MoE's dispatch and
+        combine all-to-alls."""
+        if self.gpus == 1 or tokens == 0:
             return 0.0
         return self._ar_fixed + self._ar_per_token * tokens
 
@@ -139,14 +153,19 @@ class LatencyModel:
         """Per-instance constants of `weights_read` and `allreduce_s` (hot in the simulator)."""
         expert = self.model.expert_params * self.weight_bytes / self.model.num_params
         self._dense_w = (self.weight_bytes - expert) / self.tp
-        self._expert_w = expert / self.tp
+        self._expert_w = expert / (self.ep if self.ep > 1 else self.tp)
         link = get_link(self.accel.tp_link)
+        layers, per_token = self.model.num_layers, self.model.hidden_size * self._act_bytes
         steps = 2 * (self.tp - 1)
-        per_token = self.model.hidden_size * self._act_bytes
-        self._ar_per_token = (
-            2 * self.model.num_layers * steps / self.tp * per_token / (link.practical_bytes_per_s)
-        )
-        self._ar_fixed = 2 * self.model.num_layers * steps * link.latency_s
+        all_reduces = 2 if self.ep == 1 else 1
+        # A ring all-reduce of a DP group's tokens (tokens / dp of the pass) ...
+        ar_token = all_reduces * layers * steps / self.tp * per_token / self.dp
+        self._ar_fixed = all_reduces * layers * steps * link.latency_s
+        if self.ep > 1:  # ... and each GPU's tokens to their top-k experts' ranks and back
+            share = (self.ep - 1) / self.ep
+            ar_token += 2 * layers * self.model.experts_per_token * per_token * share / self.gpus
+            self._ar_fixed += 2 * layers * link.latency_s
+        self._ar_per_token = ar_token / link.practical_bytes_per_s
 
     def _fixed(self, batch: Batch) -> float:
         return (
@@ -165,8 +184,8 @@ class LatencyModel:
 
     def _gemm_s(self, flops: float, tokens: int) -> float:
         if tokens <= 0:
-            return 0.0
-        return flops / self._flops_s * (1 + self.eff.half_tokens / tokens)
+            return 0.0  # a data-parallel group's GEMMs have its share of the rows
+        return flops / self._flops_s * (1 + self.eff.half_tokens * self.dp / tokens)
 
     def iteration(self, batch: Batch) -> float:
         """Seconds for one forward pass over `batch`."""
@@ -196,6 +215,22 @@ class LatencyModel:
             w.bytes / self._bytes_s,
             kv * seqs,
         )
+
+
+def check_ep(model: ModelSpec, tp: int, ep: int) -> None:
+    """ValueError unless EP `ep` with TP `tp` is a layout of `model`: EP 1 (none), or a MoE
+    model whose experts divide evenly over `ep` ranks, `ep` a multiple of `tp`."""
+    if ep == 1:
+        return
+    if ep < 1:
+        raise ValueError(f"expert parallelism must be >= 1, got {ep}")
+    if model.num_experts == 1:
+        raise ValueError(f"expert parallelism needs a mixture-of-experts model; {model.name} "
+                         "is dense (use EP 1)")  # fmt: skip
+    if model.num_experts % ep:
+        raise ValueError(f"EP {ep} does not divide {model.name}'s {model.num_experts} experts")
+    if ep % tp:
+        raise ValueError(f"EP {ep} must be a multiple of TP {tp} (attention's groups)")
 
 
 def _linear_sum(a: float, b: float, i0: int, i1: int) -> float:

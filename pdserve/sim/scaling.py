@@ -61,7 +61,7 @@ class Lease:
 
     @property
     def device_s(self) -> float:
-        return (self.ended - self.started) * self.inst.lat.tp
+        return (self.ended - self.started) * self.inst.lat.gpus
 
 
 class Sample(NamedTuple):

@@ -76,16 +76,21 @@ class Loop:
         dep, budget = self.dep, self.budget
         if pool == "colocated":
             name, role, tp, budget = f"c{index}", "both", dep.tp, dep.chunk or budget
+            gpu, ep = dep.gpu, 1
         elif pool == "prefill":
             name, role, tp, budget = f"p{index}", "prefill", dep.prefill_tp, dep.chunk or budget
+            gpu, ep = dep.prefill_gpu, dep.prefill_ep
         elif dep.local_prefill_threshold > 0:  # conditional disaggregation: D prefills short ones
             name, role, tp = f"d{index}", "both", dep.decode_tp
             budget = dep.decode_chunk or dep.chunk or budget
+            gpu, ep = dep.decode_gpu, dep.decode_ep
         else:
             name, role, tp, budget = f"d{index}", "decode", dep.decode_tp, 1
-        lat = self.cluster.latency(tp, dep.mode)
+            gpu, ep = dep.decode_gpu, dep.decode_ep
+        lat = self.cluster.latency(tp, dep.mode, gpu, ep)
         inst = Instance(name, role, lat, budget, dep.max_num_seqs, self.itl)
-        inst.link_bw = self.cluster.link.instance_bytes_per_s(tp)
+        # Each end's own link; a flow runs at the slower end's share (`Fabric._rerate`).
+        inst.link_bw = self.cluster.device(gpu).link.instance_bytes_per_s(lat.gpus)
         inst.finished = self.finished
         if pool == "decode" and dep.decode_chunk:  # as the engine: chunked only beside streams
             inst.idle_budget = self.budget

@@ -94,6 +94,20 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="bf16", help="weight dtype (default bf16; the profile's "
                    "with --profile)")  # fmt: skip
     g.add_argument("--kv-dtype", help="KV-cache dtype (default: the weight dtype)")
+    g.add_argument("--prefill-gpu", metavar="DEVICE[,DEVICE]", help="the prefill pool's "
+                   "hardware when it differs from --gpu (Splitwise): a GPU preset, cpu, or a "
+                   "profile JSON from `pdserve profile` (a pool's own measured speed and weight "
+                   "format); plan takes a list and searches each")  # fmt: skip
+    g.add_argument("--decode-gpu", metavar="DEVICE[,DEVICE]", help="the decode pool's "
+                   "hardware (same forms as --prefill-gpu)")  # fmt: skip
+    g.add_argument("--gpu-cost", metavar="DEV=$,...", help="$ per device-hour, overriding the "
+                   "presets' assumed list prices, e.g. h100=4.5,a100-80gb=2.1 (a profile's "
+                   "device by its path)")  # fmt: skip
+    g.add_argument("--gpu-power", metavar="DEV=W,...", help="watts per device, overriding "
+                   "the presets' datasheet board power, e.g. h100=700")  # fmt: skip
+    g.add_argument("--gpu-link", metavar="DEV=LINK,...", help="a device's own KV link when "
+                   "it differs from --link, e.g. a100-80gb=ib-hdr; a transfer between two "
+                   "devices runs at the slower end's")  # fmt: skip
     g.add_argument(
         "--kv-compression",
         choices=("none", "fp8"),
@@ -156,6 +170,12 @@ def _add_deployment_args(d: argparse._ArgumentGroup) -> None:
             f"router does (its default is {router_threshold}; default here {local} = always "
             "remote)",
         ),
+        (
+            "prefill_ep",
+            "disagg: expert parallelism per prefill instance (MoE; a multiple of "
+            "--prefill-tp; the instance holds max(TP, EP) devices)",
+        ),
+        ("decode_ep", "disagg: expert parallelism per decode instance (as --prefill-ep)"),
         ("max_num_seqs", "sequences per instance"),
         ("max_batched_tokens", "tokens per step without chunking (whole prompts always fit)"),
     ):
@@ -166,15 +186,21 @@ def _add_deployment_args(d: argparse._ArgumentGroup) -> None:
 def _register_plan(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plan",
-        help="find the deployment with the fewest GPUs that serves a rate within the SLOs",
+        help="find the deployment with the fewest GPUs (or least cost or power) that serves a "
+        "rate within the SLOs",
         description="Search co-located (x TP x chunk size) and disaggregated (x prefill TP x "
-        "decode TP x P:D ratio) deployments by simulation for the fewest GPUs that serve "
-        "--rate with >= 90 %% SLO attainment (ties: highest goodput per GPU), and explain the "
-        "choice in numbers.",
+        "decode TP x P:D ratio, x EP for MoE, x each pool's hardware with --prefill-gpu / "
+        "--decode-gpu) deployments by simulation for the fewest GPUs (--optimize cost: least $ "
+        "per hour; power: least watts) that serve --rate with >= 90 %% SLO attainment (ties: "
+        "highest goodput per GPU, dollar or watt), and explain the choice in numbers.",
     )
     _add_cluster_args(p)
     _add_workload_args(p, (0.5, 0.025))
     p.add_argument("--num-gpus", type=int, help="GPU budget (default: unbounded)")
+    p.add_argument("--optimize", choices=("gpus", "cost", "power"), default="gpus",
+                   help="what to minimise: devices (then goodput per device), $ per hour "
+                   "(then goodput per dollar; --gpu-cost) or watts (--gpu-power) "
+                   "(default gpus)")  # fmt: skip
     p.add_argument("--requests", type=int, default=300, help="requests per simulation in the "
                    "search (default 300; more is slower and less noisy)")  # fmt: skip
     p.add_argument("--top", type=int, default=3, help="runner-ups to show (default 3)")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from pdserve.bench.metrics import SLO, summarize_by_class
 from pdserve.bench.workload import LengthDist, Workload, generate_requests, named_workload
-from pdserve.sim.deployment import Cluster, Deployment
-from pdserve.sim.hardware import Link, get_gpu, get_link
+from pdserve.sim.deployment import Cluster, Deployment, Device
+from pdserve.sim.hardware import GPUS, Accelerator, Link, get_gpu, get_link
 from pdserve.sim.kvmath import dtype_bits
 from pdserve.sim.latency import Efficiency
 from pdserve.sim.models import get_model
@@ -108,7 +109,7 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
         from pdserve.sim.calibration import load_profile
 
         prof = load_profile(args.profile)
-    gpu = (args.gpu or ("cpu" if prof else "h100")).lower()
+    gpu = _base_gpu(args)
     if gpu == "cpu" and prof is None:
         raise ValueError("--gpu cpu needs --profile PATH (create it with `pdserve profile`)")
     accel = prof.accelerator if gpu == "cpu" else get_gpu(gpu)
@@ -120,9 +121,79 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
     dtype_bits(weight_dtype)  # validates
     # The serving path's overhead was measured on this machine: it applies to it alone.
     serving = prof.serving if gpu == "cpu" else {}
-    return Cluster(model, accel, _link_of(args, prof), eff, weight_dtype,
+    figures = _figures(args)
+    accel = _priced(accel, gpu, figures)
+    base = Cluster(model, accel, _link_of(args, prof), eff, weight_dtype,
                    args.kv_dtype or weight_dtype, serving,
                    getattr(args, "kv_compression", "none"))  # fmt: skip
+    names = [*pool_gpus(args, "prefill"), *pool_gpus(args, "decode"), gpu]
+    devices = {n: _device(base, n, prof, args, figures) for n in dict.fromkeys(names) if n}
+    return replace(base, devices=devices)
+
+
+def _base_gpu(args: argparse.Namespace) -> str:
+    return (args.gpu or ("cpu" if args.profile else "h100")).lower()
+
+
+def pool_gpus(args: argparse.Namespace, pool: str) -> list[str]:
+    """The devices given for `pool` ("prefill" or "decode"): `--prefill-gpu a100,h100`."""
+    text = getattr(args, f"{pool}_gpu", None)
+    return [n.strip().lower() if not n.strip().endswith(".json") else n.strip()
+            for n in (text or "").split(",") if n.strip()]  # fmt: skip
+
+
+def _figures(args: argparse.Namespace) -> dict[str, dict]:
+    from pdserve.sim.hardware import parse_figures
+
+    return {
+        "cost_per_hour": parse_figures(getattr(args, "gpu_cost", None), "--gpu-cost"),
+        "power_w": parse_figures(getattr(args, "gpu_power", None), "--gpu-power"),
+        "link": {k: get_link(v) for k, v in _pairs(getattr(args, "gpu_link", None))},
+    }
+
+
+def _pairs(text: str | None) -> list[tuple[str, str]]:
+    out = []
+    for item in (text or "").split(","):
+        if item.strip():
+            name, eq, value = item.partition("=")
+            if not eq or not name.strip() or not value.strip():
+                raise ValueError(f"--gpu-link: {item.strip()!r} is not DEVICE=LINK "
+                                 "(e.g. --gpu-link a100-80gb=ib-hdr,h100=ib-ndr)")  # fmt: skip
+            out.append((get_gpu(name).name if name.strip().lower() in _PRESET_NAMES
+                        else name.strip(), value.strip()))  # fmt: skip
+    return out
+
+
+_PRESET_NAMES = ("h100", "a100", *GPUS)
+
+
+def _priced(accel: Accelerator, key: str, figures: dict[str, dict]) -> Accelerator:
+    """`accel` with the --gpu-cost / --gpu-power figures given for it (by preset or key)."""
+    change = {field: by[name] for field in ("cost_per_hour", "power_w")
+              for by in [figures[field]] for name in (accel.name, key) if name in by}  # fmt: skip
+    return replace(accel, **change) if change else accel
+
+
+def _device(base: Cluster, name: str, prof, args, figures: dict[str, dict]) -> Device:
+    """The hardware a pool names: a GPU preset, "cpu" (the --profile's machine) or a profile
+    JSON path (a machine or worker configuration `pdserve profile` measured: its speed,
+    efficiencies and weight format)."""
+    from pdserve.sim.calibration import load_profile
+
+    if name.endswith(".json"):
+        own = load_profile(name)
+        link = own.loopback() if args.link.lower() == "loopback" else base.link
+        dev = Device(own.accelerator, own.efficiency, own.weight_dtype, link)
+    elif name == "cpu":
+        if prof is None:
+            raise ValueError("a pool on cpu needs --profile PATH (or give the profile's path "
+                             "as the pool's device: --decode-gpu decode-profile.json)")  # fmt: skip
+        dev = Device(prof.accelerator, base.eff, base.weight_dtype, base.link)
+    else:
+        dev = Device(get_gpu(name), base.eff, base.weight_dtype, base.link)
+    link = figures["link"].get(dev.accel.name, figures["link"].get(name, dev.link))
+    return replace(dev, accel=_priced(dev.accel, name, figures), link=link)
 
 
 def _link_of(args: argparse.Namespace, prof) -> Link:
@@ -154,10 +225,16 @@ def _check_load(args: argparse.Namespace) -> SLO:
 
 
 def deployment_of(args: argparse.Namespace) -> Deployment:
+    prefill, decode = pool_gpus(args, "prefill"), pool_gpus(args, "decode")
+    if len(prefill) > 1 or len(decode) > 1:
+        raise ValueError("simulate runs one deployment: give one --prefill-gpu and one "
+                         "--decode-gpu (lists are for `pdserve plan`)")  # fmt: skip
     return Deployment(
         args.mode, args.tp, args.replicas, args.chunk, args.prefill_tp, args.num_prefill,
         args.decode_tp, args.num_decode, args.max_num_seqs, args.max_batched_tokens,
-        args.local_prefill_threshold,
+        args.local_prefill_threshold, gpu=None,
+        prefill_gpu=prefill[0] if prefill else None, decode_gpu=decode[0] if decode else None,
+        prefill_ep=args.prefill_ep, decode_ep=args.decode_ep,
     )  # fmt: skip
 
 
@@ -224,8 +301,12 @@ def plan(args: argparse.Namespace) -> int:
     from pdserve.sim.report import plan_json, plan_text
 
     slo, cluster = _check_load(args), cluster_of(args)
+    prefill, decode = pool_gpus(args, "prefill"), pool_gpus(args, "decode")
+    base = _base_gpu(args)
     req = PlanRequest(cluster, workload_of(args), args.rate, slo, args.num_gpus, args.requests,
-                      args.seed)  # fmt: skip
+                      args.seed, objective=args.optimize,
+                      prefill_gpus=tuple(prefill or decode and [base] or [None]),
+                      decode_gpus=tuple(decode or prefill and [base] or [None]))  # fmt: skip
     result = search(req)
     if args.json:
         print(json.dumps(plan_json(req, result, args.top), indent=1))

@@ -179,8 +179,10 @@ class Deployment:
         "decode"."""
         if self.mode == "colocated":
             return [("colocated", self.gpu, self.replicas, self.tp, 1)]
-        return [("prefill", self.prefill_gpu, self.num_prefill, self.prefill_tp, self.prefill_ep),
-                ("decode", self.decode_gpu, self.num_decode, self.decode_tp, self.decode_ep)]  # fmt: skip
+        return [
+            ("prefill", self.prefill_gpu, self.num_prefill, self.prefill_tp, self.prefill_ep),
+            ("decode", self.decode_gpu, self.num_decode, self.decode_tp, self.decode_ep),
+        ]
 
     @property
     def num_gpus(self) -> int:

@@ -146,14 +146,24 @@ GPUS: dict[str, Accelerator] = {
         _gpu("a100-40gb", "NVIDIA A100 SXM 40 GB", 312, 1.555, 40, "nvlink3", 1.29, 400),
         _gpu("a100-80gb", "NVIDIA A100 SXM 80 GB", 312, 2.039, 80, "nvlink3", 1.79, 400),
         _gpu("h100-sxm", "NVIDIA H100 SXM 80 GB", 989, 3.35, 80, "nvlink4", 2.99, 700),
-        _gpu("h100-pcie", "NVIDIA H100 PCIe 80 GB (NVLink bridge)", 756, 2.0, 80, "nvlink3",
-             2.49, 350),  # fmt: skip
+        _gpu(
+            "h100-pcie",
+            "NVIDIA H100 PCIe 80 GB (NVLink bridge)",
+            756,
+            2.0,
+            80,
+            "nvlink3",
+            2.49,
+            350,
+        ),  # fmt: skip
         _gpu("h200", "NVIDIA H200 SXM 141 GB", 989, 4.8, 141, "nvlink4", 3.79, 700),
         _gpu("b200", "NVIDIA B200 180 GB", 2250, 8.0, 180, "nvlink5", 4.99, 1000),
-        _gpu("l40s", "NVIDIA L40S 48 GB (PCIe, no NVLink)", 362, 0.864, 48, "pcie-gen4", 0.99,
-             350),  # fmt: skip
-        _gpu("mi300x", "AMD Instinct MI300X 192 GB", 1307, 5.3, 192, "infinity-fabric", 2.49,
-             750),  # fmt: skip
+        _gpu(
+            "l40s", "NVIDIA L40S 48 GB (PCIe, no NVLink)", 362, 0.864, 48, "pcie-gen4", 0.99, 350
+        ),  # fmt: skip
+        _gpu(
+            "mi300x", "AMD Instinct MI300X 192 GB", 1307, 5.3, 192, "infinity-fabric", 2.49, 750
+        ),  # fmt: skip
     )
 }
 _GPU_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb"}

@@ -37,6 +37,7 @@ class ModelSpec:
     experts_per_token: int = 1
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (2 x head_dim weights)
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim"):
@@ -92,8 +93,47 @@ class ModelSpec:
         return int((self.num_params - self.active_params) / routed_share)
 
 
+def estimate_params(
+    spec: ModelSpec, expert_ffn: int | None = None, ffn_matrices: int = 3, shared_ffn: int = 0
+) -> tuple[int, int]:
+    """(total, active) weights of a block stack: attention, FFN, embeddings.
+
+    `ffn_matrices` is 3 for gated FFNs (Llama's SwiGLU), 2 for plain ones (OPT, Falcon). Exact
+    for the Llama-style presets (two norms per layer and a final one), Qwen3's q/k norms and a
+    MoE's router (hidden x experts per layer) and shared expert (`shared_ffn` wide, with its
+    gate; Qwen2-MoE); biases are ignored. A MoE's total counts every expert (what must be in
+    memory), its active count the top-k a token passes through (its FLOPs).
+    """
+    h, d = spec.hidden_size, spec.head_dim
+    attn = h * d * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 2 * h
+    attn += 2 * d if spec.qk_norm else 0
+    ffn_width = expert_ffn or spec.intermediate_size
+    expert = ffn_matrices * h * ffn_width
+    if spec.num_experts > 1:
+        attn += h * spec.num_experts  # the router
+        attn += (ffn_matrices * h * shared_ffn + h) if shared_ffn else 0
+    total_layer = attn + expert * spec.num_experts
+    active_layer = attn + expert * spec.experts_per_token
+    emb = spec.embedding_params + h
+    return spec.num_layers * total_layer + emb, spec.num_layers * active_layer + emb
+
+
+def _replace_params(spec: ModelSpec, total: int, active: int | None) -> ModelSpec:
+    return replace(spec, num_params=total, active_params=active)
+
+
 def _llama(name, layers, hidden, heads, kv, ffn, vocab, params, head_dim=128, tie=False):
     return ModelSpec(name, layers, hidden, heads, kv, head_dim, ffn, vocab, params, None, tie)
+
+
+def _qwen3(name, layers, hidden, heads, kv, ffn, experts=1, per_token=1, expert_ffn=None):
+    """A Qwen3 dense or MoE shape (head_dim 128 whatever hidden / heads is, untied embeddings,
+    q/k norms); parameter counts from the shapes, which match the model cards' 8.19B, 32.8B and
+    235B total / 22B active."""
+    spec = ModelSpec(name, layers, hidden, heads, kv, 128, ffn, 151936, 1, None, False,
+                     experts, per_token, qk_norm=True)  # fmt: skip
+    total, active = estimate_params(spec, expert_ffn)
+    return _replace_params(spec, total, active if experts > 1 else None)
 
 
 # Shapes from each model's published config.json; parameter counts from its model card.
@@ -160,6 +200,12 @@ PRESETS: dict[str, ModelSpec] = {
             kv_lora_rank=512,
             qk_rope_head_dim=64,
         ),
+        # Qwen3 (config.json of Qwen/Qwen3-8B, -32B, -235B-A22B): 32B's head_dim is 128 though
+        # 5120 / 64 heads is 80; the MoE has 128 experts of width 1536, 8 per token, in every
+        # layer, and only 4 KV heads.
+        _qwen3("qwen3-8b", 36, 4096, 32, 8, 12288),
+        _qwen3("qwen3-32b", 64, 5120, 64, 8, 25600),
+        _qwen3("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 128, 8, 1536),
         _llama("smollm2-135m", 30, 576, 9, 3, 1536, 49152, 134_515_008, head_dim=64, tie=True),
         _llama("smollm2-360m", 32, 960, 15, 5, 2560, 49152, 361_821_120, head_dim=64, tie=True),
         _llama("smollm2-1.7b", 24, 2048, 32, 32, 8192, 49152, 1_711_376_384, 64, tie=True),
@@ -240,7 +286,7 @@ def _spec_from_config(cfg: dict, path: Path, **dims: int) -> ModelSpec:
     else:
         head_dim = _first(cfg, ("head_dim",)) or hidden // heads
     ffn = _first(cfg, ("intermediate_size", "ffn_dim", "n_inner")) or 4 * hidden
-    experts = _first(cfg, ("num_local_experts", "n_routed_experts")) or 1
+    experts = _first(cfg, ("num_local_experts", "n_routed_experts", "num_experts")) or 1
     per_token = _first(cfg, ("num_experts_per_tok",)) or 1
     tie = bool(cfg.get("tie_word_embeddings", cfg.get("model_type") == "opt"))
     spec = ModelSpec(
@@ -250,34 +296,14 @@ def _spec_from_config(cfg: dict, path: Path, **dims: int) -> ModelSpec:
         vocab_size=dims["vocab_size"], num_params=1, tie_embeddings=tie,
         num_experts=experts, experts_per_token=min(per_token, experts),
         kv_lora_rank=mla_rank, qk_rope_head_dim=rope_dim,
+        qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
     )  # fmt: skip
     plain_ffn = cfg.get("model_type") in ("opt", "falcon", "gpt2", "gpt_neox", "gpt_bigcode")
     total, active = estimate_params(
-        spec, _first(cfg, ("moe_intermediate_size",)), 2 if plain_ffn else 3
-    )
+        spec, _first(cfg, ("moe_intermediate_size",)), 2 if plain_ffn else 3,
+        _first(cfg, ("shared_expert_intermediate_size",)) or 0,
+    )  # fmt: skip
     return _replace_params(spec, total, active if experts > 1 else None)
-
-
-def estimate_params(
-    spec: ModelSpec, expert_ffn: int | None = None, ffn_matrices: int = 3
-) -> tuple[int, int]:
-    """(total, active) weights of a block stack: attention, FFN, embeddings.
-
-    `ffn_matrices` is 3 for gated FFNs (Llama's SwiGLU), 2 for plain ones (OPT, Falcon). Exact
-    for the Llama-style presets (two norms per layer and a final one); biases are ignored.
-    """
-    h, d = spec.hidden_size, spec.head_dim
-    attn = h * d * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 2 * h
-    ffn_width = expert_ffn or spec.intermediate_size
-    expert = ffn_matrices * h * ffn_width
-    total_layer = attn + expert * spec.num_experts
-    active_layer = attn + expert * spec.experts_per_token
-    emb = spec.embedding_params + h
-    return spec.num_layers * total_layer + emb, spec.num_layers * active_layer + emb
-
-
-def _replace_params(spec: ModelSpec, total: int, active: int | None) -> ModelSpec:
-    return replace(spec, num_params=total, active_params=active)
 
 
 def from_engine_config(cfg: object, name: str = "engine-model") -> ModelSpec:

@@ -10,8 +10,16 @@ DistServe's placement search, extended to chunked prefill and to bandwidth-limit
 2. Size each candidate for the target rate (replicas = rate / capacity, rounded up), then
    simulate the whole deployment at that rate and add instances to the pool that misses most
    until it meets the target or exceeds the GPU budget.
-3. Rank: fewest GPUs, then highest goodput per GPU. Nothing is decided by rule; which mode
-   wins is whatever the simulation says.
+3. Rank by the objective: fewest GPUs (then highest goodput per GPU), lowest $ per hour (then
+   highest goodput per dollar) or lowest watts (then goodput per watt). Nothing is decided by
+   rule; which mode wins is whatever the simulation says.
+
+Heterogeneous pools (Splitwise): with several device types (`prefill_gpus`, `decode_gpus`,
+names of `Cluster.devices`) every type is searched on its own (co-located and disaggregated,
+homogeneous) and every prefill type with every decode type; a pool's capacity is measured on
+its own hardware, and the KV transfer between two types runs at the slower end's link. For
+mixture-of-experts models each pool's shapes include expert parallelism (EP 2..8 over
+data-parallel attention, `LatencyModel`), so a plan may recommend `--decode-ep`.
 """
 
 from __future__ import annotations
@@ -26,8 +34,11 @@ from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.simulator import SimResult, simulate
 
 TP_CHOICES = (1, 2, 4, 8)
+EP_CHOICES = (2, 4, 8)  # expert parallelism over data-parallel attention (MoE only)
 CHUNK_CHOICES = (None, 256, 512, 1024, 2048)
+OBJECTIVES = ("gpus", "cost", "power")
 _LOOSE = 1e9  # an SLO target that never binds
+Shape = tuple[int, int]  # (TP, EP) of one instance
 
 
 @dataclass(frozen=True)
@@ -42,8 +53,29 @@ class PlanRequest:
     num_requests: int = 300
     seed: int = 0
     target: float = GOODPUT_ATTAINMENT
+    objective: str = "gpus"
+    # Device names (`Cluster.devices`; None: the cluster's own accelerator) each pool may use.
+    prefill_gpus: tuple[str | None, ...] = (None,)
+    decode_gpus: tuple[str | None, ...] = (None,)
+
+    @property
+    def kinds(self) -> list[str | None]:
+        """Every device type searched, in the order given."""
+        return list(dict.fromkeys((*self.prefill_gpus, *self.decode_gpus)))
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--optimize must be one of {', '.join(OBJECTIVES)}, "
+                             f"got {self.objective!r}")  # fmt: skip
+        if not self.prefill_gpus or not self.decode_gpus:
+            raise ValueError("give at least one device for each pool")
+        for gpu in self.kinds:
+            accel = self.cluster.device(gpu).accel
+            for objective, figure, flag in (("cost", accel.cost_per_hour, "--gpu-cost"),
+                                            ("power", accel.power_w, "--gpu-power")):  # fmt: skip
+                if self.objective == objective and not figure > 0:
+                    raise ValueError(f"--optimize {objective} needs a figure for {accel.name}: "
+                                     f"give {flag} {accel.name}=NUMBER")  # fmt: skip
         if not self.rate > 0 or math.isinf(self.rate):
             raise ValueError(f"--rate must be a finite number of requests/s > 0, got {self.rate}")
         if self.max_gpus is not None and self.max_gpus < 1:
@@ -66,6 +98,42 @@ class Candidate(NamedTuple):
     @property
     def goodput_per_gpu(self) -> float:
         return self.goodput / self.deployment.num_gpus
+
+
+def mean_lengths(workload: Workload) -> tuple[int, int]:
+    """Mean prompt and output tokens of `workload`'s mix."""
+    pairs = zip(workload.probabilities, workload.classes, strict=True)
+    prompt = output = 0.0
+    for prob, c in pairs:
+        prompt, output = prompt + prob * c.prompt.expected, output + prob * c.output.expected
+    return round(prompt), round(output)
+
+
+def spend(c: Candidate, cluster: Cluster, objective: str) -> float:
+    """What `objective` minimises for `c`: GPUs, $ per hour or watts."""
+    if objective == "cost":
+        return c.deployment.cost_per_hour(cluster)
+    if objective == "power":
+        return c.deployment.power_w(cluster)
+    return float(c.deployment.num_gpus)
+
+
+def rank_key(c: Candidate, cluster: Cluster, objective: str) -> tuple[float, float]:
+    """Least spend first, then most goodput per unit spent."""
+    cost = spend(c, cluster, objective)
+    return cost, -c.goodput / cost if cost else 0.0
+
+
+def cost_per_million_tokens(c: Candidate, req: PlanRequest) -> float:
+    """$ per million tokens (prompt + output) served at the deployment's goodput."""
+    tokens_s = c.goodput * sum(mean_lengths(req.workload))
+    return c.deployment.cost_per_hour(req.cluster) / (tokens_s * 3600) * 1e6 if tokens_s else 0.0
+
+
+def goodput_per_dollar(c: Candidate, req: PlanRequest) -> float:
+    """Requests served within the SLOs per dollar."""
+    dollars = c.deployment.cost_per_hour(req.cluster)
+    return c.goodput * 3600 / dollars if dollars else 0.0
 
 
 class Plan(NamedTuple):
@@ -122,30 +190,40 @@ class _Search:
         return lo
 
 
-def _valid_tps(cluster: Cluster, workload: Workload) -> list[int]:
-    """TP degrees whose weights fit with room for at least one long request's KV."""
+def _valid_shapes(cluster: Cluster, workload: Workload, gpu: str | None) -> list[Shape]:
+    """(TP, EP) shapes on device `gpu` whose weights fit with room for at least one long
+    request's KV: every TP, and for MoE models EP over TP-1 attention groups."""
     need = max(c.prompt.expected + c.output.expected for c in workload.classes)
+    model, accel = cluster.model, cluster.device(gpu).accel
+    shapes = [(tp, 1) for tp in TP_CHOICES if model.num_heads % tp == 0]
+    if model.num_experts > 1:
+        shapes += [(1, ep) for ep in EP_CHOICES if model.num_experts % ep == 0]
     return [
-        tp
-        for tp in TP_CHOICES
-        if tp <= cluster.accel.max_tp
-        and cluster.model.num_heads % tp == 0
-        and cluster.latency(tp).kv_capacity_tokens >= 2 * need
+        (tp, ep)
+        for tp, ep in shapes
+        if max(tp, ep) <= accel.max_tp
+        and cluster.latency(tp, gpu=gpu, ep=ep).kv_capacity_tokens >= 2 * need
     ]
 
 
 def plan(req: PlanRequest) -> Plan:
-    """Search every mode x TP x chunk (co-located) and prefill TP x decode TP (disaggregated)."""
+    """Search every device type x mode x shape x chunk (co-located) and every prefill device
+    and shape x decode device and shape (disaggregated); rank by `req.objective`."""
     search = _Search(req)
-    tps = _valid_tps(req.cluster, req.workload)
-    if not tps:
-        raise ValueError(
-            f"{req.cluster.model.name} does not fit on up to {max(TP_CHOICES)} x "
-            f"{req.cluster.accel.name} with room for its KV cache; choose a larger GPU"
-        )
-    candidates = [c for c in _colocated(search, tps) + _disaggregated(search, tps) if c]
+    shapes = {gpu: _valid_shapes(req.cluster, req.workload, gpu) for gpu in req.kinds}
+    for gpu, found in shapes.items():
+        if not found:
+            accel = req.cluster.device(gpu).accel
+            raise ValueError(
+                f"{req.cluster.model.name} does not fit on up to {accel.max_tp} x "
+                f"{accel.name} with room for its KV cache; choose a larger GPU"
+            )
+    pairs = [(p, d) for p in req.prefill_gpus for d in req.decode_gpus]
+    pairs = list(dict.fromkeys([*((g, g) for g in req.kinds), *pairs]))
+    candidates = [c for gpu in req.kinds for c in _colocated(search, gpu, shapes[gpu]) if c]
+    candidates += [c for c in _disaggregated(search, shapes, pairs) if c]
     ok = [c for c in candidates if c.attainment >= req.target and _within_budget(req, c)]
-    ok.sort(key=lambda c: (c.deployment.num_gpus, -c.goodput_per_gpu))
+    ok.sort(key=lambda c: rank_key(c, req.cluster, req.objective))
     closest = None
     if not ok and candidates:
         best = max(candidates, key=lambda c: (c.attainment, -_overshoot(c, req.slo)))
@@ -169,11 +247,11 @@ def _gpu_cap(req: PlanRequest) -> int:
     return req.max_gpus or 512
 
 
-def _colocated(search: _Search, tps: list[int]) -> list[Candidate | None]:
+def _colocated(search: _Search, gpu: str | None, shapes: list[Shape]) -> list[Candidate | None]:
     out = []
-    for tp in tps:
+    for tp in sorted({tp for tp, ep in shapes if ep == 1}):
         for chunk in CHUNK_CHOICES:
-            one = Deployment("colocated", tp=tp, chunk=chunk)
+            one = Deployment("colocated", tp=tp, chunk=chunk, gpu=gpu)
             cap = search.capacity(one, search.req.slo)
             if cap == 0:
                 out.append(_unmet(search, one))
@@ -183,34 +261,48 @@ def _colocated(search: _Search, tps: list[int]) -> list[Candidate | None]:
     return out
 
 
-def _disaggregated(search: _Search, tps: list[int]) -> list[Candidate | None]:
+def _prefill(gpu: str | None, shape: Shape, n: int = 1) -> dict:
+    return {"prefill_gpu": gpu, "prefill_tp": shape[0], "prefill_ep": shape[1], "num_prefill": n}
+
+
+def _decode(gpu: str | None, shape: Shape, n: int = 1) -> dict:
+    return {"decode_gpu": gpu, "decode_tp": shape[0], "decode_ep": shape[1], "num_decode": n}
+
+
+def _disaggregated(
+    search: _Search, shapes: dict[str | None, list[Shape]], pairs: list[tuple]
+) -> list[Candidate | None]:
     slo = search.req.slo
-    # Each pool is measured with the other made ample. Prefill against TTFT alone; decode
-    # against both targets, since KV arriving over its ports delays first tokens too.
-    p_caps = {
-        tp: search.capacity(
-            Deployment("disagg", prefill_tp=tp, decode_tp=max(tps), num_decode=4),
-            SLO(slo.ttft_s, _LOOSE),
-        )  # fmt: skip
-        for tp in tps
-    }
-    d_caps = {
-        tp: search.capacity(
-            Deployment("disagg", prefill_tp=max(tps), num_prefill=8, decode_tp=tp), slo
-        )
-        for tp in tps
-    }
+
+    # Each pool is measured on its own hardware with the other made ample (the same device's
+    # largest shape). Prefill against TTFT alone; decode against both targets, since KV
+    # arriving over its ports delays first tokens too.
+    def widest(gpu):
+        return max(shapes[gpu], key=lambda s: (max(s), -s[1]))
+
+    p_caps, d_caps = {}, {}
+    for gpu in dict.fromkeys(p for p, _ in pairs):
+        for shape in shapes[gpu]:
+            dep = Deployment("disagg", **_prefill(gpu, shape), **_decode(gpu, widest(gpu), 4))
+            p_caps[gpu, shape] = search.capacity(dep, SLO(slo.ttft_s, _LOOSE))
+    for gpu in dict.fromkeys(d for _, d in pairs):
+        for shape in shapes[gpu]:
+            dep = Deployment("disagg", **_prefill(gpu, widest(gpu), 8), **_decode(gpu, shape))
+            d_caps[gpu, shape] = search.capacity(dep, slo)
     out = []
-    for ptp in tps:
-        for dtp in tps:
-            base = Deployment("disagg", prefill_tp=ptp, decode_tp=dtp)
-            if not p_caps[ptp] or not d_caps[dtp]:
-                out.append(_unmet(search, base))
-                continue
-            n_p = math.ceil(search.req.rate / p_caps[ptp])
-            n_d = math.ceil(search.req.rate / d_caps[dtp])
-            goodput = min(n_p * p_caps[ptp], n_d * d_caps[dtp])
-            out.append(_grow(search, replace(base, num_prefill=n_p, num_decode=n_d), goodput))
+    for pg, dg in pairs:
+        for ps in shapes[pg]:
+            for ds in shapes[dg]:
+                base = Deployment("disagg", **_prefill(pg, ps), **_decode(dg, ds))
+                p_cap, d_cap = p_caps[pg, ps], d_caps[dg, ds]
+                if not p_cap or not d_cap:
+                    out.append(_unmet(search, base))
+                    continue
+                n_p = math.ceil(search.req.rate / p_cap)
+                n_d = math.ceil(search.req.rate / d_cap)
+                goodput = min(n_p * p_cap, n_d * d_cap)
+                dep = replace(base, num_prefill=n_p, num_decode=n_d)
+                out.append(_grow(search, dep, goodput))
     return out
 
 

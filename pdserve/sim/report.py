@@ -5,15 +5,30 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from pdserve.sim.kvmath import format_duration
-from pdserve.sim.planner import Candidate, Plan, PlanRequest
+from pdserve.sim.planner import (
+    Candidate,
+    Plan,
+    PlanRequest,
+    cost_per_million_tokens,
+    goodput_per_dollar,
+    mean_lengths,
+    rank_key,
+)
 
 
-def candidate_json(c: Candidate) -> dict:
-    """A candidate as plain JSON: deployment, GPUs, attainment, goodput and bench aggregates."""
+def candidate_json(c: Candidate, req: PlanRequest) -> dict:
+    """A candidate as plain JSON: deployment, GPUs, cost, attainment, goodput and bench
+    aggregates."""
+    cl = req.cluster
     return {
         "label": c.deployment.label,
         "deployment": asdict(c.deployment),
         "num_gpus": c.deployment.num_gpus,
+        "gpus_by_device": c.deployment.gpus_by_device(cl),
+        "cost_per_hour": c.deployment.cost_per_hour(cl),
+        "power_w": c.deployment.power_w(cl),
+        "cost_per_million_tokens": cost_per_million_tokens(c, req),
+        "goodput_per_dollar": goodput_per_dollar(c, req),
         "slo_attainment": c.attainment,
         "goodput_rps_estimate": c.goodput,
         "goodput_per_gpu": c.goodput_per_gpu,
@@ -29,19 +44,21 @@ def best_per_mode(plan: Plan) -> dict[str, Candidate]:
     return out
 
 
-def _mean_lengths(req: PlanRequest) -> tuple[int, int]:
-    probs = req.workload.probabilities
-    prompt = sum(p * c.prompt.expected for p, c in zip(probs, req.workload.classes, strict=True))
-    output = sum(p * c.output.expected for p, c in zip(probs, req.workload.classes, strict=True))
-    return round(prompt), round(output)
+def devices_text(c: Candidate, req: PlanRequest) -> str:
+    """ "2 x h100-sxm + 3 x a100-80gb", and its $ per hour when the devices have prices."""
+    by = c.deployment.gpus_by_device(req.cluster)
+    text = " + ".join(f"{n} x {name}" for name, n in by.items())
+    dollars = c.deployment.cost_per_hour(req.cluster)
+    return f"{text} (${dollars:.2f}/h)" if dollars else text
 
 
-def _line(c: Candidate, slo) -> str:
+def _line(c: Candidate, slo, req: PlanRequest | None = None) -> str:
     a = c.result.aggregates
     ttft, tpot = a["ttft_s"]["p90"], a["tpot_s"]["p90"]
     tpot_text = format_duration(tpot) if tpot is not None else "n/a"
+    gpus = devices_text(c, req) if req else f"{c.deployment.num_gpus} GPUs"
     return (
-        f"{c.deployment.label}: {c.deployment.num_gpus} GPUs, attainment {c.attainment:.1%}, "
+        f"{c.deployment.label}: {gpus}, attainment {c.attainment:.1%}, "
         f"TTFT p90 {format_duration(ttft or 0)} (SLO {format_duration(slo.ttft_s)}), "
         f"TPOT p90 {tpot_text} (SLO {format_duration(slo.tpot_s)}), "
         f"~{c.goodput_per_gpu:.3g} req/s per GPU"
@@ -51,27 +68,32 @@ def _line(c: Candidate, slo) -> str:
 def reasons(req: PlanRequest, plan: Plan) -> list[str]:
     """The numbers behind the choice: phase times, KV transfer, each mode's best, idle pools."""
     cl, slo = req.cluster, req.slo
-    prompt, output = _mean_lengths(req)
+    prompt, output = mean_lengths(req.workload)
     best = plan.feasible[0] if plan.feasible else plan.closest
     dep = best.deployment
-    ptp = dep.tp if dep.mode == "colocated" else dep.prefill_tp
-    lat = cl.latency(ptp)
+    pools = dep.pools()  # co-located: one pool does both phases
+    (_, pgpu, _, ptp, pep), (_, dgpu, _, dtp, dep_) = pools[0], pools[-1]
+    lat = cl.latency(ptp, gpu=pgpu, ep=pep)
+    where = f"TP{ptp}{f' EP{pep}' if pep > 1 else ''} on {lat.accel.name}"
     out = [
         f"prefill of a {prompt:,}-token prompt takes {format_duration(lat.prefill(prompt))} at "
-        f"TP{ptp} ({lat.prefill(prompt) / slo.ttft_s:.0%} of the {format_duration(slo.ttft_s)} "
+        f"{where} ({lat.prefill(prompt) / slo.ttft_s:.0%} of the {format_duration(slo.ttft_s)} "
         f"TTFT budget)"
     ]
-    dtp = dep.tp if dep.mode == "colocated" else dep.decode_tp
-    step = cl.latency(dtp).iteration_decode(32, 32 * (prompt + output / 2))
+    dlat = cl.latency(dtp, gpu=dgpu, ep=dep_)
+    step = dlat.iteration_decode(32, 32 * (prompt + output / 2))
     out.append(
         f"a decode step of 32 sequences at ~{prompt + output // 2:,} tokens takes "
-        f"{format_duration(step)} at TP{dtp} (TPOT budget {format_duration(slo.tpot_s)})"
+        f"{format_duration(step)} at TP{dtp}{f' EP{dep_}' if dep_ > 1 else ''} on "
+        f"{dlat.accel.name} (TPOT budget {format_duration(slo.tpot_s)})"
     )
-    out.append(_transfer_reason(req, prompt, ptp))
+    out.append(_transfer_reason(req, prompt, ptp, pgpu, dgpu))
     for mode, c in best_per_mode(plan).items():
-        out.append(f"best {_MODE_NAMES[mode]}: {_line(c, slo)}")
+        out.append(f"best {_MODE_NAMES[mode]}: {_line(c, slo, req)}")
     if plan.feasible:
-        out.append(_verdict(best_per_mode(plan)))
+        out.append(_verdict(best_per_mode(plan), req))
+        if len(req.kinds) > 1:
+            out.append(mixed_vs_homogeneous(req, plan))
     if dep.mode == "disagg" and dep.prefill_tp != dep.decode_tp:
         out.append(_per_phase_reason(plan, best, slo))
     missing = {"colocated", "disagg"} - set(best_per_mode(plan))
@@ -91,11 +113,46 @@ def reasons(req: PlanRequest, plan: Plan) -> list[str]:
 _MODE_NAMES = {"colocated": "co-located", "disagg": "disaggregated"}
 
 
-def _verdict(best: dict[str, Candidate]) -> str:
+def mixed_vs_homogeneous(req: PlanRequest, plan: Plan) -> str:
+    """The best deployment with prefill and decode on different hardware against the best on
+    one type, under the objective: $ per hour, $ per million tokens, requests per dollar."""
+    mixed = [c for c in plan.feasible if c.deployment.heterogeneous]
+    same = [c for c in plan.feasible if not c.deployment.heterogeneous]
+    if not mixed or not same:
+        which = "mixed-hardware" if not mixed else "single-hardware"
+        return f"no {which} deployment met the SLOs, so there is nothing to compare it with"
+    m, h = mixed[0], same[0]
+
+    def money(c: Candidate) -> str:
+        if not c.deployment.cost_per_hour(req.cluster):
+            return f"{devices_text(c, req)}, {c.deployment.power_w(req.cluster):,.0f} W"
+        return (f"{devices_text(c, req)}, ${cost_per_million_tokens(c, req):.3f} per million "
+                f"tokens, {goodput_per_dollar(c, req):,.0f} requests per $")  # fmt: skip
+
+    winner = "mixed" if rank_key(m, req.cluster, req.objective) < rank_key(
+        h, req.cluster, req.objective) else "single-hardware"  # fmt: skip
+    ratio = ""
+    mc, hc = goodput_per_dollar(m, req), goodput_per_dollar(h, req)
+    if mc and hc:
+        ratio = f"; mixed gives {mc / hc:.2f}x the goodput per dollar"
+    return (
+        f"mixed hardware ({m.deployment.label}: {money(m)}) vs the best on one type "
+        f"({h.deployment.label}: {money(h)}): {winner} wins on {req.objective}{ratio}"
+    )
+
+
+def _verdict(best: dict[str, Candidate], req: PlanRequest) -> str:
     if len(best) < 2:
         return "only one mode is feasible, so it wins"
-    win, lose = sorted(best.values(), key=lambda c: (c.deployment.num_gpus, -c.goodput_per_gpu))
+    win, lose = sorted(best.values(), key=lambda c: rank_key(c, req.cluster, req.objective))
     w, los = _MODE_NAMES[win.deployment.mode], _MODE_NAMES[lose.deployment.mode]
+    if req.objective != "gpus":
+        unit = "$/h" if req.objective == "cost" else "W"
+        fig = win.deployment.cost_per_hour if req.objective == "cost" else win.deployment.power_w
+        lfig = (lose.deployment.cost_per_hour if req.objective == "cost"
+                else lose.deployment.power_w)  # fmt: skip
+        return (f"{w} costs {fig(req.cluster):,.2f} {unit}, {los} "
+                f"{lfig(req.cluster):,.2f} {unit}")  # fmt: skip
     if win.deployment.num_gpus < lose.deployment.num_gpus:
         return f"{w} needs {win.deployment.num_gpus} GPUs, {los} {lose.deployment.num_gpus}"
     gain = win.goodput_per_gpu / lose.goodput_per_gpu - 1 if lose.goodput_per_gpu else 0.0
@@ -126,15 +183,17 @@ def _per_phase_reason(plan: Plan, best: Candidate, slo) -> str:
     return f"{head} against the best with one TP for both phases, {_line(other, slo)}: {verdict}"
 
 
-def _transfer_reason(req: PlanRequest, prompt: int, ptp: int) -> str:
+def _transfer_reason(req: PlanRequest, prompt: int, ptp: int, pgpu=None, dgpu=None) -> str:
     cl, slo = req.cluster, req.slo
     nbytes = cl.wire_bytes(prompt)
-    bw = cl.link.instance_bytes_per_s(ptp)
+    link = min((cl.device(pgpu).link, cl.device(dgpu).link),
+               key=lambda k: k.instance_bytes_per_s(ptp))  # the slower end's  # fmt: skip
+    bw = link.instance_bytes_per_s(ptp)
     t = nbytes / bw
     last = t / cl.model.num_layers
     demand = req.rate * nbytes
     return (
-        f"KV transfer of a {prompt:,}-token prompt ({nbytes / 1e9:.3g} GB) over {cl.link.name} "
+        f"KV transfer of a {prompt:,}-token prompt ({nbytes / 1e9:.3g} GB) over {link.name} "
         f"from a TP{ptp} instance ({bw / 1e9:.3g} GB/s) takes {format_duration(t)} = "
         f"{t / slo.ttft_s:.0%} of the TTFT budget; streamed layer by layer, "
         f"{format_duration(last)} of it (the last layer) adds to TTFT while a layer transfers "
@@ -146,19 +205,21 @@ def _transfer_reason(req: PlanRequest, prompt: int, ptp: int) -> str:
 def plan_text(req: PlanRequest, plan: Plan, top: int = 3) -> str:
     """The human-readable plan."""
     cl = req.cluster
-    head = f"{cl.model.name} on {cl.accel.name}, KV over {cl.link.name}, {req.rate:g} req/s"
+    kinds = ", ".join(cl.device(g).name for g in req.kinds)
+    head = (f"{cl.model.name} on {kinds}, KV over {cl.link.name}, {req.rate:g} req/s, "
+            f"optimizing {req.objective}")  # fmt: skip
     if not plan.feasible:
         lines = [f"{head}: no configuration meets these SLOs"]
         if plan.closest:
-            lines.append(f"closest: {_line(plan.closest, req.slo)}")
+            lines.append(f"closest: {_line(plan.closest, req.slo, req)}")
             lines.append(f"  to fix: {_relax_hint(plan.closest, req)}")
             lines += [f"  - {r}" for r in reasons(req, plan)]
         return "\n".join(lines)
     best = plan.feasible[0]
     lines = [
         head,
-        f"recommendation: {best.deployment.label} = {best.deployment.num_gpus} x {cl.accel.name}",
-        f"  {_line(best, req.slo)}",
+        f"recommendation: {best.deployment.label} = {devices_text(best, req)}",
+        f"  {_line(best, req.slo, req)}",
         "why:",
         *[f"  - {r}" for r in reasons(req, plan)],
     ]
@@ -170,7 +231,7 @@ def plan_text(req: PlanRequest, plan: Plan, top: int = 3) -> str:
     if len(plan.feasible) > 1:
         lines.append("runner-ups:")
         lines += [
-            f"  {i}. {_line(c, req.slo)}" for i, c in enumerate(plan.feasible[1 : top + 1], 2)
+            f"  {i}. {_line(c, req.slo, req)}" for i, c in enumerate(plan.feasible[1 : top + 1], 2)
         ]
     return "\n".join(lines)
 
@@ -198,6 +259,14 @@ def serve_command(dep) -> tuple[str | None, str]:
             cmd += f" --prefill-tp {dep.prefill_tp} --decode-tp {dep.decode_tp}"
             note = (f"{tp_note}; the KV heads are re-sharded from each prefill group's "
                     f"{dep.prefill_tp} ranks into each decode group's {dep.decode_tp}")  # fmt: skip
+        for flag, ep in (("--prefill-ep", dep.prefill_ep), ("--decode-ep", dep.decode_ep)):
+            if ep > 1:
+                cmd += f" {flag} {ep}"
+        if dep.heterogeneous:
+            note += (f"; run the prefill pool on {dep.prefill_gpu or 'the --gpu'} and the decode "
+                     f"pool on {dep.decode_gpu or 'the --gpu'} (per pool: --prefill-args / "
+                     "--decode-args \"--device ...\", or --prefill-resources / "
+                     "--decode-resources with the Ray launcher)")  # fmt: skip
     if dep.chunk:
         flag = f"--chunk-size {dep.chunk}"
         cmd += f" {flag}" if dep.mode == "colocated" else f' --prefill-args "{flag}"'
@@ -229,10 +298,12 @@ def plan_json(req: PlanRequest, plan: Plan, top: int = 3) -> dict:
         "rate": req.rate,
         "slo": {"ttft_s": req.slo.ttft_s, "tpot_s": req.slo.tpot_s},
         "feasible": bool(plan.feasible),
-        "recommendation": candidate_json(plan.feasible[0]) if plan.feasible else None,
+        "objective": req.objective,
+        "devices": [req.cluster.device(g).name for g in req.kinds],
+        "recommendation": candidate_json(plan.feasible[0], req) if plan.feasible else None,
         "serve_command": serve_command(plan.feasible[0].deployment)[0] if plan.feasible else None,
-        "runner_ups": [candidate_json(c) for c in plan.feasible[1 : top + 1]],
-        "closest": candidate_json(plan.closest) if plan.closest else None,
+        "runner_ups": [candidate_json(c, req) for c in plan.feasible[1 : top + 1]],
+        "closest": candidate_json(plan.closest, req) if plan.closest else None,
         "message": None if plan.feasible else "no configuration meets these SLOs",
         "reasons": reasons(req, plan) if plan.feasible or plan.closest else [],
     }

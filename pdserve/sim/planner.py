@@ -274,27 +274,26 @@ def _disaggregated(
 ) -> list[Candidate | None]:
     slo = search.req.slo
 
-    # Each pool is measured on its own hardware with the other made ample (the same device's
-    # largest shape). Prefill against TTFT alone; decode against both targets, since KV
-    # arriving over its ports delays first tokens too.
+    # Each pool is measured on its own hardware with the other made ample on the other
+    # pool's hardware in that pair (the widest shape). Prefill against TTFT alone; decode
+    # against both targets, since KV arriving over its ports delays first tokens too.
     def widest(gpu):
         return max(shapes[gpu], key=lambda s: (max(s), -s[1]))
 
     p_caps, d_caps = {}, {}
-    for gpu in dict.fromkeys(p for p, _ in pairs):
-        for shape in shapes[gpu]:
-            dep = Deployment("disagg", **_prefill(gpu, shape), **_decode(gpu, widest(gpu), 4))
-            p_caps[gpu, shape] = search.capacity(dep, SLO(slo.ttft_s, _LOOSE))
-    for gpu in dict.fromkeys(d for _, d in pairs):
-        for shape in shapes[gpu]:
-            dep = Deployment("disagg", **_prefill(gpu, widest(gpu), 8), **_decode(gpu, shape))
-            d_caps[gpu, shape] = search.capacity(dep, slo)
+    for pg, dg in pairs:
+        for shape in shapes[pg]:
+            dep = Deployment("disagg", **_prefill(pg, shape), **_decode(dg, widest(dg), 4))
+            p_caps[pg, dg, shape] = search.capacity(dep, SLO(slo.ttft_s, _LOOSE))
+        for shape in shapes[dg]:
+            dep = Deployment("disagg", **_prefill(pg, widest(pg), 8), **_decode(dg, shape))
+            d_caps[pg, dg, shape] = search.capacity(dep, slo)
     out = []
     for pg, dg in pairs:
         for ps in shapes[pg]:
             for ds in shapes[dg]:
                 base = Deployment("disagg", **_prefill(pg, ps), **_decode(dg, ds))
-                p_cap, d_cap = p_caps[pg, ps], d_caps[dg, ds]
+                p_cap, d_cap = p_caps[pg, dg, ps], d_caps[pg, dg, ds]
                 if not p_cap or not d_cap:
                     out.append(_unmet(search, base))
                     continue
@@ -307,8 +306,11 @@ def _disaggregated(
 
 
 def _unmet(search: _Search, dep: Deployment) -> Candidate:
-    """A shape that misses the SLOs even when idle: report it at the target rate as is."""
-    return Candidate(dep, search.run(dep, search.req.rate, search.req.slo, early=True), 0.0)
+    """A shape whose capacity search found no rate within the SLOs: report it at the target
+    rate as is (its goodput is that rate should it attain there after all)."""
+    req = search.req
+    result = search.run(dep, req.rate, req.slo, early=True)
+    return Candidate(dep, result, req.rate if _attainment(result) >= req.target else 0.0)
 
 
 def _grow(search: _Search, dep: Deployment, goodput: float, tries: int = 4) -> Candidate | None:

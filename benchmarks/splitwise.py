@@ -41,8 +41,8 @@ def main() -> None:
         gpu_cost=args.gpu_cost, gpu_power=None, gpu_link=None, kv_compression="none",
     )  # fmt: skip
     cluster = cluster_of(ns)
-    print(f"{args.model}, KV over {args.link}, --optimize cost; prices "
-          f"{', '.join(f'{d.name} ${d.accel.cost_per_hour:g}/h' for d in cluster.devices.values())}")  # fmt: skip
+    prices = ", ".join(f"{d.name} ${d.accel.cost_per_hour:g}/h" for d in cluster.devices.values())
+    print(f"{args.model}, KV over {args.link}, --optimize cost; prices {prices}")
     print(f"{'workload':<26} {'kind':<16} {'deployment':<58} {'$/h':>7} {'$/Mtok':>7}")
     for name, prompt, output, rate, ttft, tpot in CASES:
         work = Workload.from_lengths(LengthDist.parse(str(prompt)), LengthDist.parse(str(output)))

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from pdserve.launch.flags import SCALE_FLAGS
 from pdserve.router import metrics
 from pdserve.sim.autoscale import Autoscaler, Observation
 from pdserve.sim.calibration import calibrated
-from pdserve.sim.deployment import Cluster, Deployment
+from pdserve.sim.deployment import Cluster, Deployment, Device
 from pdserve.sim.hardware import Accelerator, Link
 from pdserve.sim.latency import Efficiency
 from pdserve.sim.scale_policy import ScaleBounds, ScalePolicy
@@ -47,7 +48,9 @@ LIVE_EFFICIENCY = Efficiency(mfu=1.0, mbu=1.0, iteration_overhead_s=0.0, half_to
 
 def live_cluster(model_config) -> Cluster:
     """The simulator's view of this deployment before calibration: the served model's shape on
-    a nominal device (`calibrated` fits its speeds to what the workers measure)."""
+    a nominal device per pool, "prefill" and "decode" (`calibrated` fits each to what its own
+    workers measure: the pools may run on different hardware, threads or weight formats, and a
+    grown pool keeps its own)."""
     from pdserve.sim.models import from_engine_config
 
     mem = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -55,8 +58,11 @@ def live_cluster(model_config) -> Cluster:
         "served", "calibrated online to the workers' measured speeds", NOMINAL_FLOPS,
         NOMINAL_BYTES_S, mem, tp_link="pcie-gen4", max_tp=1,
     )  # fmt: skip
-    return Cluster(from_engine_config(model_config, "served"), accel,
-                   Link.from_gbps(LOOPBACK_GBPS), LIVE_EFFICIENCY, "bf16", "bf16")  # fmt: skip
+    link = Link.from_gbps(LOOPBACK_GBPS)
+    devices = {role: Device(replace(accel, name=f"served-{role}"), LIVE_EFFICIENCY, "bf16", link)
+               for role in ROLES}  # fmt: skip
+    return Cluster(from_engine_config(model_config, "served"), accel, link, LIVE_EFFICIENCY,
+                   "bf16", "bf16", devices=devices)  # fmt: skip
 
 
 class AutoscaleLoop:
@@ -122,23 +128,33 @@ class AutoscaleLoop:
         )  # fmt: skip
 
     def calibrate(self, obs: Observation) -> None:
-        """Fit the simulator's device to the speeds the workers measured (heartbeats)."""
+        """Fit each pool's device in the simulator to the speeds that pool's workers measured
+        (heartbeats): the prefill pool's from its prefills, the decode pool's from its decode
+        steps and its own (short, local) prefills. A pool that has not measured a speed yet
+        borrows the other's."""
         if not obs.lengths:
             return
         prompt = float(np.median([p for p, _ in obs.lengths]))
         output = float(np.median([o for _, o in obs.lengths]))
-        loads = [w.load for w in self.core.alive() if w.load is not None]
-        prefill = [ld.prefill_tok_s for ld in loads if ld.prefill_tok_s > 0]
-        decoding = [ld for ld in loads if ld.decode_step_s > 0 and ld.running > 0]
-        if not prefill and not decoding:
+        speeds = {}
+        for role in ROLES:
+            loads = [w.load for w in self.core.alive(role) if w.load is not None]
+            prefill = [ld.prefill_tok_s for ld in loads if ld.prefill_tok_s > 0]
+            decoding = [ld for ld in loads if ld.decode_step_s > 0 and ld.running > 0]
+            speeds[role] = (float(np.mean(prefill)) if prefill else None,
+                            decoding[0] if decoding else None)  # fmt: skip
+        if not any(tok_s or step for tok_s, step in speeds.values()):
             return
-        step = decoding[0] if decoding else None
         a = self.autoscaler
         a.speeds_known = True
-        a.cluster = calibrated(
-            a.cluster, prompt, float(np.mean(prefill)) if prefill else None,
-            step.running if step else 0, prompt + output / 2, step.decode_step_s if step else None,
-        )  # fmt: skip
+        for role, other in zip(ROLES, ROLES[::-1], strict=True):
+            tok_s, step = speeds[role]
+            tok_s, step = tok_s or speeds[other][0], step or speeds[other][1]
+            gpu = role if role in a.cluster.devices else None
+            a.cluster = calibrated(
+                a.cluster, prompt, tok_s, step.running if step else 0, prompt + output / 2,
+                step.decode_step_s if step else None, gpu=gpu,
+            )  # fmt: skip
 
     # -- deciding and acting ---------------------------------------------------------------
     async def tick(self, now: float) -> None:
@@ -212,5 +228,7 @@ def make_autoscaler(args, model_config) -> Autoscaler:
         local_prefill_threshold=args.local_prefill_threshold,
         short_prefills_to_idle_pool=not args.keep_short_prefills_local,
         decode_chunk=args.decode_chunk_size or None,
+        prefill_gpu="prefill",  # each pool on its own device (`live_cluster`)
+        decode_gpu="decode",
     )
     return Autoscaler(live_cluster(model_config), base, policy)

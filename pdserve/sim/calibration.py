@@ -221,43 +221,50 @@ def calibrated(
     context_tokens: float,
     decode_step_s: float | None,
     tp: int = 1,
+    gpu: str | None = None,
 ) -> Cluster:
-    """`cluster` with its device's FLOP/s and memory bandwidth scaled so that the latency model
-    gives the measured speeds: a prefill of `prompt_tokens` at `prefill_tok_s`, a decode step
-    of `decode_batch` sequences of `context_tokens` each in `decode_step_s` (what workers report
-    in their heartbeats, at TP `tp`). A speed not measured (None or 0) leaves its factor as
-    is."""
+    """`cluster` with the FLOP/s and memory bandwidth of its device `gpu` (None: its own
+    `accel`; a pool's `Cluster.devices` entry for heterogeneous pools) scaled so that the
+    latency model gives the measured speeds: a prefill of `prompt_tokens` at `prefill_tok_s`, a
+    decode step of `decode_batch` sequences of `context_tokens` each in `decode_step_s` (what
+    workers report in their heartbeats, at TP `tp`). A speed not measured (None or 0) leaves
+    its factor as is."""
     n = int(prompt_tokens)
     step = Batch(decode_batch, decode_batch, 0, decode_batch * context_tokens, decode_batch)
 
     def prefill_s(c: Cluster) -> float:
-        return c.latency(tp).prefill(n)
+        return c.latency(tp, gpu=gpu).prefill(n)
 
     def decode_s(c: Cluster) -> float:
-        return c.latency(tp).iteration(step)
+        return c.latency(tp, gpu=gpu).iteration(step)
 
     for _ in range(3):  # the two factors interact a little through the roofline's max
         if prefill_tok_s and n >= 1:
-            cluster = _with(cluster, flops=_solve(cluster, prefill_s, n / prefill_tok_s, "flops"))
+            k = _solve(cluster, prefill_s, n / prefill_tok_s, "flops", gpu)
+            cluster = _with(cluster, flops=k, gpu=gpu)
         if decode_step_s and decode_batch >= 1:
-            cluster = _with(cluster, mem=_solve(cluster, decode_s, decode_step_s, "mem"))
+            k = _solve(cluster, decode_s, decode_step_s, "mem", gpu)
+            cluster = _with(cluster, mem=k, gpu=gpu)
     return cluster
 
 
-def _with(cluster: Cluster, flops: float = 1.0, mem: float = 1.0) -> Cluster:
-    a = cluster.accel
-    return replace(cluster, accel=replace(
-        a, peak_flops=a.peak_flops * flops, mem_bytes_per_s=a.mem_bytes_per_s * mem))  # fmt: skip
+def _with(cluster: Cluster, flops: float = 1.0, mem: float = 1.0, gpu: str | None = None):
+    dev = cluster.device(gpu)
+    a = dev.accel
+    a = replace(a, peak_flops=a.peak_flops * flops, mem_bytes_per_s=a.mem_bytes_per_s * mem)
+    if gpu is None:
+        return replace(cluster, accel=a)
+    return replace(cluster, devices={**cluster.devices, gpu: replace(dev, accel=a)})
 
 
-def _solve(cluster: Cluster, seconds, want: float, which: str) -> float:
+def _solve(cluster: Cluster, seconds, want: float, which: str, gpu: str | None = None) -> float:
     """The factor k (1e-4 .. 1e4) on the device's `which` (flops or mem) at which the
     decreasing `seconds(cluster scaled by k)` is closest to `want` (bisection on a log scale;
     fixed costs may make `want` unreachable: the bound is kept)."""
     lo, hi = math.log(1e-4), math.log(1e4)
     for _ in range(40):
         mid = (lo + hi) / 2
-        if seconds(_with(cluster, **{which: math.exp(mid)})) > want:
+        if seconds(_with(cluster, **{which: math.exp(mid)}, gpu=gpu)) > want:
             lo = mid
         else:
             hi = mid

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from router.conftest import Recorder, load, worker
 
 from pdserve.bench.metrics import SLO
@@ -96,4 +97,28 @@ def test_the_workers_measured_speeds_calibrate_the_simulator_before_it_predicts(
     core.workers["prefill-0"].load = load(prefill_tok_s=2000.0)
     asyncio.run(loop.tick(101.0))
     assert policy.speeds_known is True
-    assert abs(400 / policy.cluster.latency(1).prefill(400) - 2000.0) < 20
+    for pool in ("prefill", "decode"):  # the decode pool has measured nothing: it borrows
+        assert abs(400 / policy.cluster.latency(1, gpu=pool).prefill(400) - 2000.0) < 20
+
+
+def test_each_pool_is_calibrated_to_its_own_workers_speeds():
+    # Pools on different hardware (threads, weight formats): the decode pool's own prefills
+    # run at 500 tokens/s, the prefill pool's at 2,000; the decode step is the decode pool's.
+    from msgspec.structs import replace
+
+    from pdserve.launch.autoscale import live_cluster
+    from pdserve.model.loader import load_model_config
+    from pdserve.sim.latency import Batch
+
+    core, loop, policy, *_ = make((1, 1))
+    policy.cluster = live_cluster(load_model_config(None)[1])
+    loop.frontend.traffic.arrived(400, 64)
+    core.workers["prefill-0"].load = load(prefill_tok_s=2000.0)
+    core.workers["decode-1"].load = replace(load(prefill_tok_s=500.0, decode_step_s=0.05),
+                                            running=4)  # fmt: skip
+    asyncio.run(loop.tick(100.0))
+    cl = policy.cluster
+    assert abs(400 / cl.latency(1, gpu="prefill").prefill(400) - 2000.0) < 20
+    assert abs(400 / cl.latency(1, gpu="decode").prefill(400) - 500.0) < 5
+    step = cl.latency(1, gpu="decode").iteration(Batch(4, 4, 0, 4 * 432, 4))  # as measured
+    assert step == pytest.approx(0.05, rel=0.02)

@@ -137,3 +137,14 @@ def test_plan_refuses_an_unknown_device_and_a_list_in_simulate(capsys):
     assert main(["simulate", "--model", "llama-3.1-8b", "--mode", "disagg", "--prefill-gpu",
                  "h100,a100", "--rate", "1"]) == 2  # fmt: skip
     assert "give one --prefill-gpu" in capsys.readouterr().err
+
+
+def test_a_grown_pool_keeps_its_own_hardware():
+    from pdserve.sim.scaling import simulate_scaled
+
+    reqs = generate_requests(WORKLOAD, 40, 0, rate=4.0)
+    dep = Deployment("disagg", prefill_gpu="fast", decode_gpu="cheap", decode_ep=1)
+    scaled = simulate_scaled(cluster(), dep, reqs, SLOS, lambda obs, now: (2, 3), 1.0, 0.5)
+    made = {(x.pool, x.inst.lat.accel.name) for x in scaled.leases}
+    assert made == {("prefill", "fast"), ("decode", "cheap")}
+    assert sum(x.pool == "decode" for x in scaled.leases) == 3

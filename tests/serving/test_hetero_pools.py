@@ -1,0 +1,51 @@
+"""Pools on different "hardware" on this machine (issue 39): the prefill pool on dense bf16
+weights, the decode pool on int4 with its own thread count, chosen per pool with
+--prefill-args / --decode-args. Greedy requests get the text the co-located engine gives with
+the decode pool's weights (a prefill computes on the dense weights in every format, so the
+prompt's KV and first token do not depend on the prefill pool's format)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from servers import Server
+from waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+    "Counting to twenty: one, two, three, four, five, six, seven, eight, nine, ten,",
+]
+MAX_TOKENS = 12
+
+
+def colocated_texts() -> list[str]:
+    """What a co-located worker with the decode pool's settings answers, one request at a
+    time (the offline engine it runs)."""
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(dtype="bfloat16", weights="int4", num_threads=2)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    return [llm.generate(p, params)[0].text for p in PROMPTS]
+
+
+def test_pools_with_their_own_weight_formats_and_threads_give_the_colocated_text():
+    with Server(
+        "--mode", "disagg", "--dtype", "bfloat16", "--local-prefill-threshold", "0",
+        "--kv-cache-gb", "0.25", "--prefill-args", "--weights bf16 --threads 1",
+        "--decode-args", "--weights int4 --threads 1",
+    ) as server:  # fmt: skip
+        got = []
+        for prompt in PROMPTS:  # one at a time: decode batches of one, as the reference's
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["text"])
+        for role, fmt in (("prefill", "bf16"), ("decode", "int4")):
+            line = f"({role}) ready: weights {fmt}"
+            wait_until(lambda line=line: any(line in x for x in server.lines), 30,
+                       f"the {role} worker's ready line says {fmt}",
+                       state=lambda: server.lines[-10:])  # fmt: skip
+        server.wait_idle_and_clean()
+    assert got == colocated_texts()

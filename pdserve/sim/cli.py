@@ -60,6 +60,9 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="engine dtype (default auto)")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--weights", default="auto", choices=("auto", "bf16", "int8", "int4"),
+                   help="the engine's weight format, as a worker's --weights: profile each "
+                   "pool's own with its --prefill-args/--decode-args (default auto)")  # fmt: skip
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per timing "
                    "(default 32)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="timings per point; the median counts "

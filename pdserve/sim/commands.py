@@ -46,7 +46,7 @@ def profile(args: argparse.Namespace) -> int:
         prefill, decode, repeats = ((1, 16), (1, 64)), ((1, 32), (4, 32)), 1
     points, spec, dtype, fit = engine_profile(
         args.model, args.dtype, args.threads, Accelerator.from_profile(hardware), prefill,
-        decode, args.decode_steps, repeats,
+        decode, args.decode_steps, repeats, getattr(args, "weights", "auto"),
     )  # fmt: skip
     doc = profile_document(hardware, spec, dtype, points, fit, args.decode_steps)
     Path(args.out).write_text(json.dumps(doc, indent=2))

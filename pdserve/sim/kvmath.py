@@ -16,12 +16,12 @@ from pdserve.sim.hardware import Link
 from pdserve.sim.models import ModelSpec
 
 # Bits per element, so int4 stays exact in integer arithmetic.
-DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int4": 4}
+DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
 _DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16"}
 
 
 def dtype_bits(dtype: str) -> int:
-    """Bits per element of `dtype` (fp32, fp16, bf16, fp8, int4; torch names accepted)."""
+    """Bits per element of `dtype` (fp32, fp16, bf16, fp8, int8, int4; torch names accepted)."""
     key = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
     if key not in DTYPE_BITS:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BITS)}")

@@ -213,14 +213,20 @@ def nonneg_lstsq(a, y) -> tuple[list[float], float]:
 def engine_profile(
     model: str | None, dtype: str, threads: int | None, accel: Accelerator,
     prefill_grid: Sequence[tuple[int, int]], decode_grid: Sequence[tuple[int, int]],
-    decode_steps: int, repeats: int = 1,
+    decode_steps: int, repeats: int = 1, weights: str = "auto",
 ) -> tuple[list[Point], ModelSpec, str, Fit]:  # fmt: skip
-    """Build the real engine, time it and fit: (points, model shape, weight dtype, fit)."""
+    """Build the real engine, time it and fit: (points, model shape, weight dtype, fit).
+
+    With `weights` int8 or int4 given, the weight dtype is that format (the bytes a decode
+    step of few sequences reads; prefills compute on the dense copy, which the fitted
+    efficiency absorbs); with auto it is the compute dtype, as profiles always had."""
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, num_threads=threads)
+    llm = LLM(model=model, dtype=dtype, num_threads=threads, weights=weights)
     resolved = str(getattr(getattr(llm.engine, "runner", None), "dtype", dtype))
     weight_dtype = "bf16" if "bfloat16" in resolved else "fp16" if "float16" in resolved else "fp32"
+    if weights in ("int8", "int4"):
+        weight_dtype = weights
     params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0)
     points = measure_engine(llm, params, prefill_grid, decode_grid, decode_steps, repeats=repeats)
     spec = from_engine_config(llm.model_config, name=model or "smollm2-135m")

@@ -25,7 +25,7 @@ def colocated_texts() -> list[str]:
     time (the offline engine it runs)."""
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(dtype="bfloat16", weights="int4", num_threads=2)
+    llm = LLM(dtype="bfloat16", weights="int4", num_threads=1)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     return [llm.generate(p, params)[0].text for p in PROMPTS]
 

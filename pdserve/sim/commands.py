@@ -123,11 +123,19 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
     serving = prof.serving if gpu == "cpu" else {}
     figures = _figures(args)
     accel = _priced(accel, gpu, figures)
-    base = Cluster(model, accel, _link_of(args, prof), eff, weight_dtype,
+    link = _link_of(args, prof)
+    base = Cluster(model, accel, figures["link"].get(accel.name, link), eff, weight_dtype,
                    args.kv_dtype or weight_dtype, serving,
                    getattr(args, "kv_compression", "none"))  # fmt: skip
     names = [*pool_gpus(args, "prefill"), *pool_gpus(args, "decode"), gpu]
     devices = {n: _device(base, n, prof, args, figures) for n in dict.fromkeys(names) if n}
+    known = {*devices, *(d.accel.name for d in devices.values())}
+    for flag, field in (("--gpu-cost", "cost_per_hour"), ("--gpu-power", "power_w"),
+                        ("--gpu-link", "link")):  # fmt: skip
+        unused = sorted(set(figures[field]) - known)
+        if unused:
+            raise ValueError(f"{flag} names {', '.join(unused)}, which no pool runs on (the "
+                             f"devices here: {', '.join(sorted(known))})")  # fmt: skip
     return replace(base, devices=devices)
 
 
@@ -226,6 +234,11 @@ def _check_load(args: argparse.Namespace) -> SLO:
 
 def deployment_of(args: argparse.Namespace) -> Deployment:
     prefill, decode = pool_gpus(args, "prefill"), pool_gpus(args, "decode")
+    if args.mode != "disagg" and (prefill or decode or args.prefill_ep > 1 or args.decode_ep > 1):
+        raise ValueError(
+            "--prefill-gpu/--decode-gpu and --prefill-ep/--decode-ep lay out the pools of "
+            "--mode disagg; a co-located deployment runs on --gpu"
+        )
     if len(prefill) > 1 or len(decode) > 1:
         raise ValueError("simulate runs one deployment: give one --prefill-gpu and one "
                          "--decode-gpu (lists are for `pdserve plan`)")  # fmt: skip
@@ -252,7 +265,8 @@ def simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(agg, indent=1))
         return 0
-    print(f"{dep.label} ({dep.num_gpus} x {cluster.accel.name}), {cluster.model.name}, "
+    devices = " + ".join(f"{n} x {name}" for name, n in dep.gpus_by_device(cluster).items())
+    print(f"{dep.label} ({devices}), {cluster.model.name}, "
           f"KV over {cluster.link.name}; {args.num_requests} requests of {workload.name} at "
           f"{args.rate:g}/s")  # fmt: skip
     if dep.mode in cluster.serving:

@@ -108,7 +108,7 @@ def test_price_and_power_flags_parse_and_refuse_what_is_malformed():
 
 PLAN = ["plan", "--model", "llama-3.1-8b", "--prefill-gpu", "h100", "--decode-gpu", "a100",
         "--prompt-tokens", "2000", "--output-tokens", "16", "--rate", "8", "--slo-ttft", "0.5",
-        "--slo-tpot", "0.03", "--requests", "60", "--json"]  # fmt: skip
+        "--slo-tpot", "0.03", "--requests", "40", "--json"]  # fmt: skip
 
 
 def test_plan_optimize_cost_end_to_end(capsys):
@@ -137,6 +137,10 @@ def test_plan_refuses_an_unknown_device_and_a_list_in_simulate(capsys):
     assert main(["simulate", "--model", "llama-3.1-8b", "--mode", "disagg", "--prefill-gpu",
                  "h100,a100", "--rate", "1"]) == 2  # fmt: skip
     assert "give one --prefill-gpu" in capsys.readouterr().err
+    assert main([*PLAN, "--gpu-cost", "tpu=9"]) == 2
+    assert "--gpu-cost names tpu, which no pool runs on" in capsys.readouterr().err
+    assert main(["simulate", "--model", "mixtral-8x7b", "--decode-ep", "2", "--rate", "1"]) == 2
+    assert "lay out the pools of --mode disagg" in capsys.readouterr().err
 
 
 def test_a_grown_pool_keeps_its_own_hardware():

@@ -116,6 +116,22 @@ def phase_argv(text: str | None, flag: str) -> list[str]:
     return argv
 
 
+def pool_worker_argv(
+    base_argv: list[str], role: str, args, tp: int, pool_argv: list[str], device: str | None
+) -> list[str]:
+    """The engine flags of a worker of `role`, at start-up and when the autoscaler grows its
+    pool alike: the shared ones, its device, its pool's chunk size and TP, then the pool's own
+    `--prefill-args` / `--decode-args` last, so that they win (its threads, weight format,
+    device: the pool's hardware)."""
+    argv = list(base_argv)
+    if device:  # given last, it overrides the --device of base_argv
+        argv += ["--device", device]
+    chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
+    if chunk:
+        argv += ["--chunk-size", str(chunk)]
+    return [*argv, "--tensor-parallel-size", str(tp), *pool_argv]
+
+
 def tensor_parallel_sizes(args) -> dict[str, int]:
     """Each role's tensor-parallel size: --prefill-tp / --decode-tp, else
     --tensor-parallel-size."""
@@ -206,14 +222,7 @@ def serve(args) -> int:
         )
 
     def launch(i: int, role: str, cpus: str, device: str | None) -> str:
-        argv = list(base_argv)
-        if device:  # given last, it overrides the --device of base_argv
-            argv += ["--device", device]
-        chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
-        if chunk:
-            argv += ["--chunk-size", str(chunk)]
-        argv += ["--tensor-parallel-size", str(tp[role])]
-        argv += role_argv[role]  # last: the pool's own settings win
+        argv = pool_worker_argv(base_argv, role, args, tp[role], role_argv[role], device)
         procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport,
                     tp[role])  # fmt: skip
         return f"{role}-{i}"

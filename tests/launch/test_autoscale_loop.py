@@ -122,3 +122,22 @@ def test_each_pool_is_calibrated_to_its_own_workers_speeds():
     assert abs(400 / cl.latency(1, gpu="decode").prefill(400) - 500.0) < 5
     step = cl.latency(1, gpu="decode").iteration(Batch(4, 4, 0, 4 * 432, 4))  # as measured
     assert step == pytest.approx(0.05, rel=0.02)
+
+
+def test_a_worker_added_to_a_pool_gets_that_pools_own_hardware_flags():
+    # serve's launch() builds every worker's flags with this, the autoscaler's added ones too
+    from types import SimpleNamespace
+
+    from pdserve.cli import build_parser
+    from pdserve.launch.commands import phase_argv, pool_worker_argv
+
+    args = SimpleNamespace(chunk_size=None, decode_chunk_size=0)
+    pools = {"prefill": phase_argv("--weights bf16 --threads 1", "--prefill-args"),
+             "decode": phase_argv("--weights int4 --threads 2", "--decode-args")}  # fmt: skip
+    for role, weights, threads in (("prefill", "bf16", 1), ("decode", "int4", 2)):
+        argv = pool_worker_argv(["--weights", "auto", "--threads", "4"], role, args, 1,
+                                pools[role], "cuda:1")  # fmt: skip
+        parsed = build_parser().parse_args(
+            ["worker", "--role", role, "--router", "tcp://127.0.0.1:1", *argv]
+        )
+        assert (parsed.weights, parsed.threads, parsed.device) == (weights, threads, "cuda:1")

@@ -152,3 +152,10 @@ def test_a_grown_pool_keeps_its_own_hardware():
     made = {(x.pool, x.inst.lat.accel.name) for x in scaled.leases}
     assert made == {("prefill", "fast"), ("decode", "cheap")}
     assert sum(x.pool == "decode" for x in scaled.leases) == 3
+
+
+def test_optimize_power_weighs_watts():
+    # 700 W + 400 W for the mix against 2 x 700 W on fast alone.
+    req = request(cluster(), "power")
+    best = plan(req).feasible[0].deployment
+    assert (best.prefill_gpu, best.decode_gpu, best.power_w(req.cluster)) == ("fast", "cheap", 1100)

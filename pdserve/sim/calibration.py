@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from pdserve.sim.deployment import Cluster, ServingOverhead
 from pdserve.sim.hardware import Accelerator, Link
+from pdserve.sim.kvmath import kv_dtype_of
 from pdserve.sim.latency import Batch, Efficiency
 from pdserve.sim.models import ModelSpec
 from pdserve.sim.overhead import OverheadFit
@@ -142,7 +143,7 @@ class Profile(NamedTuple):
         """The profiled machine with its engine, over loopback; `serving=False` leaves out the
         serving path's overhead (the bare engine)."""
         return Cluster(self.model, self.accelerator, self.loopback(), self.efficiency,
-                       self.weight_dtype, self.weight_dtype,
+                       self.weight_dtype, kv_dtype_of(self.weight_dtype),
                        self.serving if serving else {})  # fmt: skip
 
 

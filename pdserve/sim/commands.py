@@ -12,7 +12,7 @@ from pdserve.bench.metrics import SLO, summarize_by_class
 from pdserve.bench.workload import LengthDist, Workload, generate_requests, named_workload
 from pdserve.sim.deployment import Cluster, Deployment, Device
 from pdserve.sim.hardware import GPUS, Accelerator, Link, get_gpu, get_link
-from pdserve.sim.kvmath import dtype_bits
+from pdserve.sim.kvmath import dtype_bits, kv_dtype_of
 from pdserve.sim.latency import Efficiency
 from pdserve.sim.models import get_model
 from pdserve.sim.simulator import simulate as run_simulation
@@ -125,7 +125,7 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
     accel = _priced(accel, gpu, figures)
     link = _link_of(args, prof)
     base = Cluster(model, accel, figures["link"].get(accel.name, link), eff, weight_dtype,
-                   args.kv_dtype or weight_dtype, serving,
+                   args.kv_dtype or kv_dtype_of(weight_dtype), serving,
                    getattr(args, "kv_compression", "none"))  # fmt: skip
     names = [*pool_gpus(args, "prefill"), *pool_gpus(args, "decode"), gpu]
     devices = {n: _device(base, n, prof, args, figures) for n in dict.fromkeys(names) if n}

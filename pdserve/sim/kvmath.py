@@ -28,6 +28,13 @@ def dtype_bits(dtype: str) -> int:
     return DTYPE_BITS[key]
 
 
+def kv_dtype_of(weight_dtype: str) -> str:
+    """The KV cache's dtype when only the weights' is known: the same, except for integer
+    weight formats (pdserve's int8/int4 linear layers, like AWQ/GPTQ engines, keep a 16-bit
+    cache)."""
+    return "bf16" if weight_dtype in ("int8", "int4") else weight_dtype
+
+
 def kv_elements_per_token(model: ModelSpec) -> int:
     """Cached elements per token over all layers (K and V, or MLA's latent + RoPE key)."""
     if model.kv_lora_rank is not None:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from pdserve.sim.hardware import Accelerator
+from pdserve.sim.kvmath import kv_dtype_of
 from pdserve.sim.latency import Batch, Efficiency, LatencyModel
 from pdserve.sim.models import ModelSpec, from_engine_config
 
@@ -168,7 +169,7 @@ def fit_batches(
     e = best[1]
     best = search(_finer(e.mfu), (e.half_tokens,), _finer(e.mbu), best)
     eff = best[1]
-    fitted = LatencyModel(model, accel, 1, eff, weight_dtype, weight_dtype)
+    fitted = LatencyModel(model, accel, 1, eff, weight_dtype, kv_dtype_of(weight_dtype))
     rel = np.abs(np.array([fitted.iteration(b) for b in batches]) / t - 1)
     return Fit(eff, float(np.median(rel)), float(rel.max()))
 
@@ -177,7 +178,7 @@ def raw_work_model(model: ModelSpec, accel: Accelerator, weight_dtype: str) -> L
     """A latency model at full efficiency and no overheads: its `work` is a pass's raw FLOPs
     and bytes, which the fits divide by the peaks."""
     unit = Efficiency(1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0)
-    return LatencyModel(model, accel, 1, unit, weight_dtype, weight_dtype)
+    return LatencyModel(model, accel, 1, unit, weight_dtype, kv_dtype_of(weight_dtype))
 
 
 def _finer(x: float) -> list[float]:

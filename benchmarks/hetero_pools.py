@@ -12,7 +12,9 @@ and simulated TTFT/TPOT p50/p90 and their relative error.
 
 The profiles are of the bare engine (no serving overhead: add it with `pdserve profile
 --serving-url`, see docs/sim.md), timed while the other pool is idle, so on a busy 2-core
-machine the simulation is optimistic by what the serving path and the neighbour add.
+machine the simulation is optimistic by what the serving path and the neighbour add. --quick
+profiles are a smoke test: their grid has no long-context decode point (TPOT comes out
+35-45 % high); the full grid takes minutes per pool.
 """
 
 from __future__ import annotations

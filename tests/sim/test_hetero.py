@@ -106,7 +106,7 @@ def test_price_and_power_flags_parse_and_refuse_what_is_malformed():
         PlanRequest(unpriced, WORKLOAD, 1.0, SLOS, objective="cost", prefill_gpus=("x",))
 
 
-PLAN = ["plan", "--model", "llama-3.1-8b", "--prefill-gpu", "h100", "--decode-gpu", "a100",
+PLAN = ["plan", "--model", "smollm2-135m", "--prefill-gpu", "h100", "--decode-gpu", "a100",
         "--prompt-tokens", "2000", "--output-tokens", "16", "--rate", "8", "--slo-ttft", "0.5",
         "--slo-tpot", "0.03", "--requests", "40", "--json"]  # fmt: skip
 

@@ -7,14 +7,16 @@ in this test."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import pytest
-from servers import Server, metric_samples, metric_sum
+from servers import Server, free_port, metric_samples, metric_sum
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -223,3 +225,60 @@ def test_bad_traceparent_is_ignored_not_refused(server, receiver):
         30, "the request span of the request with a bad traceparent",
     )  # fmt: skip
     assert rid_spans[-1].parent_span_id == b""  # a trace of its own
+
+
+DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "pdserve-pd-overview.json"
+NEEDS_AUTOSCALE = {"pdserve_autoscale_target_workers"}  # set only by `serve --autoscale`
+
+
+@pytest.fixture
+def prometheus(server, tmp_path):
+    """A real Prometheus (Debian's `prometheus` package) scraping the server every second."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no prometheus binary: `apt-get install prometheus` (docs/observability.md)")
+    port = free_port()
+    target = server.url.removeprefix("http://")
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"scrape_configs: [{{job_name: pdserve, static_configs: [{{targets: ['{target}']}}]}}]\n"
+    )
+    argv = [
+        binary,
+        f"--config.file={tmp_path / 'prometheus.yml'}",
+        "--log.level=warn",
+        f"--storage.tsdb.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    api = f"http://127.0.0.1:{port}/api/v1/query"
+
+    def query(expr: str) -> list:
+        try:
+            body = httpx.get(api, params={"query": expr}, timeout=5).json()
+        except httpx.TransportError:
+            return []
+        assert body["status"] == "success", (expr, body)
+        return body["data"]["result"]
+
+    try:
+        wait_until(lambda: query('up{job="pdserve"} == 1'), 30, "Prometheus scraping pdserve")
+        yield query
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_every_dashboard_panel_has_data_in_a_real_prometheus(server, prometheus):
+    for i in range(3):  # a short load, scraped before and after
+        complete(server.url, f"Dashboards chart what Prometheus scraped, request {i}", 4)
+    wait_until(lambda: prometheus("increase(pdserve_requests_total[1m]) > 0"), 30,
+               "Prometheus to see the requests")  # fmt: skip
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    exprs = [(p["title"], t["expr"]) for p in panels for t in p["targets"]]
+    assert len(panels) >= 10
+    empty = [
+        (title, expr) for title, expr in exprs
+        if not any(n in expr for n in NEEDS_AUTOSCALE) and not prometheus(expr)
+    ]  # fmt: skip
+    assert not empty, empty

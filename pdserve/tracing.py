@@ -14,7 +14,6 @@ Spans never carry prompt or output text: ids, token counts, workers, bytes, timi
 
 from __future__ import annotations
 
-import atexit
 import time
 
 from pdserve import envs
@@ -25,12 +24,14 @@ _propagator = None
 _OFFSET_S = time.time() - time.monotonic()
 
 
-def setup(service: str, endpoint: str | None = None, **resource: str) -> bool:
+def setup(service: str, endpoint: str | None = None, exporter=None, **resource: str) -> bool:
     """Turn tracing on for this process when an endpoint is given or set in the environment;
-    whether it is on. `service`: its service.name (pdserve-router, pdserve-prefill, ...)."""
+    whether it is on. `service`: its service.name (pdserve-router, pdserve-prefill, ...).
+    `exporter`: a span exporter to use instead (unit tests: the SDK's in-memory one, spans
+    exported as they end)."""
     global _tracer, _propagator
     endpoint = endpoint or None
-    if not (endpoint or envs.otlp_traces_endpoint()):
+    if not (endpoint or exporter or envs.otlp_traces_endpoint()):
         return False
     try:
         from opentelemetry.sdk.resources import Resource
@@ -43,6 +44,13 @@ def setup(service: str, endpoint: str | None = None, **resource: str) -> bool:
             "opentelemetry-sdk and opentelemetry-exporter-otlp: pip install 'pdserve[otel]', "
             "or unset the endpoint"
         ) from None
+    if exporter is not None:
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        _tracer, _propagator = provider.get_tracer("pdserve"), TraceContextTextMapPropagator()
+        return True
     protocol = envs.otlp_traces_protocol()
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -54,15 +62,21 @@ def setup(service: str, endpoint: str | None = None, **resource: str) -> bool:
             "http/protobuf"
         )
     exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+    # (shutdown_on_exit: what is still batched is sent on the way out)
     provider = TracerProvider(resource=Resource.create({"service.name": service, **resource}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    atexit.register(provider.shutdown)  # what is still batched is sent on the way out
     _tracer, _propagator = provider.get_tracer("pdserve"), TraceContextTextMapPropagator()
     return True
 
 
 def enabled() -> bool:
     return _tracer is not None
+
+
+def disable() -> None:
+    """Tracing off again in this process (tests)."""
+    global _tracer
+    _tracer = None
 
 
 def _ns(mono: float) -> int:

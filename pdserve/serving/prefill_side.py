@@ -190,6 +190,7 @@ class PrefillSide(KVConnector):
             layers=self.engine.model_config.num_layers, exposed_s=now - out.computed,
             blocks=len(out.dst_block_ids) - out.first_block, destinations=len(out.endpoints),
             transport=type(self.sender).__name__, ok=res.ok,
+            encoding=getattr(self.sender, "encoding", "raw"),
         )  # fmt: skip
 
     def wait_settle(self, timeout_s: float) -> None:

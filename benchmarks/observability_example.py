@@ -13,41 +13,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _otlp import Receiver  # noqa: E402
 from _servers import server  # noqa: E402
-
-
-class Receiver:
-    def __init__(self):
-        self.spans: list[tuple[str, object]] = []
-        rec = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                req = pb.ExportTraceServiceRequest.FromString(
-                    self.rfile.read(int(self.headers["Content-Length"]))
-                )
-                for rs in req.resource_spans:
-                    svc = next(a.value.string_value for a in rs.resource.attributes
-                               if a.key == "service.name")  # fmt: skip
-                    rec.spans.extend((svc, s) for ss in rs.scope_spans for s in ss.spans)
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_port}/v1/traces"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
 
 def draw(spans, path: Path) -> None:

@@ -14,34 +14,11 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _otlp import Receiver  # noqa: E402
 from _servers import closed_loop, server  # noqa: E402
-
-
-class Sink:
-    """An OTLP/HTTP endpoint that accepts every export and counts the bytes it got."""
-
-    def __init__(self):
-        self.bytes = 0
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                sink.bytes += len(self.rfile.read(int(self.headers["Content-Length"])))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_port}/v1/traces"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
 
 def main() -> None:
@@ -52,7 +29,7 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     args = ap.parse_args()
-    sink = Sink()
+    sink = Receiver()
     common = ("--local-prefill-threshold", "0")
     results: dict[str, list[dict]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as tmp, server("disagg", *common) as off_url, server(
@@ -74,7 +51,7 @@ def main() -> None:
         for name, runs in results.items()
     }
     print(f"\nconcurrency {args.concurrency}, {args.requests} requests x {args.rounds} rounds, "
-          f"prompt {args.prompt}, output {args.output}; {sink.bytes} OTLP bytes "
+          f"prompt {args.prompt}, output {args.output}; {len(sink.spans)} spans "
           "received\n")  # fmt: skip
     print("| tracing | TTFT p50 ms | ITL p50 ms |\n|---|---|---|")
     for name in ("off", "on"):

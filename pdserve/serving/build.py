@@ -56,6 +56,8 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
     if config.kv_store:
         client = StoreClient(config.kv_store, layout, runner.k_caches, runner.v_caches)
         store = StoreLink.for_role(client, engine.block_manager, role)
+        if decode is not None and tracing.enabled():  # store hits and misses in its traces
+            store.lookups, decode.store = {}, store
     connectors = [store, prefill, decode if decode and decode.receiver else None]
     engine.connect(combine([c for c in connectors if c is not None]))
     probe = LoadProbe(engine, store, staging, decode)

@@ -79,6 +79,7 @@ class DecodeSide(KVConnector):
         self.landing: dict[str, list[int]] = {}  # request -> the blocks its pushed KV lands in
         self.leases_expired = 0  # since it started (heartbeats; the router counts them)
         self.traced: dict[str, Traced] = {}  # requests the router traces
+        self.store = None  # its KV store link, when traces report store hits (build.py)
 
     @property
     def request_ids(self) -> set[str]:
@@ -206,6 +207,8 @@ class DecodeSide(KVConnector):
                 self.index_offset.pop(rid, None)
             if self.traced and rid in self.traced:
                 self.trace_token(o)
+            elif o.finished and self.store is not None:
+                self.store.lookups.pop(rid, None)
         if items:
             self.send(m.Tokens(self.worker_id, items))
 
@@ -225,8 +228,15 @@ class DecodeSide(KVConnector):
         rid = seq.request_id
         if not t.first:
             t.first = now
+            events = ()
+            if self.store is not None and rid in self.store.lookups:
+                queried, held = self.store.lookups.pop(rid)
+                kind = "kv_store_hit" if held else "kv_store_miss"
+                events = ((kind, t.kv_ready or t.admitted, {"queried_tokens": queried,
+                                                            "hit_tokens": held}),)  # fmt: skip
             tracing.record(
-                "decode.first_token", t.trace, t.kv_ready or t.admitted, now, request_id=rid,
+                "decode.first_token", t.trace, t.kv_ready or t.admitted, now, events,
+                request_id=rid,
                 local_prefill=not t.remote, cached_tokens=seq.num_cached_tokens,
                 prompt_tokens=seq.num_prompt_tokens, migrated_after=t.skip_tokens or None,
             )  # fmt: skip
@@ -248,6 +258,8 @@ class DecodeSide(KVConnector):
         """Forget rid here (the engine's own abort is the caller's)."""
         if rid in self.traced:
             self.trace_abort(rid)
+        if self.store is not None:
+            self.store.lookups.pop(rid, None)
         self.pending = [a for a in self.pending if a.request_id != rid]
         self.leases.pop(rid, None)
         self.landing.pop(rid, None)

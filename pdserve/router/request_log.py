@@ -7,7 +7,9 @@ A line::
     {"request_id": "r1a2b3c-7", "status": "ok", "finish_reason": "length",
      "arrival": 1764680000.123,      # Unix time the HTTP request arrived
      "ttft_s": 0.31, "e2e_s": 1.02,  # from arrival, as the client sees them
-     "prompt_tokens": 812, "output_tokens": 64, "cached_tokens": 256,
+     "prompt_tokens": 812, "output_tokens": 64,
+     "cached_tokens": 256,            # the decode worker's prefix-cache hit (remote prefill)
+     "cached_tokens_expected": 256,  # the router's count at placement (its cache index)
      "remote": true, "fallback": false, "migrations": 0,
      "decode_worker": "decode-1", "prefill_worker": "prefill-0",
      "kv_bytes": 1234567, "kv_seconds": 0.012, "kv_exposed_s": 0.002,
@@ -76,7 +78,8 @@ def record(state: RequestState, status: str) -> dict:
         "e2e_s": now - t0,
         "prompt_tokens": len(state.prompt),
         "output_tokens": len(state.tokens),
-        "cached_tokens": state.cached_tokens,
+        "cached_tokens": state.cached_tokens,  # the decode worker's (remote prefill)
+        "cached_tokens_expected": len(state.prompt) - state.uncached_tokens,  # at placement
         "remote": state.placed_at is not None,
         "fallback": report is not None and report.first_token is None,
         "migrations": state.migrations,

@@ -1,8 +1,8 @@
 """The cost of OpenTelemetry tracing (docs/observability.md): ITL p50 and TTFT p50 at
 concurrency 8 on two disaggregated servers side by side, one without tracing, one exporting
 every request's spans (100 % sampled) over OTLP/HTTP to a receiver in this script; the runs
-interleave (off, on, off, on, ...) so that the machine's drift hits both alike. Target: on at
-most 3 % worse than off. Prints a table of medians over the rounds and the ratio.
+interleave (off, on, on, off, off, on, ...) so that the machine's drift hits both alike.
+Target: on at most 3 % worse than off. Prints a table of medians over the rounds and the ratio.
 
     .venv/bin/python benchmarks/tracing_overhead.py [--rounds 3] [--requests 32]
         [--prompt 256] [--output 64] [--concurrency 8]
@@ -39,8 +39,9 @@ def main() -> None:
         for name, url in urls.items():  # warm-up, not counted
             closed_loop(url, args.concurrency, args.concurrency, args.prompt, 8,
                         Path(tmp) / f"warm-{name}")  # fmt: skip
-        for i in range(args.rounds):
-            for name, url in urls.items():
+        for i in range(args.rounds):  # off first in even rounds, on first in odd ones
+            for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                url = urls[name]
                 agg = closed_loop(url, args.concurrency, args.requests, args.prompt,
                                   args.output, Path(tmp) / f"{name}-{i}")  # fmt: skip
                 results[name].append(agg)

@@ -256,7 +256,7 @@ def prometheus(server, tmp_path):
     def query(expr: str) -> list:
         try:
             body = httpx.get(api, params={"query": expr}, timeout=5).json()
-        except httpx.TransportError:
+        except (httpx.TransportError, ValueError):  # not up, or not ready ("Service Unavailable")
             return []
         assert body["status"] == "success", (expr, body)
         return body["data"]["result"]

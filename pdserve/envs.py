@@ -21,6 +21,11 @@ KERNEL_CACHE_ENTRIES = 64
 MODEL = "PDSERVE_MODEL"
 QUANT_MAX_ROWS = "PDSERVE_QUANT_MAX_ROWS"
 NIXL_LOG_LEVEL = "NIXL_LOG_LEVEL"
+# OpenTelemetry's own variables (read by its SDK too: OTEL_TRACES_SAMPLER, OTEL_BSP_*, ...)
+OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 SECRET = "PDSERVE_SECRET"
 SECRET_FILE = "PDSERVE_SECRET_FILE"
 STEP_LOG = "PDSERVE_STEP_LOG"
@@ -78,6 +83,19 @@ def secret_text() -> str | None:
 def secret_file() -> str | None:
     """`PDSERVE_SECRET_FILE`: the path of a file that holds the shared secret (None: unset)."""
     return os.environ.get(SECRET_FILE)
+
+
+def otlp_traces_endpoint() -> str | None:
+    """`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (else `OTEL_EXPORTER_OTLP_ENDPOINT`): where
+    tracing sends spans (unset: tracing is off; pdserve/tracing.py)."""
+    return os.environ.get(OTLP_TRACES_ENDPOINT) or os.environ.get(OTLP_ENDPOINT) or None
+
+
+def otlp_traces_protocol() -> str:
+    """`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (else `OTEL_EXPORTER_OTLP_PROTOCOL`): grpc or
+    http/protobuf (the default)."""
+    value = os.environ.get(OTLP_TRACES_PROTOCOL) or os.environ.get(OTLP_PROTOCOL)
+    return value or "http/protobuf"
 
 
 def step_log_dir() -> Path | None:

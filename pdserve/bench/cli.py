@@ -169,6 +169,11 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("--url", help="API base URL, e.g. http://127.0.0.1:8000/v1 (required)")
+    bench.add_argument(
+        "--request-log", metavar="FILE",
+        help="a pdserve server's --request-log file: the report adds a TTFT breakdown (queue, "
+        "decode wait, prefill, transfer per percentile) from the lines this run appends",
+    )  # fmt: skip
     _add_common_args(bench)
     bench.set_defaults(func=_run_bench)
     actions = bench.add_subparsers(dest="bench_action", metavar="ACTION")

@@ -137,23 +137,27 @@ def _print(runs: list[RunResult], paths: list[Path], extra: str = "") -> None:
 
 def bench(args: argparse.Namespace, out: Path, command: str) -> int:
     """`pdserve bench`: measure one endpoint; 0 when it ran (failed requests are reported)."""
+    from pdserve.bench import timeline
+
     factory, source, description = requests_of(args)
     slo, load = slo_of(args), load_of(args)
+    log_at = timeline.log_offset(args.request_log) if args.request_log else None
     runs, goodput = _measure(args, args.url, factory, source, "")
     notes = _notes(command, description, source, slo, load) + [f"* Endpoint: {args.url}"]
     if args.sweep:
         g = "none of the rates" if goodput is None else f"{goodput:g} req/s"
         notes.append(f"* **Goodput: {g}** (highest rate with >= 90 % of requests within the SLO)")
-    paths = write_report(
-        out,
-        "pdserve bench",
-        _config(args, command, description, source),
-        runs,
-        slo,
-        notes,
-        goodput,
-        sweep=bool(args.sweep),
-    )
+    config = _config(args, command, description, source)
+    rows = []
+    if log_at is not None:
+        logged = timeline.read_log(args.request_log, log_at)
+        rows = timeline.breakdown(logged)
+        config["ttft_breakdown"] = rows
+        notes += timeline.markdown(rows, len(logged))
+    paths = write_report(out, "pdserve bench", config, runs, slo, notes, goodput,
+                         sweep=bool(args.sweep))  # fmt: skip
+    if rows:
+        paths.insert(-1, timeline.plot(out, rows))
     _print(runs, paths, notes[-1] if args.sweep else "")
     return 0
 

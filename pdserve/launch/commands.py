@@ -8,7 +8,7 @@ import itertools
 import os
 from pathlib import Path
 
-from pdserve import envs
+from pdserve import envs, tracing
 from pdserve.config import EngineConfig
 from pdserve.engine.cli import ENGINE_FLAGS
 from pdserve.flags import config_values
@@ -42,18 +42,24 @@ def make_frontend(args):
     from pdserve.router.frontend import Frontend
     from pdserve.router.metrics import register_workers
 
+    tracing.setup("pdserve-router", args.otlp_traces_endpoint)
     secret = resolve_secret()
     require_secret_for(args.control_host, secret)
     path, _ = load_model_config(args.model)
     core = RouterCore(router_config_from_args(args), secret)
-    register_workers(core)
     name = args.model_name or path.name.removesuffix(".gguf")
+    register_workers(core, name)
     tokenizer = load_tokenizer(args.model)
     if args.chat_template:
         tokenizer = tokenizer.with_chat_template(load_chat_template(args.chat_template))
     if args.max_waiting < 0 or not args.queue_timeout > 0:
         raise ValueError("--max-waiting must be >= 0 and --queue-timeout > 0")
     limits = RateLimits.from_file(args.api_keys) if args.api_keys else None
+    request_log = None
+    if args.request_log:
+        from pdserve.router.request_log import RequestLog
+
+        request_log = RequestLog(args.request_log)
     return Frontend(
         core,
         tokenizer,
@@ -62,6 +68,7 @@ def make_frontend(args):
         limits=limits,
         max_waiting=args.max_waiting,
         queue_timeout_s=args.queue_timeout,
+        request_log=request_log,
     )
 
 
@@ -167,6 +174,8 @@ def serve(args) -> int:
         )
     if args.step_log:  # the workers inherit it (pdserve.envs.step_log_dir)
         os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
+    if args.otlp_traces_endpoint:  # so do they this (pdserve.envs.otlp_traces_endpoint)
+        os.environ[envs.OTLP_TRACES_ENDPOINT] = args.otlp_traces_endpoint
     from pdserve.serving.worker_config import check_kv_compression, check_tensor_parallel
 
     tp = tensor_parallel_sizes(args)

@@ -125,6 +125,22 @@ def router_flags() -> tuple[Flag, ...]:
         ),
         Flag("--model-name", help="name served in /v1/models (default: file name)"),
         Flag(
+            "--request-log", metavar="FILE",
+            help="append one JSON line per finished request to FILE: its arrival, each "
+            "phase's start and end on the router's clock (queue, decode_wait, prefill_queue, "
+            "prefill, transfer, local_prefill, decode), workers, KV bytes, cache hits, outcome "
+            "(docs/observability.md); `pdserve bench --request-log FILE` breaks TTFT down "
+            "from it",
+        ),
+        Flag(
+            "--otlp-traces-endpoint", metavar="URL", default=envs.otlp_traces_endpoint(),
+            help="send OpenTelemetry traces over OTLP to URL, e.g. http://127.0.0.1:4318/v1/"
+            "traces (http/protobuf; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc for grpc): a span "
+            "per phase of each request on the router and its workers, under an incoming "
+            "traceparent (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off; serve hands "
+            "it to its workers, a `pdserve worker` reads the variable)",
+        ),
+        Flag(
             "--chat-template", metavar="NAME|FILE",
             help="chat template for /v1/chat/completions instead of the model's: a Jinja file, "
             "or a shipped one by name (llama3_json_tools: Llama-3 JSON tool calling, for models "

@@ -63,6 +63,7 @@ class Load(msgspec.Struct):
     store_query_tokens: int = 0
     prefill_tok_s: float = 0.0  # measured prefill speed (0: not measured yet); admission control
     decode_step_s: float = 0.0  # measured seconds per step while decoding (each stream's TPOT)
+    leases_expired: int = 0  # KV leases that expired before their KV arrived, since it started
 
 
 class Heartbeat(msgspec.Struct, tag=True):
@@ -83,6 +84,7 @@ class Admit(msgspec.Struct, tag=True):
     remote_prefill: bool
     lease_s: float  # how long D holds blocks for remote KV (RouterConfig.lease_s)
     skip_tokens: int = 0  # output tokens already streamed to the client (migration replay)
+    trace: str = ""  # W3C traceparent of the router's request span ("": not traced)
 
 
 class Placement(msgspec.Struct, tag=True):
@@ -103,6 +105,7 @@ class Prefill(msgspec.Struct, tag=True):
     kv_endpoints: list[str]  # D's ranks: each is pushed its own KV heads
     dst_block_ids: list[int]  # D's blocks for the whole prompt
     num_cached_tokens: int  # D already holds these (whole blocks): not sent
+    trace: str = ""  # W3C traceparent of the router's request span ("": not traced)
 
 
 class PrefillDone(msgspec.Struct, tag=True):
@@ -115,6 +118,8 @@ class PrefillDone(msgspec.Struct, tag=True):
     transfer_s: float = 0.0  # first layer queued -> last layer acknowledged
     prefill_s: float = 0.0  # Prefill received -> KV all on the decode worker
     exposed_s: float = 0.0  # after the forward pass, waiting for the last layers to land
+    queue_s: float = 0.0  # Prefill received -> its first chunk scheduled
+    compute_s: float = 0.0  # first chunk scheduled -> the last chunk's forward pass ended
 
 
 class KVReady(msgspec.Struct, tag=True):

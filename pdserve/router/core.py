@@ -20,6 +20,7 @@ import logging
 import secrets
 import time
 
+from pdserve import tracing
 from pdserve.kv_transfer.layout import KVLayoutMismatch
 from pdserve.protocol import messages as m
 from pdserve.protocol.sampling import SamplingParams
@@ -105,6 +106,7 @@ class RouterCore:
                 other.layout.check_compatible(msg.layout, mine=other.worker_id, theirs=wid)
             except KVLayoutMismatch as exc:  # no restart fixes it: the worker exits 78
                 log.error("refused worker %s: %s", wid, exc)
+                metrics.KV_FAILURES_BY_CAUSE.labels("layout_refused").inc()
                 self.refused[wid] = str(exc)
                 self.send(wid, m.RegisterAck(False, str(exc)))
                 return
@@ -135,6 +137,12 @@ class RouterCore:
         w.last_seen = now
         self.send(msg.worker_id, m.RouterBeat())
         if msg.load is not None:
+            before = w.load.leases_expired if w.load is not None else 0
+            expired = msg.load.leases_expired - before
+            if expired < 0:  # its counter restarted with it
+                expired = msg.load.leases_expired
+            if expired:
+                metrics.KV_FAILURES_BY_CAUSE.labels("lease_expired").inc(expired)
             w.load = msg.load
         w.cached.difference_update(msg.removed)
         w.cached.update(msg.stored)
@@ -191,14 +199,17 @@ class RouterCore:
             return
         state.migrations += 1
         metrics.MIGRATIONS.inc()
+        tracing.event(state.span, "migration", from_worker=state.decode_id,
+                      to_worker=decode.worker_id, tokens_streamed=len(state.tokens))  # fmt: skip
         state.decode_id, state.prefill_id, state.remote = decode.worker_id, None, False
         decode.inflight.add(state.request_id)
         # the client has the prompt logprobs already (they came with the first token)
         params = dataclasses.replace(state.params, max_tokens=remaining, prompt_logprobs=None)
         replay = state.prompt + state.tokens
         admit = m.Admit(
-            state.request_id, replay, params, False, self.config.lease_s, len(state.tokens)
-        )
+            state.request_id, replay, params, False, self.config.lease_s, len(state.tokens),
+            trace=state.trace,
+        )  # fmt: skip
         self.send(decode.worker_id, admit)
 
     def alive(self, role: str | None = None) -> list[WorkerInfo]:
@@ -232,12 +243,14 @@ class RouterCore:
 
     # -- requests --------------------------------------------------------------------------
     def submit(
-        self, prompt: list[int], params: SamplingParams, near: str | None = None
+        self, prompt: list[int], params: SamplingParams, near: str | None = None, span=None
     ) -> RequestState:
         """Place a validated request; its events arrive on the returned state's queue.
         `near`: the decode worker where a request with the same prompt got its first token
-        (n > 1): this one goes there and uses the KV it holds (`placement.place`).
+        (n > 1): this one goes there and uses the KV it holds (`placement.place`). `span`: its
+        request span when traced (the placement span goes under it, its workers' too).
         Raises Overloaded (admission refused it) or NoWorker (nobody can take it)."""
+        began = time.monotonic()
         admission.check_capacity(self.config, len(self.requests))
         view = self.view()
         choice = placement.place(self.config, view, prompt, near)
@@ -253,7 +266,18 @@ class RouterCore:
             warm=choice.warm,
             uncached_tokens=choice.uncached,
         )
-        admit = m.Admit(state.request_id, prompt, params, choice.remote, self.config.lease_s)
+        if span is not None:
+            state.span, state.trace = span, tracing.traceparent(span)
+            tracing.end(
+                tracing.start("placement", span, began),
+                decode_worker=choice.decode.worker_id, remote_prefill=choice.remote,
+                why=choice.why, warm=choice.warm, uncached_tokens=choice.uncached,
+                cached_tokens=len(prompt) - choice.uncached,
+            )  # fmt: skip
+        admit = m.Admit(
+            state.request_id, prompt, params, choice.remote, self.config.lease_s,
+            trace=state.trace,
+        )  # fmt: skip
         if not self.send(choice.decode.worker_id, admit):
             raise NoWorker("the decode worker could not be reached")
         self.requests[state.request_id] = state
@@ -263,6 +287,8 @@ class RouterCore:
     def finish(self, state: RequestState, abort: bool) -> None:
         """Forget a request; with abort, tell every worker holding it to free its blocks."""
         self.requests.pop(state.request_id, None)
+        if abort:
+            tracing.event(state.span, "abort")
         for wid in (state.decode_id, state.prefill_id):
             w = self.workers.get(wid) if wid else None
             if w is None:
@@ -279,10 +305,12 @@ class RouterCore:
             return
         prefill = placement.pick_prefill(self.view(), state.prompt, self.config.block_size)
         if prefill is None:
+            tracing.event(state.span, "fallback_local_prefill", why="no prefill worker")
             self.send(wid, m.KVReady(msg.request_id, None))  # prefill locally on D
             return
         state.prefill_id = prefill.worker_id
         state.placed_at = time.monotonic()
+        state.cached_tokens = msg.num_cached_tokens
         prefill.inflight.add(state.request_id)
         self.send(
             prefill.worker_id,
@@ -293,6 +321,7 @@ class RouterCore:
                 msg.kv_endpoints,
                 msg.block_ids,
                 msg.num_cached_tokens,
+                trace=state.trace,
             ),
         )
 
@@ -307,9 +336,11 @@ class RouterCore:
             return
         fp8 = w is not None and w.kv_compression == "fp8"
         metrics.observe_prefill_done(msg, "fp8" if fp8 else "raw", state.placed_at)
+        state.prefill_done_at, state.prefill_report = time.monotonic(), msg
         if msg.first_token is None:
             log.warning("prefill of %s failed (%s): decode worker prefills locally",
                         msg.request_id, msg.error)  # fmt: skip
+            tracing.event(state.span, "fallback_local_prefill", why=msg.error)
             self.send(state.decode_id, m.KVReady(msg.request_id, None))
             return
         # D reports whether it also ends the request

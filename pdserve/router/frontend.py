@@ -14,6 +14,7 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve import tracing
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router import metrics
 from pdserve.router.admission import Overloaded
@@ -29,6 +30,7 @@ from pdserve.router.openai_api.schemas import ChatRequest, CompletionRequest
 from pdserve.router.openai_api.validation import parse, read_body
 from pdserve.router.placement import NoWorker
 from pdserve.router.prompts import Prompts
+from pdserve.router.request_log import RequestLog
 from pdserve.router.state import RequestState
 from pdserve.router.traffic import Traffic
 
@@ -46,6 +48,7 @@ class Frontend:
         limits: RateLimits | None = None,
         max_waiting: int = 64,
         queue_timeout_s: float = 30.0,
+        request_log: RequestLog | None = None,
     ):
         self.core, self.model_name, self.request_timeout_s = core, model_name, request_timeout_s
         self.auth = Auth(api_key, limits)
@@ -54,6 +57,7 @@ class Frontend:
         self.draining = False  # SIGTERM of serve: refuse new requests, finish admitted ones
         self.traffic = Traffic()  # arrivals and latencies, for the autoscaler
         self.autoscale: dict | None = None  # the autoscaler's last decision (GET /health)
+        self.request_log = request_log  # --request-log: a JSON line per finished request
 
     async def admit(self, request: Request, req, key: str | None, weight: int) -> Ticket:
         """Rate limit of the key, then a fair turn at capacity (router/fairness.py)."""
@@ -103,9 +107,9 @@ class Frontend:
         ids, tools_on, tool_guide = self.prompts.render(req)
         return chat_plan(req, ids, tools_on, tool_guide, self.prompts.tok.vocab_size, window)
 
-    def submit(self, ids, params, near: str | None = None) -> RequestState:
+    def submit(self, ids, params, near: str | None = None, span=None) -> RequestState:
         try:
-            return self.core.submit(ids, params, near)
+            return self.core.submit(ids, params, near, span)
         except Overloaded as exc:
             raise self.overloaded(exc) from None
         except NoWorker:
@@ -122,7 +126,17 @@ class Frontend:
         for state in answer.states:
             if state is not None:
                 self.core.finish(state, abort=status != "ok" or not state.finished)
-                ttft, tpot = metrics.observe_request(state, status)
+                w = self.core.workers.get(state.decode_id or "")
+                role = w.role if w is not None else "decode"
+                ttft, tpot = metrics.observe_request(state, status, self.model_name, role)
+                if self.request_log is not None:
+                    self.request_log.write(state, status)
+                tracing.end(
+                    state.span, status=status, request_id=state.request_id,
+                    output_tokens=len(state.tokens),
+                    ttft_s=ttft, decode_worker=state.decode_id, prefill_worker=state.prefill_id,
+                    migrations=state.migrations, finish_reason=state.finish_reason,
+                )  # fmt: skip
                 self.traffic.finished(state.arrival, ttft, tpot, len(state.tokens))
 
     async def drain(self, timeout_s: float) -> None:
@@ -137,23 +151,35 @@ class Frontend:
         log.warning("drained: %d requests left", len(self.core.requests))
 
     async def complete(self, request: Request, chat: bool) -> Response:
+        arrived = time.monotonic()
         key = self.auth.check(request)
         req = parse(await read_body(request), ChatRequest if chat else CompletionRequest)
         plan = self.prepare(req, chat)
+        span = None
+        if tracing.enabled():  # under the caller's traceparent, if it sent a valid one
+            headers = {h: request.headers[h] for h in ("traceparent", "tracestate")
+                       if h in request.headers}  # fmt: skip
+            span = tracing.start(
+                "request", headers, arrived, server=True, model=self.model_name,
+                prompt_tokens=len(plan.ids), max_tokens=plan.params.max_tokens, n=plan.n,
+                stream=bool(req.stream), endpoint="chat" if chat else "completions",
+            )  # fmt: skip
         arrival = self.traffic.arrived(len(plan.ids), plan.params.max_tokens)
         watch = ClientWatch(request)  # from here on, a client that leaves is noticed at once
         ticket = None
         try:
             ticket = await watch.unless_gone(self.admit(request, req, key, plan.n))
-            first = self.submit(plan.ids, plan.params)
+            tracing.event(span, "admitted")
+            first = self.submit(plan.ids, plan.params, span=span)
         except BaseException as exc:  # nothing was submitted: nothing to abort
             watch.stop()
+            tracing.end(span, status="refused", error=type(exc).__name__)
             if ticket is not None:
                 self.gate.leave(ticket)
             if isinstance(exc, ClientGone):
                 return Response(status_code=499)
             raise
-        first.arrival = arrival
+        first.arrival, first.arrived_at = arrival, arrived
         answer = Answer(
             plan, first, self.submit, self.prompts.tok, self.prompts.token_text,
             self.prompts.eos, self.request_timeout_s,

@@ -73,6 +73,29 @@ class Choice:
     remote: bool  # prefilled by the prefill pool (else on `decode`)
     warm: bool  # at least half the prompt is cached (worker or KV store)
     uncached: int  # prompt tokens someone must compute
+    why: str = ""  # the prefill location's reason, for traces
+
+
+def prefill_reason(
+    config: RouterConfig, view: ClusterView, decode: WorkerInfo, uncached: int, warm: bool,
+    remote: bool,
+) -> str:  # fmt: skip
+    """Why `prefill_remotely` answered `remote` (a span attribute, docs/observability.md)."""
+    if config.mode != "disagg" or decode.role != "decode":
+        return "co-located worker"
+    if not view.prefill_pool:
+        return "no prefill worker"
+    if remote:
+        if uncached >= config.local_prefill_threshold:
+            return "uncached part at or above --local-prefill-threshold"
+        return "short prompt, prefill pool idle"
+    if warm:
+        return "warm prompt: cached prefix on the decode worker"
+    if uncached == 0:
+        return "whole prompt cached"
+    if not config.short_prefills_to_idle_pool:
+        return "short prompt (--keep-short-prefills-local)"
+    return "short prompt, prefill pool busy"
 
 
 def place(
@@ -84,15 +107,17 @@ def place(
     for w in view.decoders:
         if w.worker_id == near:
             return Choice(
-                decode=w, remote=False, warm=True, uncached=min(len(prompt), config.block_size)
-            )
+                decode=w, remote=False, warm=True, uncached=min(len(prompt), config.block_size),
+                why="the KV of a sibling choice (n > 1) is there",
+            )  # fmt: skip
     decode = pick_decode(view, prompt, config.block_size)
     cached = cached_blocks(view, decode, block_hashes(prompt, config.block_size))
     overlap = min(cached * config.block_size, len(prompt))
     warm = overlap > 0 and overlap >= len(prompt) // 2
     uncached = len(prompt) - overlap
     remote = prefill_remotely(config, view, decode, uncached, warm)
-    return Choice(decode=decode, remote=remote, warm=warm, uncached=uncached)
+    why = prefill_reason(config, view, decode, uncached, warm, remote)
+    return Choice(decode=decode, remote=remote, warm=warm, uncached=uncached, why=why)
 
 
 def pick_decode(view: ClusterView, prompt: list[int], block_size: int) -> WorkerInfo:

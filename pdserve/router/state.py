@@ -98,6 +98,16 @@ class RequestState:
     warm: bool = False  # most of the prompt was cached (worker or KV store) at placement
     uncached_tokens: int = 0  # prompt tokens someone must compute (admission control)
     arrival: object | None = None  # its `traffic.Arrival` (the first choice's), for the autoscaler
+    finish_reason: str | None = None  # as the worker reported it
+    # its timeline on the router's clock (router/request_log.py): the HTTP request arrived
+    # (before its fair turn), the prefill worker reported, and what it measured
+    arrived_at: float | None = None
+    prefill_done_at: float | None = None
+    prefill_report: m.PrefillDone | None = None  # its timings, bytes; first_token None: failed
+    cached_tokens: int | None = None  # the decode worker's prefix-cache hit (Placement)
+    span: object | None = None  # its OpenTelemetry request span (pdserve/tracing.py), if traced
+    trace: str = ""  # that span's traceparent, handed to its workers in Admit and Prefill
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive tokens
 
     def deliver(
         self,
@@ -111,12 +121,15 @@ class RequestState:
         if self.finished:
             return False
         if index == len(self.tokens) - 1 and finish_reason is not None:
-            self.finished = True  # the last delivered token (e.g. from the prefill worker) ends it
+            # the last delivered token (e.g. from the prefill worker) ends it
+            self.finished, self.finish_reason = True, finish_reason
             self.events.put_nowait(TokenEvent(None, finish_reason))
             return True
         if index != len(self.tokens):
             return False
         now = time.monotonic()
+        if self.last_token_at is not None:
+            self.gaps.append(now - self.last_token_at)
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         self.tokens.append(token)
@@ -125,7 +138,7 @@ class RequestState:
             self.prompt_logprobs = prompt_logprobs
         self.started.set()
         if finish_reason is not None:
-            self.finished = True
+            self.finished, self.finish_reason = True, finish_reason
         self.events.put_nowait(TokenEvent(token, finish_reason, logprobs))
         return True
 

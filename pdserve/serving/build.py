@@ -8,7 +8,7 @@ the engine's one connector (store first: a prefix it loads is not pushed) -> the
 
 from __future__ import annotations
 
-from pdserve import envs
+from pdserve import envs, tracing
 from pdserve.engine.kv_connector import combine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_store.client import StoreClient
@@ -30,6 +30,7 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
     engine = engine or LLMEngine(config.engine)
     engine.warm_up()
     runner, role = engine.runner, config.engine.role
+    tracing.setup(f"pdserve-{role}", **{"pdserve.worker_id": config.worker_id})
     if config.kv_store and runner.device.type != "cpu":
         raise ValueError(
             f"the KV store (--kv-store) moves blocks of a host-memory KV cache; this worker's "
@@ -55,9 +56,11 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
     if config.kv_store:
         client = StoreClient(config.kv_store, layout, runner.k_caches, runner.v_caches)
         store = StoreLink.for_role(client, engine.block_manager, role)
+        if decode is not None and tracing.enabled():  # store hits and misses in its traces
+            store.lookups, decode.store = {}, store
     connectors = [store, prefill, decode if decode and decode.receiver else None]
     engine.connect(combine([c for c in connectors if c is not None]))
-    probe = LoadProbe(engine, store, staging)
+    probe = LoadProbe(engine, store, staging, decode)
     reporter = LoadReporter(config.worker_id, config.routers, routers.codec, probe)
     return Worker(config, engine, layout, routers, reporter,
                   decode=decode, prefill=prefill, store=store)  # fmt: skip

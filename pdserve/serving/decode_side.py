@@ -20,7 +20,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from pdserve import tracing
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -43,6 +45,22 @@ def prompt_logprobs(seq: Sequence) -> list[m.Logprobs] | None:
     return [m.Logprobs.of(lp) for lp in seq.prompt_logprobs] or None
 
 
+@dataclass
+class Traced:
+    """A traced request's times here (pdserve/tracing.py): its phases become spans under the
+    router's `trace` as they end: decode.kv_wait (remote prefill: admitted -> its KV landed),
+    decode.first_token (-> the first token this worker computed: the prompt prefilled here,
+    or the first decode step after the KV landed), decode.decode (-> its last token)."""
+
+    trace: str
+    admitted: float
+    remote: bool
+    skip_tokens: int  # > 0: replayed here after its decode worker failed (migration)
+    kv_ready: float = 0.0
+    first: float = 0.0
+    events: list = field(default_factory=list)  # (name, at, attrs) of the phase in progress
+
+
 class DecodeSide(KVConnector):
     def __init__(
         self,
@@ -59,6 +77,9 @@ class DecodeSide(KVConnector):
         self.leases: dict[str, float] = {}  # request -> deadline for its KV
         self.index_offset: dict[str, int] = {}  # tokens streamed before this worker took over
         self.landing: dict[str, list[int]] = {}  # request -> the blocks its pushed KV lands in
+        self.leases_expired = 0  # since it started (heartbeats; the router counts them)
+        self.traced: dict[str, Traced] = {}  # requests the router traces
+        self.store = None  # its KV store link, when traces report store hits (build.py)
 
     @property
     def request_ids(self) -> set[str]:
@@ -69,6 +90,11 @@ class DecodeSide(KVConnector):
 
     def on_admit(self, msg: m.Admit) -> None:
         self.index_offset[msg.request_id] = msg.skip_tokens
+        if msg.trace and tracing.enabled():
+            remote = msg.remote_prefill and self.receiver is not None
+            self.traced[msg.request_id] = Traced(
+                msg.trace, time.monotonic(), remote, msg.skip_tokens
+            )
         if msg.remote_prefill and self.receiver is not None:
             self.pending.append(msg)
             self.try_place()
@@ -133,6 +159,9 @@ class DecodeSide(KVConnector):
                 first = seq.num_cached_tokens // self.layout.block_size
                 self.staging.to_device(rid, seq.block_table[first:])
             self.staging.release(rid)
+        if rid in self.traced:
+            self.kv_landed(rid, landed, complete, error or ("prefill failed" if msg.first_token
+                           is None else "layers missing"))  # fmt: skip
         if not complete:
             log.warning(
                 "KV of %s incomplete (%s, %d layers): prefilling locally", rid, error, landed
@@ -148,6 +177,9 @@ class DecodeSide(KVConnector):
             if now > deadline:
                 log.warning("lease of %s expired before its KV arrived: prefilling locally", rid)
                 del self.leases[rid]
+                self.leases_expired += 1
+                if rid in self.traced:
+                    self.kv_landed(rid, self.receiver.layers_landed(rid), False, "lease expired")
                 self.landing.pop(rid, None)
                 self.receiver.release(rid)
                 if self.staging is not None:
@@ -173,11 +205,61 @@ class DecodeSide(KVConnector):
             )
             if o.finished:
                 self.index_offset.pop(rid, None)
+            if self.traced and rid in self.traced:
+                self.trace_token(o)
+            elif o.finished and self.store is not None:
+                self.store.lookups.pop(rid, None)
         if items:
             self.send(m.Tokens(self.worker_id, items))
 
+    # -- tracing ---------------------------------------------------------------------------
+    def kv_landed(self, rid: str, landed: int, complete: bool, why: str) -> None:
+        """decode.kv_wait of a traced request ends (its KV landed, or it prefills here)."""
+        t, now = self.traced[rid], time.monotonic()
+        t.kv_ready = now
+        events = () if complete else (("fallback_local_prefill", now, {"why": why}),)
+        tracing.record("decode.kv_wait", t.trace, t.admitted, now, events, request_id=rid,
+                       layers_landed=landed, complete=complete)  # fmt: skip
+        if not complete:
+            t.remote = False
+
+    def trace_token(self, o: StepOutput) -> None:
+        t, now, seq = self.traced[o.seq.request_id], time.monotonic(), o.seq
+        rid = seq.request_id
+        if not t.first:
+            t.first = now
+            events = ()
+            if self.store is not None and rid in self.store.lookups:
+                queried, held = self.store.lookups.pop(rid)
+                kind = "kv_store_hit" if held else "kv_store_miss"
+                events = ((kind, t.kv_ready or t.admitted, {"queried_tokens": queried,
+                                                            "hit_tokens": held}),)  # fmt: skip
+            tracing.record(
+                "decode.first_token", t.trace, t.kv_ready or t.admitted, now, events,
+                request_id=rid,
+                local_prefill=not t.remote, cached_tokens=seq.num_cached_tokens,
+                prompt_tokens=seq.num_prompt_tokens, migrated_after=t.skip_tokens or None,
+            )  # fmt: skip
+        if o.finished:
+            del self.traced[rid]
+            tracing.record("decode.decode", t.trace, t.first, now, request_id=rid,
+                           output_tokens=seq.num_output_tokens,
+                           preemptions=seq.num_preemptions,
+                           finish_reason=seq.finish_reason)  # fmt: skip
+
+    def trace_abort(self, rid: str) -> None:
+        t, now = self.traced.pop(rid), time.monotonic()
+        name = "decode.decode" if t.first else "decode.first_token" if t.kv_ready else (
+            "decode.kv_wait")  # fmt: skip
+        start = t.first or t.kv_ready or t.admitted
+        tracing.record(name, t.trace, start, now, (("abort", now, {}),), request_id=rid)
+
     def abort(self, rid: str) -> None:
         """Forget rid here (the engine's own abort is the caller's)."""
+        if rid in self.traced:
+            self.trace_abort(rid)
+        if self.store is not None:
+            self.store.lookups.pop(rid, None)
         self.pending = [a for a in self.pending if a.request_id != rid]
         self.leases.pop(rid, None)
         self.landing.pop(rid, None)

@@ -29,8 +29,8 @@ class LoadProbe:
     """The snapshot function of one worker's engine (and its KV store link and host staging):
     called on the engine thread, between steps."""
 
-    def __init__(self, engine, store=None, staging=None) -> None:
-        self.engine, self.store, self.staging = engine, store, staging
+    def __init__(self, engine, store=None, staging=None, decode=None) -> None:
+        self.engine, self.store, self.staging, self.decode = engine, store, staging, decode
         self.integrity_error: str | None = None  # the last check_integrity() verdict
 
     def __call__(self) -> LoadSnapshot:
@@ -51,6 +51,8 @@ class LoadProbe:
             except AssertionError as exc:
                 self.integrity_error = str(exc) or "integrity check failed"
         st["integrity_error"] = self.integrity_error
+        if self.decode is not None:
+            st["leases_expired"] = self.decode.leases_expired
         load = m.Load(**{k: st[k] for k in m.Load.__struct_fields__ if k in st})
         return LoadSnapshot(load, engine.block_manager.drain_events(), store_events)
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve import tracing
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.llm_engine import LLMEngine, StepOutput
 from pdserve.engine.scheduler import ScheduledBatch
@@ -39,6 +40,10 @@ class Outgoing:
     dst_block_ids: list[int]
     first_block: int
     started: float = field(default_factory=time.monotonic)
+    scheduled: float = 0.0  # when its first chunk was scheduled (0: still queued)
+    trace: str = ""  # the router's traceparent: its phases are recorded as spans (tracing.py)
+    chunks: int = 0  # steps that computed part of it
+    pushed: float = 0.0  # when its first layer was queued on the sender
     done: StepOutput | None = None  # the prompt is computed; its push awaits acknowledgement
     computed: float = 0.0  # when; its push is given up transfer_timeout_s later
 
@@ -74,12 +79,22 @@ class PrefillSide(KVConnector):
                 self.send(m.PrefillDone(msg.request_id, None, error="prefill host staging full"))
                 return
         self.outgoing[seq.request_id] = Outgoing(
-            seq.request_id, msg.kv_endpoints, msg.dst_block_ids, first
-        )
+            seq.request_id, msg.kv_endpoints, msg.dst_block_ids, first,
+            trace=msg.trace if tracing.enabled() else "",
+        )  # fmt: skip
 
     # -- KVConnector -----------------------------------------------------------------------
     def wants_layers(self, batch: ScheduledBatch) -> bool:
-        return bool(self.outgoing)
+        if not self.outgoing:
+            return False
+        now = None
+        for seq in batch.seqs:  # the step that schedules a prompt's first chunk ends its queue
+            out = self.outgoing.get(seq.request_id)
+            if out is not None:
+                out.chunks += 1
+                if not out.scheduled:
+                    out.scheduled = now = now or time.monotonic()
+        return True
 
     def after_layer(self, batch: ScheduledBatch, layer: int) -> None:
         """Queue layer `layer`'s KV of every prompt that completes in this step."""
@@ -87,6 +102,8 @@ class PrefillSide(KVConnector):
             out = self.outgoing.get(seq.request_id)
             if out is None or seq.num_computed_tokens + n < seq.num_tokens:
                 continue
+            if not out.pushed:
+                out.pushed = time.monotonic()
             end = len(out.dst_block_ids)
             src = seq.block_table[out.first_block : end]
             if self.staging is not None:
@@ -137,6 +154,8 @@ class PrefillSide(KVConnector):
             del self.pushing[rid]
             self._release(rid)
             o = out.done
+            if out.trace:
+                self.trace(out, res, now)
             self.send(
                 m.PrefillDone(
                     rid,
@@ -146,10 +165,33 @@ class PrefillSide(KVConnector):
                     transfer_s=res.seconds,
                     prefill_s=now - out.started,
                     exposed_s=now - out.computed,
+                    queue_s=(out.scheduled or out.computed) - out.started,
+                    compute_s=out.computed - (out.scheduled or out.computed),
                     logprobs=m.Logprobs.of(o.logprobs),
                     prompt_logprobs=prompt_logprobs(o.seq),
                 )
             )
+
+    def trace(self, out: Outgoing, res, now: float) -> None:
+        """A traced request's phases here as spans: queue, compute, kv_push."""
+        scheduled = out.scheduled or out.computed
+        tracing.record("prefill.queue", out.trace, out.started, scheduled,
+                       request_id=out.request_id)  # fmt: skip
+        seq = out.done.seq
+        tracing.record(
+            "prefill.compute", out.trace, scheduled, out.computed, request_id=out.request_id,
+            prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
+            chunks=out.chunks,
+        )  # fmt: skip
+        failed = () if res.ok else (("kv_push_failed", now, {"error": res.error}),)
+        tracing.record(
+            "prefill.kv_push", out.trace, out.pushed or out.computed, now, failed,
+            request_id=out.request_id, bytes=res.bytes_sent, seconds=res.seconds,
+            layers=self.engine.model_config.num_layers, exposed_s=now - out.computed,
+            blocks=len(out.dst_block_ids) - out.first_block, destinations=len(out.endpoints),
+            transport=type(self.sender).__name__, ok=res.ok,
+            encoding=getattr(self.sender, "encoding", "raw"),
+        )  # fmt: skip
 
     def wait_settle(self, timeout_s: float) -> None:
         """Idle loop: sleep until a push makes progress (or the timeout), then settle."""

@@ -68,6 +68,9 @@ class StoreLink(PrefixLoader):
         self.known: OrderedDict[int, None] = OrderedDict()
         self.index_events: list[tuple[int, bool]] = []  # (hash, held) for the router, in order
         self.hit_tokens = self.query_tokens = 0
+        # request -> (tokens looked up, tokens the store held) of its admission, kept for the
+        # decode side's traces when tracing is on (None: not kept)
+        self.lookups: dict[str, tuple[int, int]] | None = None
         self.evicted_offloads = 0  # evicted blocks whose copies the store took
         self.load_s = 0.0
 
@@ -99,6 +102,8 @@ class StoreLink(PrefixLoader):
         self.query_tokens += (limit - start) * bs
         t = time.monotonic()
         n = self.client.lookup(hashes[start:])
+        if self.lookups is not None:
+            self.lookups[seq.request_id] = ((limit - start) * bs, n * bs)
         if n == 0:
             return 0
         wanted, dst = hashes[start : start + n], seq.block_table[start : start + n]

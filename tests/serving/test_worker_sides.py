@@ -4,10 +4,12 @@ in-process KV connector, and the test relaying the messages the router would."""
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 from factories import make_engine, make_model_files, run_to_completion
 
+from pdserve import tracing
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_receiver, make_sender
 from pdserve.kv_transfer.inproc import FaultPlan
@@ -220,3 +222,61 @@ def test_aborting_a_request_whose_push_is_in_flight_frees_its_blocks(pair):
     prefill.engine.abort("r0")
     assert not prefill.request_ids and not p_sent
     _clean(prefill.engine)
+
+
+@pytest.fixture
+def spans():
+    """Tracing on in this process, into the SDK's in-memory exporter."""
+    memory = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter")
+    exporter = memory.InMemorySpanExporter()
+    tracing.setup("pdserve-test", exporter=exporter)
+    yield exporter
+    tracing.disable()
+
+
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_a_traced_handoff_records_each_sides_phases_under_the_routers_span(pair, spans):
+    decode, d_sent, prefill, p_sent = pair
+    decode.store = types.SimpleNamespace(lookups={"r0": (16, 8)})  # what a store link kept
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, True, 60, trace=TRACE))
+    [placement] = d_sent
+    prefill.on_prefill(
+        m.Prefill("r0", PROMPT, PARAMS, placement.kv_endpoints, placement.block_ids,
+                  placement.num_cached_tokens, trace=TRACE)
+    )  # fmt: skip
+    while prefill.engine.has_work():
+        prefill.finish(prefill.engine.step())
+    while prefill.pushing:
+        prefill.wait_settle(0.05)
+    [done] = p_sent
+    assert done.queue_s >= 0 and done.compute_s > 0
+    decode.on_kv_ready(m.KVReady("r0", done.first_token))
+    _decode_all(decode, d_sent)
+    got = {s.name: s for s in spans.get_finished_spans()}
+    assert set(got) == {"prefill.queue", "prefill.compute", "prefill.kv_push",
+                        "decode.kv_wait", "decode.first_token", "decode.decode"}  # fmt: skip
+    for s in got.values():  # all under the router's span of the traceparent
+        assert s.context.trace_id == int(TRACE[3:35], 16)
+        assert s.parent.span_id == int("00f067aa0ba902b7", 16)
+    assert got["prefill.kv_push"].attributes["pdserve.bytes"] == done.transfer_bytes > 0
+    assert got["prefill.compute"].end_time <= got["prefill.kv_push"].end_time
+    assert got["decode.kv_wait"].attributes["pdserve.complete"] is True
+    [hit] = got["decode.first_token"].events
+    assert hit.name == "kv_store_hit" and hit.attributes["pdserve.hit_tokens"] == 8
+    assert got["decode.decode"].attributes["pdserve.output_tokens"] == 5
+    assert not decode.traced and not decode.store.lookups
+
+
+def test_an_expired_traced_lease_records_the_fallback(pair, spans):
+    decode, d_sent, _, _ = pair
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, True, 0.01, trace=TRACE))
+    decode.expire_leases(time.monotonic() + 1)
+    assert decode.leases_expired == 1
+    _decode_all(decode, d_sent)
+    got = {s.name: s for s in spans.get_finished_spans()}
+    [fallback] = got["decode.kv_wait"].events
+    assert fallback.name == "fallback_local_prefill"
+    assert fallback.attributes["pdserve.why"] == "lease expired"
+    assert got["decode.first_token"].attributes["pdserve.local_prefill"] is True

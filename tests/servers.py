@@ -158,14 +158,19 @@ class Server(Command):
         return httpx.get(self.url + "/health", timeout=10).json()
 
     def settle(self, timeout_s: float = 30.0) -> dict:
-        """Wait up to `timeout_s` for every worker to be idle and clean (see `unclean`); return
-        /health's workers either way, for reports that count what leaked instead of failing."""
+        """Wait up to `timeout_s` for every worker to be idle and clean (see `unclean`) in a
+        load report sent after this call began (an earlier one may predate the request's end);
+        return /health's workers either way, for reports that count what leaked instead of
+        failing."""
         workers: dict = {}
+        start = time.monotonic()
 
         def clean() -> bool:
             nonlocal workers
             workers = self.health()["workers"]
-            return not unclean(workers)
+            since = time.monotonic() - start  # >= the router's clock's time since `start`
+            fresh = all(w.get("load_age_s", since) < since for w in workers.values())
+            return fresh and not unclean(workers)
 
         try:
             wait_until(clean, timeout_s, "idle and clean workers", interval_s=0.1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -96,9 +97,10 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def health():
         """Readiness: 200 once every worker the launcher started has registered and while a
         decode-capable worker is up (`RouterCore.ready`), else 503; each worker's last load
-        report (block counts, queues, integrity) so operators and tests see nothing leaked; the
+        report (block counts, queues, integrity; `load_age_s`: how old it is) so operators and tests
+        see nothing leaked; the
         workers whose registration was refused, and why (`refused`)."""
-        alive = frontend.core.alive()
+        alive, now = frontend.core.alive(), time.monotonic()
         workers = {
             w.worker_id: {
                 "role": w.role,
@@ -107,6 +109,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                 "draining": w.draining,
                 **w.placement,
                 **(msgspec.structs.asdict(w.load) if w.load else {}),
+                **({"load_age_s": round(now - w.load_at, 3)} if w.load else {}),
             }
             for w in alive
         }

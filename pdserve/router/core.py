@@ -143,7 +143,7 @@ class RouterCore:
                 expired = msg.load.leases_expired
             if expired:
                 metrics.KV_FAILURES_BY_CAUSE.labels("lease_expired").inc(expired)
-            w.load = msg.load
+            w.load, w.load_at = msg.load, now
         w.cached.difference_update(msg.removed)
         w.cached.update(msg.stored)
         self.store_index.update(msg.offloaded)

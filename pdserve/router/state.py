@@ -20,6 +20,7 @@ class WorkerInfo:
     max_model_len: int
     pid: int
     load: m.Load | None = None
+    load_at: float = 0.0  # time.monotonic() when `load` arrived
     last_seen: float = field(default_factory=time.monotonic)
     cached: set[int] = field(default_factory=set)  # block hashes this worker holds
     inflight: set[str] = field(default_factory=set)  # request ids placed here

@@ -99,10 +99,18 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     tensor_parallel_size: int = 1  # ranks (processes) of this engine: engine/tp/
+    # experts split over this many groups of those ranks (Mixture-of-Experts): engine/tp/shard.py
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if ep < 1 or tp % ep:
+            raise ValueError(
+                f"--expert-parallel-size {ep} must divide --tensor-parallel-size {tp}: the experts "
+                f"are split over the engine's ranks (e.g. --tensor-parallel-size {max(ep, 1)})"
+            )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.dtype not in DTYPES:

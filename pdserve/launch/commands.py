@@ -116,16 +116,17 @@ def phase_argv(text: str | None, flag: str) -> list[str]:
     return argv
 
 
-def tensor_parallel_sizes(args) -> dict[str, int]:
+def tensor_parallel_sizes(args, kind: str = "tp") -> dict[str, int]:
     """Each role's tensor-parallel size: --prefill-tp / --decode-tp, else
-    --tensor-parallel-size."""
-    default = args.tensor_parallel_size or 1
-    sizes = {"both": default, "prefill": args.prefill_tp or default,
-             "decode": args.decode_tp or default}  # fmt: skip
-    if args.mode != "disagg" and (args.prefill_tp or args.decode_tp):
-        raise ValueError("--prefill-tp/--decode-tp size the pools of --mode disagg; co-located "
-                         "workers take --tensor-parallel-size")  # fmt: skip
-    for flag, size in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+    --tensor-parallel-size (kind "ep": the expert-parallel sizes, alike)."""
+    default = (args.tensor_parallel_size if kind == "tp" else args.expert_parallel_size) or 1
+    prefill, decode = getattr(args, f"prefill_{kind}"), getattr(args, f"decode_{kind}")
+    sizes = {"both": default, "prefill": prefill or default, "decode": decode or default}
+    whole = "--tensor-parallel-size" if kind == "tp" else "--expert-parallel-size"
+    if args.mode != "disagg" and (prefill or decode):
+        raise ValueError(f"--prefill-{kind}/--decode-{kind} size the pools of --mode disagg; "
+                         f"co-located workers take {whole}")  # fmt: skip
+    for flag, size in ((f"--prefill-{kind}", prefill), (f"--decode-{kind}", decode)):
         if size is not None and size < 1:
             raise ValueError(f"{flag} must be >= 1, got {size}")
     return sizes
@@ -153,7 +154,14 @@ def serve(args) -> int:
         os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
     from pdserve.serving.worker_config import check_kv_compression, check_tensor_parallel
 
-    tp = tensor_parallel_sizes(args)
+    tp, ep = tensor_parallel_sizes(args), tensor_parallel_sizes(args, "ep")
+    for role, size in ep.items():  # refused now, by name, not in each worker as it starts
+        EngineConfig(tensor_parallel_size=tp[role], expert_parallel_size=size)
+        if size > 1:
+            from pdserve.engine.tp.shard import TPShard
+            from pdserve.model.loader import load_model_config
+
+            TPShard(0, tp[role], size).check(load_model_config(args.model)[1])
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores, tp)
     check_kv_compression(args.kv_compression, args.kv_transport)
@@ -212,7 +220,7 @@ def serve(args) -> int:
         chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
         if chunk:
             argv += ["--chunk-size", str(chunk)]
-        argv += ["--tensor-parallel-size", str(tp[role])]
+        argv += ["--tensor-parallel-size", str(tp[role]), "--expert-parallel-size", str(ep[role])]
         argv += role_argv[role]  # last: the pool's own settings win
         procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport,
                     tp[role])  # fmt: skip

@@ -87,6 +87,9 @@ class MoE:
     config says), plus a shared expert scaled by sigmoid(shared_gate(x)) where the family has one
     (Qwen2-MoE).
 
+    `experts[e]` is None for an expert another rank holds (expert parallelism): this rank adds
+    only its experts' rows, and the all-reduce after the MLP sums every rank's.
+
     Batched by expert: the (token, slot) pairs are sorted by expert, each expert with any tokens
     runs one SwiGLU over its contiguous rows, and the weighted rows are summed back per token
     with one index_add_: a Python loop over the experts that have tokens, none over tokens."""
@@ -97,7 +100,7 @@ class MoE:
         self.shared, self.shared_gate = shared, shared_gate
 
     def linears(self):
-        out = [lin for e in self.experts for lin in e.linears()]
+        out = [lin for e in self.experts if e is not None for lin in e.linears()]
         return out + (self.shared.linears() if self.shared is not None else [])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,11 +121,11 @@ class MoE:
         w = weights.reshape(-1)[order].to(x.dtype)[:, None]
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts):
-            if n:
-                y = self.experts[e](rows[start : start + n]) * w[start : start + n]
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n and expert is not None:  # None: held by another rank, which adds its rows
+                y = expert(rows[start : start + n]) * w[start : start + n]
                 out.index_add_(0, token[start : start + n], y)
-                start += n
+            start += n
         if self.shared is not None:
             gate = torch.sigmoid(F.linear(x, self.shared_gate))
             out = out + gate * self.shared(x)

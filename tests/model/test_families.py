@@ -121,6 +121,15 @@ def test_an_unknown_architecture_is_refused_naming_it_and_the_supported(tmp_path
     assert all(a in str(err.value) for a in ("Qwen3MoeForCausalLM", "MistralForCausalLM"))
 
 
+def test_serve_refuses_an_unknown_architecture_at_start_up(tmp_path):
+    from servers import run_serve
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
+    out = run_serve("--model", str(tmp_path))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "architecture FooForCausalLM is not supported" in out.stderr
+
+
 def test_olmoe_refuses_tensor_parallelism_by_name(checkpoints):
     from pdserve.engine.tp.shard import TPShard
 
@@ -138,3 +147,20 @@ def test_a_gguf_file_serves_as_its_hf_folder(checkpoints, references, family, tm
     assert files.config.architecture == family
     engine = make_engine(files, enable_prefix_caching=False)
     assert run_to_completion(engine, PROMPTS, GREEDY) == references[family][0]
+
+
+def test_expert_parallelism_is_refused_where_it_cannot_split(checkpoints):
+    from pdserve.config import EngineConfig
+    from pdserve.engine.tp.shard import TPShard
+
+    with pytest.raises(ValueError, match="qwen3 is a dense model"):
+        TPShard(0, 2, 2).check(checkpoints["qwen3"][1].config)
+    with pytest.raises(ValueError, match="does not divide the 4 experts; sizes that work"):
+        TPShard(0, 3, 3).check(checkpoints["mixtral"][1].config)
+    with pytest.raises(ValueError, match="--expert-parallel-size 2 must divide"):
+        EngineConfig(tensor_parallel_size=1, expert_parallel_size=2)
+    moe = checkpoints["qwen3_moe"][1].config
+    assert [TPShard(r, 2, 2).experts(moe) for r in range(2)] == [range(0, 2), range(2, 4)]
+    weights = TPShard(1, 2, 2).weights(moe, checkpoints["qwen3_moe"][1].weights)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in weights  # whole, its own
+    assert "model.layers.0.mlp.experts.0.up_proj.weight" not in weights

@@ -39,7 +39,13 @@ class _MoEFamily(Llama):
         if i in cfg.dense_layers:
             return SwiGLU(w, p + "mlp.")
         m = p + self.expert_prefix
-        experts = [SwiGLU(w, f"{m}experts.{e}.", self.expert_names) for e in range(cfg.num_experts)]
+        gate = self.expert_names[0]
+        experts = [  # None: another rank's expert (expert parallelism, engine/tp/shard.py)
+            SwiGLU(w, f"{m}experts.{e}.", self.expert_names)
+            if f"{m}experts.{e}.{gate}.weight" in w
+            else None
+            for e in range(cfg.num_experts)
+        ]
         return MoE(experts, w[m + "gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
                    *self.shared(cfg, w, m))  # fmt: skip
 

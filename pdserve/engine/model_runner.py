@@ -81,11 +81,13 @@ class ModelRunner:
         if self.config.enforce_eager:
             return None, "eager (--enforce-eager)"
         if self.tp is not None:
-            return None, f"eager (tensor parallel, {self.tp.size} ranks)"
+            ep = self.config.expert_parallel_size
+            experts = f", experts over {ep} groups" if ep > 1 else ""
+            return None, f"eager (tensor parallel, {self.tp.size} ranks{experts})"
         if self.device.type != "cpu":
             return None, "eager"
         mc = self.model_config
-        if (why := self.model.family.eager_reason(mc)) is not None:  # Llama layers only
+        if (why := self.model.family.eager_reason(mc, self.model.layers)) is not None:
             return None, f"eager ({mc.architecture}: {why})"
         shapes = (
             mc.head_dim in (16, 32, 64, 128) and not (mc.hidden_size | mc.intermediate_size) % 16

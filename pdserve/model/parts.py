@@ -69,6 +69,8 @@ class SwiGLU:
         self, w: dict[str, torch.Tensor], p: str, names=("gate_proj", "up_proj", "down_proj")
     ):
         gate, up, down = (p + n for n in names)
+        if gate + ".bias" in w:
+            raise ValueError("MLP biases (config.json mlp_bias) are not supported; set it false")
         self.parts = {"gate_up": (gate, up), "down": (down,)}
         self.gate_up = Dense(torch.cat([w[gate + ".weight"], w[up + ".weight"]]))
         self.down = Dense(w[down + ".weight"])

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from factories import make_engine, run_to_completion
-from family_models import FAMILIES, WINDOW, build, one_thread, write_gguf
+from family_models import BASE, FAMILIES, WINDOW, build, one_thread, write_gguf
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.attention import AttentionMetadata, PrefillSpan
@@ -164,3 +164,40 @@ def test_expert_parallelism_is_refused_where_it_cannot_split(checkpoints):
     weights = TPShard(1, 2, 2).weights(moe, checkpoints["qwen3_moe"][1].weights)
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in weights  # whole, its own
     assert "model.layers.0.mlp.experts.0.up_proj.weight" not in weights
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+         "beta_fast": 16, "mscale": 1.0, "mscale_all_dim": 0.5},
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+    ],
+)  # fmt: skip
+def test_rope_scaling_equals_transformers(scaling):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pdserve.model.rope import rope_inv_freq, scaling_from_hf
+
+    theta = 1e6
+    config = transformers.Qwen2Config(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+        rope_parameters={"rope_theta": theta, **scaling},
+    )  # fmt: skip
+    ref_inv, ref_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+    inv, factor = rope_inv_freq(16, theta, scaling_from_hf(config.rope_parameters), None)
+    torch.testing.assert_close(inv, ref_inv.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(ref_factor)
+
+
+def test_biases_the_decoder_does_not_add_are_refused_not_ignored(tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(**{**BASE, "attention_bias": True})
+    transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="llama with a bias on o_proj"):
+        make_engine(load_model_files(str(tmp_path)))

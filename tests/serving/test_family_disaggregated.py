@@ -41,6 +41,9 @@ def test_expert_parallel_ranks_hold_whole_experts_and_give_the_tokens_of_one(tmp
         moe = engine.runner.model.layers[0].mlp
         assert [e is not None for e in moe.experts] == [True, True, False, False]  # rank 0's
         assert moe.experts[0].down.weight.shape == (64, 96)  # whole: not split by width
+        assert (
+            engine.runner.decode_path == "eager (tensor parallel, 2 ranks, experts over 2 groups)"
+        )
         assert run_to_completion(engine, [PROMPT, PROMPT[:9]], params) == reference
     finally:
         engine.close()

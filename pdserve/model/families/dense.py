@@ -21,15 +21,24 @@ class Llama:
         return {}
 
     def attention_parts(self, cfg, w: dict[str, torch.Tensor], p: str) -> list:
+        if p + "self_attn.o_proj.bias" in w:
+            raise ValueError(
+                f"{self.name} with a bias on o_proj (config.json attention_bias) is not "
+                "supported: pdserve serves q/k/v biases only"
+            )
         return [QKVBias(w, p)] if p + "self_attn.q_proj.bias" in w else []
 
     def mlp(self, cfg, w: dict[str, torch.Tensor], p: str, i: int):
         return SwiGLU(w, p + "mlp.")
 
-    def eager_reason(self, cfg) -> str | None:
-        """Why the fused C++ decode step cannot serve this model (None: it can)."""
+    def eager_reason(self, cfg, layers) -> str | None:
+        """Why the fused C++ decode step (Llama layers: no attention parts, one SwiGLU, full
+        attention) cannot serve this model built as `layers` (None: it can)."""
         if cfg.sliding_window is not None:
             return f"sliding-window attention ({cfg.sliding_window})"
+        parts = sorted({type(part).__name__ for layer in layers for part in layer.qkv_parts})
+        if parts:
+            return f"the fused step has no {', '.join(parts)}"
         return None
 
     def tp_refusal(self, cfg) -> str | None:
@@ -72,9 +81,6 @@ class Qwen2(Llama):
     def attention_parts(self, cfg, w, p):
         return [QKVBias(w, p)]
 
-    def eager_reason(self, cfg):
-        return "the fused step has no q/k/v biases"
-
 
 class Qwen3(Qwen2):
     """Llama layers with an RMSNorm over each q and k head (before RoPE)."""
@@ -83,6 +89,3 @@ class Qwen3(Qwen2):
 
     def attention_parts(self, cfg, w, p):
         return [*super(Qwen2, self).attention_parts(cfg, w, p), HeadQKNorm(w, p, cfg.rms_norm_eps)]
-
-    def eager_reason(self, cfg):
-        return "the fused step has no q/k norms"

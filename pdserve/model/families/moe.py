@@ -52,7 +52,7 @@ class _MoEFamily(Llama):
     def shared(self, cfg, w, m: str) -> tuple:
         return ()
 
-    def eager_reason(self, cfg):
+    def eager_reason(self, cfg, layers):
         return "the fused step has no Mixture-of-Experts layers"
 
 

@@ -1,8 +1,9 @@
 """Decode speed per model family on tiny random-weight models (tests/family_models.py: 2 layers,
 hidden 64, vocab 256; Llama added at the same shape): steady-state decode tok/s at batch 1 and
 16, with the decode step each family gets (the fused C++ step for Llama, eager for the others:
-the worker's ready line says which). At this size a step is almost all per-layer overhead, so
-the figures compare the families' Python/kernel-call cost, not their FLOPs.
+the worker's ready line says which), and Llama eager too, for the fused step's share. At this
+size a step is almost all per-layer overhead, so the figures compare the families' Python and
+kernel-call cost, not their FLOPs.
 
 Every family's engine is built first, then the repeats run interleaved (family after family,
 `--repeats` rounds) so a change in the machine's load hits all alike; figures are medians.
@@ -72,11 +73,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         folders = build_all(Path(tmp))
-        engines = {
-            f: LLMEngine(EngineConfig(dtype="float32", device="cpu", weights="bf16",
-                                      kv_cache_gb=0.05, max_num_seqs=16), load_model_files(str(d)))
-            for f, d in folders.items()
-        }  # fmt: skip
+
+        def engine(folder: Path, **over) -> LLMEngine:
+            config = EngineConfig(dtype="float32", device="cpu", weights="bf16", kv_cache_gb=0.05,
+                                  max_num_seqs=16, **over)  # fmt: skip
+            return LLMEngine(config, load_model_files(str(folder)))
+
+        engines = {f: engine(d) for f, d in folders.items()}
+        engines["llama eager"] = engine(folders["llama"], enforce_eager=True)  # the eager cost
         figures = {(f, b): [] for f in engines for b in BATCHES}
         for _ in range(args.repeats):
             for f, engine in engines.items():
@@ -84,10 +88,10 @@ def main() -> None:
                     figures[f, b].append(decode_tok_s(engine, b, args.steps))
     print(f"decode tok/s, tiny models, float32, {args.threads} thread(s), medians of "
           f"{args.repeats}")  # fmt: skip
-    print(f"{'family':<11} {'step':<44} " + " ".join(f"{'B=' + str(b):>9}" for b in BATCHES))
-    for f, engine in engines.items():
-        row = " ".join(f"{statistics.median(figures[f, b]):>9.0f}" for b in BATCHES)
-        print(f"{f:<11} {engine.runner.decode_path[:44]:<44} {row}")
+    print(f"{'family':<12} " + " ".join(f"{'B=' + str(b):>7}" for b in BATCHES) + "  decode step")
+    for f, eng in engines.items():
+        row = " ".join(f"{statistics.median(figures[f, b]):>7.0f}" for b in BATCHES)
+        print(f"{f:<12} {row}  {eng.runner.decode_path}")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def decode_weight_bytes(model) -> int:
     def size(lin) -> int:
         return sum(t.numel() * t.element_size() for t in lin.packed or (lin.weight,))
 
-    linears = [getattr(layer, a) for layer in model.layers for a in ("qkv", "o", "gate_up", "down")]
+    linears = model.linears()
     norms = [model.norm] + [n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm)]
     return sum(map(size, [*linears, model.lm_head])) + sum(
         n.numel() * n.element_size() for n in norms

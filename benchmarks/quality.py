@@ -43,10 +43,7 @@ PROMPTS = [
 
 def quantized_linears(model) -> list:
     """Every linear that runs a quantized kernel for small steps (none in bf16)."""
-    from pdserve.model.quant import FUSED
-
-    linears = [getattr(layer, attr) for layer in model.layers for attr in FUSED]
-    return [x for x in [*linears, model.lm_head] if x.max_rows > 0]
+    return [x for x in [*model.linears(), model.lm_head] if x.max_rows > 0]
 
 
 def chunk_nll(llm, ids: list[int]) -> tuple[float, int]:

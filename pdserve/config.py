@@ -15,17 +15,28 @@ DECODE_CHUNK_SIZE = 64
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (HF `rope_scaling` with type "llama3")."""
+    """RoPE scaling from HF `rope_scaling` / `rope_parameters` (`model/rope.py` computes it):
+    "llama3" (frequency-dependent, with low/high_freq_factor), "yarn" (beta_fast/slow and an
+    attention factor on cos/sin; Qwen's long-context setting) or "linear" (positions / factor)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # yarn: None = from factor (and mscale, mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder. Built by the loader from GGUF metadata or config.json."""
+    """Shape of a decoder. Built by the loader from GGUF metadata or config.json; `architecture`
+    names its family in `model/registry.py`, which says what the family adds to the shared
+    decoder. The Mixture-of-Experts fields are 0 for a dense model."""
 
     num_layers: int
     hidden_size: int
@@ -41,12 +52,24 @@ class ModelConfig:
     head_dim_override: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+    sliding_window: int | None = None  # attend to the last this many positions (Mistral)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads}); this is not a Llama-family GQA model"
+                f"({self.num_kv_heads}); this is not a GQA decoder pdserve can serve"
             )
         if self.head_dim_override is None and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} not divisible by {self.num_heads}")
@@ -76,10 +99,18 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     tensor_parallel_size: int = 1  # ranks (processes) of this engine: engine/tp/
+    # experts split over this many groups of those ranks (Mixture-of-Experts): engine/tp/shard.py
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if ep < 1 or tp % ep:
+            raise ValueError(
+                f"--expert-parallel-size {ep} must divide --tensor-parallel-size {tp}: the experts "
+                f"are split over the engine's ranks (e.g. --tensor-parallel-size {max(ep, 1)})"
+            )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.dtype not in DTYPES:

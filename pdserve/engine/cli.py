@@ -57,6 +57,14 @@ ENGINE_FLAGS = (
         "receives its own KV heads (`pdserve serve --prefill-tp P --decode-tp D`). Not with a "
         "KV store (default 1)", metavar="N",
     ),
+    Flag.of(
+        EngineConfig, "expert_parallel_size", "Mixture-of-Experts models: split the experts over "
+        "N groups of the engine's --tensor-parallel-size ranks (N divides it; each group holds "
+        "num_experts / N whole experts, split by width over its ranks). Attention stays "
+        "tensor-parallel and the KV cache is unchanged; every rank routes every token and one "
+        "all-reduce after the MoE layer combines the experts' rows (default 1: every expert "
+        "split by width over all ranks)", metavar="N",
+    ),
 )
 # fmt: on
 

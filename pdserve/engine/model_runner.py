@@ -81,10 +81,14 @@ class ModelRunner:
         if self.config.enforce_eager:
             return None, "eager (--enforce-eager)"
         if self.tp is not None:
-            return None, f"eager (tensor parallel, {self.tp.size} ranks)"
+            ep = self.config.expert_parallel_size
+            experts = f", experts over {ep} groups" if ep > 1 else ""
+            return None, f"eager (tensor parallel, {self.tp.size} ranks{experts})"
         if self.device.type != "cpu":
             return None, "eager"
         mc = self.model_config
+        if (why := self.model.family.eager_reason(mc, self.model.layers)) is not None:
+            return None, f"eager ({mc.architecture}: {why})"
         shapes = (
             mc.head_dim in (16, 32, 64, 128) and not (mc.hidden_size | mc.intermediate_size) % 16
         )
@@ -107,7 +111,12 @@ class ModelRunner:
     def _quantize(self, files: ModelFiles) -> str:
         """Apply `config.weights` to the model; returns the format chosen (auto resolved)."""
         fmt, mc = self.config.weights, self.model_config
-        quant.check_format(fmt, self.device, math.gcd(mc.hidden_size, mc.intermediate_size))
+        widths = (
+            mc.intermediate_size,
+            mc.moe_intermediate_size,
+            mc.shared_expert_intermediate_size,
+        )
+        quant.check_format(fmt, self.device, math.gcd(mc.hidden_size, *widths))
         # a tensor-parallel rank holds slices: the file's whole-weight blocks do not apply
         wants_blocks = fmt in ("auto", "int4") and self.device.type == "cpu" and not self.tp
         blocks = load_int4_blocks(files) if wants_blocks else {}
@@ -186,6 +195,7 @@ class ModelRunner:
         each group is padded only to its own longest context, so one long document does not
         make every short chat gather thousands of padded keys."""
         groups, start, bs, dev = [], 0, self.block_size, self.device
+        window = self.model_config.sliding_window
         for i in range(1, len(tables) + 1):
             if i < len(tables) and len(tables[i]) <= max(8, 2 * len(tables[start])):
                 continue
@@ -193,7 +203,10 @@ class ModelRunner:
             padded = [t + [0] * (width - len(t)) for t in tables[start:i]]
             glens = torch.tensor(lens[start:i], device=dev)
             key_pos = torch.arange(width * bs, device=dev)
-            mask = (key_pos[None, :] < glens[:, None])[:, None, None, :]  # (b, 1, 1, L)
+            mask = key_pos[None, :] < glens[:, None]
+            if window is not None:  # sliding-window attention: the last `window` positions
+                mask &= key_pos[None, :] >= glens[:, None] - window
+            mask = mask[:, None, None, :]  # (b, 1, 1, L)
             table = torch.tensor(padded, dtype=torch.long, device=dev)
             groups.append(DecodeGroup(start, i, table, mask))
             start = i

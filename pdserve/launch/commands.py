@@ -124,10 +124,16 @@ def phase_argv(text: str | None, flag: str) -> list[str]:
 
 
 def pool_worker_argv(
-    base_argv: list[str], role: str, args, tp: int, pool_argv: list[str], device: str | None
+    base_argv: list[str],
+    role: str,
+    args,
+    tp: int,
+    pool_argv: list[str],
+    device: str | None,
+    ep: int = 1,
 ) -> list[str]:
     """The engine flags of a worker of `role`, at start-up and when the autoscaler grows its
-    pool alike: the shared ones, its device, its pool's chunk size and TP, then the pool's own
+    pool alike: the shared ones, its device, its pool's chunk size, TP and EP, then the pool's own
     `--prefill-args` / `--decode-args` last, so that they win (its threads, weight format,
     device: the pool's hardware)."""
     argv = list(base_argv)
@@ -136,19 +142,21 @@ def pool_worker_argv(
     chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
     if chunk:
         argv += ["--chunk-size", str(chunk)]
-    return [*argv, "--tensor-parallel-size", str(tp), *pool_argv]
+    return [*argv, "--tensor-parallel-size", str(tp), "--expert-parallel-size", str(ep),
+            *pool_argv]  # fmt: skip
 
 
-def tensor_parallel_sizes(args) -> dict[str, int]:
+def tensor_parallel_sizes(args, kind: str = "tp") -> dict[str, int]:
     """Each role's tensor-parallel size: --prefill-tp / --decode-tp, else
-    --tensor-parallel-size."""
-    default = args.tensor_parallel_size or 1
-    sizes = {"both": default, "prefill": args.prefill_tp or default,
-             "decode": args.decode_tp or default}  # fmt: skip
-    if args.mode != "disagg" and (args.prefill_tp or args.decode_tp):
-        raise ValueError("--prefill-tp/--decode-tp size the pools of --mode disagg; co-located "
-                         "workers take --tensor-parallel-size")  # fmt: skip
-    for flag, size in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+    --tensor-parallel-size (kind "ep": the expert-parallel sizes, alike)."""
+    default = (args.tensor_parallel_size if kind == "tp" else args.expert_parallel_size) or 1
+    prefill, decode = getattr(args, f"prefill_{kind}"), getattr(args, f"decode_{kind}")
+    sizes = {"both": default, "prefill": prefill or default, "decode": decode or default}
+    whole = "--tensor-parallel-size" if kind == "tp" else "--expert-parallel-size"
+    if args.mode != "disagg" and (prefill or decode):
+        raise ValueError(f"--prefill-{kind}/--decode-{kind} size the pools of --mode disagg; "
+                         f"co-located workers take {whole}")  # fmt: skip
+    for flag, size in ((f"--prefill-{kind}", prefill), (f"--decode-{kind}", decode)):
         if size is not None and size < 1:
             raise ValueError(f"{flag} must be >= 1, got {size}")
     return sizes
@@ -178,7 +186,14 @@ def serve(args) -> int:
         os.environ[envs.OTLP_TRACES_ENDPOINT] = args.otlp_traces_endpoint
     from pdserve.serving.worker_config import check_kv_compression, check_tensor_parallel
 
-    tp = tensor_parallel_sizes(args)
+    tp, ep = tensor_parallel_sizes(args), tensor_parallel_sizes(args, "ep")
+    for role, size in ep.items():  # refused now, by name, not in each worker as it starts
+        EngineConfig(tensor_parallel_size=tp[role], expert_parallel_size=size)
+        if size > 1:
+            from pdserve.engine.tp.shard import TPShard
+            from pdserve.model.loader import load_model_config
+
+            TPShard(0, tp[role], size).check(load_model_config(args.model)[1])
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores, tp)
     check_kv_compression(args.kv_compression, args.kv_transport)
@@ -231,7 +246,7 @@ def serve(args) -> int:
         )
 
     def launch(i: int, role: str, cpus: str, device: str | None) -> str:
-        argv = pool_worker_argv(base_argv, role, args, tp[role], role_argv[role], device)
+        argv = pool_worker_argv(base_argv, role, args, tp[role], role_argv[role], device, ep[role])
         procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport,
                     tp[role])  # fmt: skip
         return f"{role}-{i}"

@@ -176,6 +176,15 @@ POOL_FLAGS = (  # serve: how many workers of each kind
         )
         for role in ("prefill", "decode")
     ),
+    *(
+        Flag(
+            f"--{role}-ep", int, metavar="N",
+            help=f"disagg mode: expert-parallel size of each {role} worker (Mixture-of-Experts; "
+            f"default: --expert-parallel-size): N divides its --{role}-tp. The KV transfer is "
+            "the same whatever the sizes (attention's heads are what moves)",
+        )
+        for role in ("prefill", "decode")
+    ),
     Flag("--colocated-workers", int, 1, "workers in colocated mode (default 1)"),
 )
 SERVE_FLAGS = (  # serve: after the pools and autoscaling

@@ -34,7 +34,8 @@ class DecodeGroup:
     start: int
     end: int
     block_tables: torch.Tensor  # (b, max_blocks) long
-    mask: torch.Tensor  # (b, 1, 1, max_blocks * block_size) bool, True = attend
+    mask: torch.Tensor  # (b, 1, 1, max_blocks * block_size) bool, True = attend (the window's
+    # positions only, for sliding-window attention: `ModelRunner._decode_groups`)
 
 
 @dataclass
@@ -142,8 +143,11 @@ def paged_attention(
     k_cache: torch.Tensor,  # (num_blocks, block_size, n_kv, d)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Writes k/v into the cache at meta.slot_mapping, returns attention output (T, n_heads, d)."""
+    """Writes k/v into the cache at meta.slot_mapping, returns attention output (T, n_heads, d).
+    `window`: sliding-window attention, each query attends to the last `window` positions (itself
+    included), as transformers' sliding_window_overlay; decode groups carry it in their mask."""
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
@@ -156,23 +160,28 @@ def paged_attention(
         else:
             ks = _gather(k_cache, span.block_table)[: span.context_len]  # (ctx, n_kv, d)
             vs = _gather(v_cache, span.block_table)[: span.context_len]
-        if _use_blockwise(qs):
+        if window is not None and span.context_len > window:
+            out[span.start : span.end] = _sdpa_causal(qs, ks, vs, window)
+        elif _use_blockwise(qs):
             _blockwise_causal(qs, ks, vs, dest=out[span.start : span.end])
         else:
             out[span.start : span.end] = _sdpa_causal(qs, ks, vs)
     return out
 
 
-def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """As `_blockwise_causal`, with torch's SDPA."""
+def _sdpa_causal(q, k, v, window: int | None = None) -> torch.Tensor:
+    """As `_blockwise_causal`, with torch's SDPA; `window`: only the last `window` positions."""
     n, ctx = q.shape[0], k.shape[0]
     # 4-D tensors: with 3-D ones torch's CPU dispatcher falls back to the math kernel, which
     # materializes every score (6x slower at 2,048 tokens).
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, len, d)
-    if n == ctx:  # a fresh prompt: plain causal
+    if n == ctx and window is None:  # a fresh prompt: plain causal
         o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
     else:  # queries are the last n positions: is_causal would align them with the first keys
-        q_pos = torch.arange(ctx - n, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # (n, ctx)
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # (n, ctx)
+        if window is not None:
+            mask &= k_pos > q_pos - window
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
     return o[0].transpose(0, 1)

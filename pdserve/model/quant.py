@@ -179,29 +179,20 @@ def quantize_linear(dense: Dense, fmt: str, blocks: Int4Blocks | None = None) ->
     return dense
 
 
-# The model's fused linears and the file weights (HF names) each is built from, in row order.
-FUSED = {
-    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o": ("self_attn.o_proj",),
-    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "down": ("mlp.down_proj",),
-}
-
-
 def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks], rows=None) -> None:
-    """Replace the linears of a built `LlamaModel` by `fmt` (int4 from the file's own 4-bit
+    """Replace the linears of a built `LlamaModel` (each layer's `linears()`: attention,
+    MLP, every expert) by `fmt` (int4 from the file's own 4-bit
     blocks where every part of a fused linear has them), and the lm_head by int8: it is
     usually stored as Q8_0 (GGUF) or float, and at 4 bits it would cost more quality than the
     layers do, for a fifth of the bytes. `rows` (a kernel_rows.KernelRows): this machine's
     crossover per shape, else each format's MAX_ROWS."""
     if fmt == "bf16":
         return
-    for i, layer in enumerate(model.layers):
-        for attr, parts in FUSED.items():
-            names = [f"model.layers.{i}.{part}.weight" for part in parts]
-            have = [file_blocks.get(n) for n in names]
+    for layer in model.layers:  # every linear of every part (experts too), by its HF names
+        for owner, attr, parts in layer.linears():
+            have = [file_blocks.get(f"{part}.weight") for part in parts]
             blocks = Int4Blocks.concat(have) if all(b is not None for b in have) else None
-            setattr(layer, attr, quantize_linear(getattr(layer, attr), fmt, blocks))
+            setattr(owner, attr, quantize_linear(getattr(owner, attr), fmt, blocks))
     model.lm_head = Int8Linear(model.lm_head.weight)
     if rows is not None:
         set_kernel_rows(model, rows)
@@ -210,8 +201,7 @@ def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks], rows=Non
 def set_kernel_rows(model, rows) -> None:
     """Give each quantized linear of `model` its shape's max_rows from `rows` (measuring the
     shapes it lacks, then saving it)."""
-    linears = [getattr(layer, attr) for layer in model.layers for attr in FUSED]
-    for linear in [*linears, model.lm_head]:
+    for linear in [*model.linears(), model.lm_head]:
         if isinstance(linear, _Quantized):
             linear.max_rows = rows.max_rows(linear.format, linear)
     rows.save()

@@ -15,6 +15,8 @@ from servers import run_serve
         (["--kv-compression", "fp8", "--kv-transport", "nixl"], "needs --kv-transport tcp"),
         (["--prefill-args", "--chunk-size 1024 --bogus 1"], "--bogus 1 is not an engine flag"),
         (["--launcher", "ray", "--decode-resources", "{CPU: 1}"], "--decode-resources: not JSON"),
+        (["--mode", "disagg", "--decode-tp", "2", "--decode-ep", "3"], "3 must divide"),
+        (["--mode", "disagg", "--decode-tp", "3", "--decode-ep", "3"], "llama is a dense model"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(flags, message):

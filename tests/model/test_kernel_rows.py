@@ -98,7 +98,7 @@ def test_each_quantized_linear_of_a_model_gets_its_shapes_rows(cache, monkeypatc
     table = KernelRows(torch.bfloat16, threads=1)
     quant.quantize_model(model, "int4", {}, table)
     for layer in model.layers:
-        assert [x.max_rows for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] == [
+        assert [x.max_rows for x in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)] == [
             4, 8, 12, 16,
         ]  # fmt: skip
     assert model.lm_head.max_rows == 2

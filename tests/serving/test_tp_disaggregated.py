@@ -44,11 +44,14 @@ def layout_of(engine, tp: int) -> KVLayout:
                     mc.num_kv_heads, mc.head_dim).split(tp)  # fmt: skip
 
 
-def handoff(files, backend: str, p: int, d: int):
-    """Run PROMPT through a prefill group of p ranks and a decode group of d ranks; return
-    (tokens, PrefillDone, bytes each decode rank received, the decode layout)."""
-    d_engine = make_engine(files, role="decode", tensor_parallel_size=d)
-    p_engine = make_engine(files, role="prefill", tensor_parallel_size=p)
+def handoff(files, backend: str, p: int, d: int, ep: tuple[int, int] = (1, 1)):
+    """Run PROMPT through a prefill group of p ranks and a decode group of d ranks (`ep`: their
+    expert-parallel sizes); return (tokens, PrefillDone, bytes each decode rank received, the
+    decode layout)."""
+    d_engine = make_engine(files, role="decode", tensor_parallel_size=d, expert_parallel_size=ep[1])
+    p_engine = make_engine(
+        files, role="prefill", tensor_parallel_size=p, expert_parallel_size=ep[0]
+    )
     d_layout, p_layout = layout_of(d_engine, d), layout_of(p_engine, p)
     ranks = d_engine.runner.rank_caches
     receiver = ReceiverGroup(

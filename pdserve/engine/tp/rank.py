@@ -26,8 +26,8 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
     """Rank 0: start ranks 1 .. N-1, join them, and send them what they build their part from."""
     from pdserve.engine.model_runner import resolve_device
 
-    size = config.tensor_parallel_size
-    TPShard(0, size).check(files.config)
+    size, ep = config.tensor_parallel_size, config.expert_parallel_size
+    TPShard(0, size, ep).check(files.config)
     if resolve_device(config.device).type != "cpu":
         raise ValueError(
             "--tensor-parallel-size > 1 runs on CPU ranks (gloo) for now; on a GPU use "
@@ -58,7 +58,7 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
         )  # fmt: skip
         for r in range(1, size)
     ]
-    group = TPGroup(TPShard(0, size), port, procs)
+    group = TPGroup(TPShard(0, size, ep), port, procs)
     group.restore = before
     os.sched_setaffinity(0, cores[0])
     torch.set_num_threads(threads)
@@ -77,6 +77,7 @@ def follow(rank: int, size: int, port: int, threads: int) -> None:
     torch.set_num_threads(threads)
     group = TPGroup(TPShard(rank, size), port)
     start = group.broadcast(None, Start)
+    group.shard = replace(group.shard, ep=start.config.expert_parallel_size)
     config = replace(start.config, num_threads=threads)
     runner = ModelRunner(config, start.files(), start.max_model_len, group)
     del start

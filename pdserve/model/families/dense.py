@@ -1,0 +1,91 @@
+"""Dense families: Llama (the base every family extends), Mistral (sliding-window attention),
+Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.model.parts import HeadQKNorm, QKVBias, SwiGLU
+
+
+class Llama:
+    """The shared decoder's defaults: plain attention (q/k/v biases where the checkpoint has
+    them, as Llama's `attention_bias`), a SwiGLU MLP; the fused decode step and tensor
+    parallelism serve it."""
+
+    name = "llama"
+    gguf_permuted_qk = True  # llama.cpp's converter permutes q/k rows for this family only
+
+    def hf_fields(self, raw: dict) -> dict:
+        """ModelConfig fields of this family beyond the shared ones, from config.json."""
+        return {}
+
+    def attention_parts(self, cfg, w: dict[str, torch.Tensor], p: str) -> list:
+        if p + "self_attn.o_proj.bias" in w:
+            raise ValueError(
+                f"{self.name} with a bias on o_proj (config.json attention_bias) is not "
+                "supported: pdserve serves q/k/v biases only"
+            )
+        return [QKVBias(w, p)] if p + "self_attn.q_proj.bias" in w else []
+
+    def mlp(self, cfg, w: dict[str, torch.Tensor], p: str, i: int):
+        return SwiGLU(w, p + "mlp.")
+
+    def eager_reason(self, cfg, layers) -> str | None:
+        """Why the fused C++ decode step (Llama layers: no attention parts, one SwiGLU, full
+        attention) cannot serve this model built as `layers` (None: it can)."""
+        if cfg.sliding_window is not None:
+            return f"sliding-window attention ({cfg.sliding_window})"
+        parts = sorted({type(part).__name__ for layer in layers for part in layer.qkv_parts})
+        if parts:
+            return f"the fused step has no {', '.join(parts)}"
+        return None
+
+    def tp_refusal(self, cfg) -> str | None:
+        """Why this model cannot run tensor-parallel (None: it can)."""
+        return None
+
+
+class Mistral(Llama):
+    """Llama layers with sliding-window attention where config.json sets `sliding_window`:
+    every position attends to the last `sliding_window` positions (itself included). The KV
+    cache keeps every block; attention masks what lies behind the window, so prefix-cache hits
+    and chunked prefill past the window compute what a cold run does."""
+
+    name = "mistral"
+    gguf_permuted_qk = False
+
+    def hf_fields(self, raw: dict) -> dict:
+        return {"sliding_window": raw.get("sliding_window")}
+
+
+def _refuse_layered_windows(raw: dict, name: str) -> None:
+    if raw.get("use_sliding_window"):
+        raise ValueError(
+            f"{name} with use_sliding_window (windows on some layers only, max_window_layers) "
+            "is not supported; set use_sliding_window false in config.json (its checkpoints "
+            "are trained without it)"
+        )
+
+
+class Qwen2(Llama):
+    """Llama layers with biases on q, k and v."""
+
+    name = "qwen2"
+    gguf_permuted_qk = False
+
+    def hf_fields(self, raw: dict) -> dict:
+        _refuse_layered_windows(raw, self.name)
+        return {}
+
+    def attention_parts(self, cfg, w, p):
+        return [QKVBias(w, p)]
+
+
+class Qwen3(Qwen2):
+    """Llama layers with an RMSNorm over each q and k head (before RoPE)."""
+
+    name = "qwen3"
+
+    def attention_parts(self, cfg, w, p):
+        return [*super(Qwen2, self).attention_parts(cfg, w, p), HeadQKNorm(w, p, cfg.rms_norm_eps)]

@@ -1,0 +1,67 @@
+"""Which model family a checkpoint is, from its own metadata: config.json's `architectures`
+(then `model_type`), or GGUF's `general.architecture`. One table maps those names to the module
+and class of each family, imported only when chosen; never a file name.
+
+A family (`families/dense.py`, `families/moe.py`) says what it adds to the shared decoder
+(`llama.py`): its config.json fields, its attention parts and its MLP per layer, whether the
+fused C++ decode step and tensor parallelism serve it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# family: (module:class, HF architectures, GGUF general.architecture names)
+FAMILIES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "llama": ("pdserve.model.families.dense:Llama", ("LlamaForCausalLM",), ("llama",)),
+    "mistral": ("pdserve.model.families.dense:Mistral", ("MistralForCausalLM",), ()),
+    "qwen2": ("pdserve.model.families.dense:Qwen2", ("Qwen2ForCausalLM",), ("qwen2",)),
+    "qwen3": ("pdserve.model.families.dense:Qwen3", ("Qwen3ForCausalLM",), ("qwen3",)),
+    "mixtral": ("pdserve.model.families.moe:Mixtral", ("MixtralForCausalLM",), ()),
+    "qwen2_moe": ("pdserve.model.families.moe:Qwen2Moe", ("Qwen2MoeForCausalLM",), ()),
+    "qwen3_moe": ("pdserve.model.families.moe:Qwen3Moe", ("Qwen3MoeForCausalLM",), ()),
+    "olmoe": ("pdserve.model.families.moe:Olmoe", ("OlmoeForCausalLM",), ()),
+}
+_BY_HF = {arch: fam for fam, (_, archs, _) in FAMILIES.items() for arch in archs}
+_BY_GGUF = {arch: fam for fam, (_, _, ggufs) in FAMILIES.items() for arch in ggufs}
+_loaded: dict[str, object] = {}
+
+
+class UnsupportedArchitecture(ValueError):
+    """The checkpoint names an architecture no family here serves."""
+
+
+def supported() -> str:
+    return ", ".join(f"{arch} ({fam})" for fam, (_, archs, _) in FAMILIES.items() for arch in archs)
+
+
+def family(name: str):
+    """The family object registered under `name` (a key of FAMILIES), imported on first use."""
+    if name not in _loaded:
+        module, cls = FAMILIES[name][0].split(":")
+        _loaded[name] = getattr(importlib.import_module(module), cls)()
+    return _loaded[name]
+
+
+def family_for_hf(raw: dict, where: str) -> str:
+    """The family of a config.json: its first known `architectures` entry, else `model_type`."""
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in _BY_HF:
+            return _BY_HF[arch]
+    if not archs and raw.get("model_type") in FAMILIES:
+        return raw["model_type"]
+    named = ", ".join(archs) or f"model_type {raw.get('model_type')!r}"
+    raise UnsupportedArchitecture(
+        f"{where}: architecture {named} is not supported; pdserve serves {supported()}"
+    )
+
+
+def family_for_gguf(arch: str | None, where: str) -> str:
+    if arch in _BY_GGUF:
+        return _BY_GGUF[arch]
+    names = ", ".join(_BY_GGUF)
+    raise UnsupportedArchitecture(
+        f"{where}: GGUF architecture {arch!r} is not supported; GGUF files of {names} are "
+        f"served (Hugging Face folders of {supported()})"
+    )

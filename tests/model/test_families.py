@@ -1,0 +1,203 @@
+"""Every family the registry serves (`model/registry.py`), on tiny random checkpoints built with
+transformers' own classes: pdserve's greedy tokens equal transformers' `generate` in float32,
+last-token logits within 1e-4; a prefix-cache hit and chunked prefill give the cold run's tokens
+(Mistral's prompts run past its sliding window); experts take the int8 format; unknown
+architectures and tensor parallelism where it cannot work are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from factories import make_engine, run_to_completion
+from family_models import BASE, FAMILIES, WINDOW, build, one_thread, write_gguf
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.attention import AttentionMetadata, PrefillSpan
+from pdserve.model.loader import load_model_config, load_model_files
+from pdserve.model.registry import UnsupportedArchitecture
+
+PROMPTS = [[5, 17, 33, 2, 9, 71, 8], list(range(1, 20)), [200, 3, 3, 3, 250]]  # 19 > WINDOW
+NEW = 8
+GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (HF model, pdserve's ModelFiles of the saved folder)."""
+    out = {}
+    for family in FAMILIES:
+        folder = tmp_path_factory.mktemp(family)
+        model = build(family, folder)
+        out[family] = model, load_model_files(str(folder))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    """family -> (transformers' greedy tokens per prompt, its last-token logits per prompt)."""
+    out = {}
+    with torch.no_grad():
+        for family, (model, _) in checkpoints.items():
+            tokens, logits = [], []
+            for p in PROMPTS:
+                ids = torch.tensor([p])
+                gen = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+                tokens.append(gen[0, len(p) :].tolist())
+                logits.append(model(ids).logits[0, -1])
+            out[family] = tokens, logits
+    return out
+
+
+def last_logits(engine, prompt: list[int]) -> torch.Tensor:
+    """pdserve's logits after `prompt`, one fresh prefill span in blocks 0, 1, ..."""
+    runner, n = engine.runner, len(prompt)
+    table = torch.arange(-(-n // runner.block_size))
+    meta = AttentionMetadata(torch.arange(n), 0, [], [PrefillSpan(0, n, n, table, True)])
+    with torch.inference_mode():
+        hidden = runner.forward(torch.tensor(prompt), torch.arange(n), meta)
+        return runner.model.logits(hidden[-1:])[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_and_logits_equal_transformers(checkpoints, references, family):
+    files = checkpoints[family][1]
+    assert files.config.architecture == family  # from config.json, not the folder's name
+    tokens, logits = references[family]
+    engine = make_engine(files, enable_prefix_caching=False)
+    assert run_to_completion(engine, PROMPTS, GREEDY) == tokens
+    assert engine.runner.decode_path.startswith(f"eager ({family}: ")  # and says why
+    for p, ref in zip(PROMPTS, logits, strict=True):
+        torch.testing.assert_close(last_logits(engine, p), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "qwen2_moe", "mixtral"])
+def test_prefix_hits_and_chunked_prefill_give_the_cold_tokens(checkpoints, references, family):
+    files = checkpoints[family][1]
+    cold = references[family][0]
+    warm = make_engine(files)
+    run_to_completion(warm, PROMPTS, GREEDY)  # fills the prefix cache
+    extended = [p + [7] for p in PROMPTS]  # hits every full block the first run cached
+    hits = warm.block_manager.hits
+    assert run_to_completion(warm, PROMPTS, GREEDY) == cold
+    assert warm.block_manager.hits - hits >= 16  # the 19-token prompt's 4 blocks, past WINDOW
+    for chunk in (3, 8):
+        chunked = make_engine(files, chunk_size=chunk, enable_prefix_caching=False)
+        assert run_to_completion(chunked, PROMPTS, GREEDY) == cold
+    fresh = make_engine(files, enable_prefix_caching=False)
+    assert run_to_completion(warm, extended, GREEDY) == run_to_completion(fresh, extended, GREEDY)
+
+
+def test_the_sliding_window_is_what_makes_mistral_match(checkpoints, references):
+    """Past the window, attending to every position gives other tokens: the window is tested."""
+    import dataclasses
+
+    files = checkpoints["mistral"][1]
+    unwindowed = files._replace(config=dataclasses.replace(files.config, sliding_window=None))
+    engine = make_engine(unwindowed, enable_prefix_caching=False, enforce_eager=True)
+    assert len(PROMPTS[1]) > WINDOW
+    assert run_to_completion(engine, PROMPTS[1:2], GREEDY) != references["mistral"][0][1:2]
+
+
+def test_int8_applies_to_every_expert(checkpoints, references):
+    files = checkpoints["qwen3_moe"][1]
+    engine = make_engine(files, weights="int8", enable_prefix_caching=False)
+    moe = engine.runner.model.layers[0].mlp
+    formats = {lin.format for e in moe.experts for lin in (e.gate_up, e.down)}
+    assert formats == {"int8"}
+    got, ref = last_logits(engine, PROMPTS[1]), references["qwen3_moe"][1][1]
+    assert torch.nn.functional.cosine_similarity(got, ref, 0) > 0.99
+
+
+def test_an_unknown_architecture_is_refused_naming_it_and_the_supported(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"})
+    )
+    with pytest.raises(UnsupportedArchitecture) as err:
+        load_model_config(str(tmp_path))
+    assert "FooForCausalLM" in str(err.value)
+    assert all(a in str(err.value) for a in ("Qwen3MoeForCausalLM", "MistralForCausalLM"))
+
+
+def test_serve_refuses_an_unknown_architecture_at_start_up(tmp_path):
+    from servers import run_serve
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
+    out = run_serve("--model", str(tmp_path))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "architecture FooForCausalLM is not supported" in out.stderr
+
+
+def test_olmoe_refuses_tensor_parallelism_by_name(checkpoints):
+    from pdserve.engine.tp.shard import TPShard
+
+    with pytest.raises(ValueError, match="olmoe does not run tensor-parallel"):
+        TPShard(0, 2).check(checkpoints["olmoe"][1].config)
+    TPShard(0, 2).check(checkpoints["qwen3_moe"][1].config)  # experts split by their width
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_a_gguf_file_serves_as_its_hf_folder(checkpoints, references, family, tmp_path,
+                                             monkeypatch):  # fmt: skip
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    write_gguf(checkpoints[family][0], family, tmp_path / "m.gguf")
+    files = load_model_files(str(tmp_path / "m.gguf"))
+    assert files.config.architecture == family
+    engine = make_engine(files, enable_prefix_caching=False)
+    assert run_to_completion(engine, PROMPTS, GREEDY) == references[family][0]
+
+
+def test_expert_parallelism_is_refused_where_it_cannot_split(checkpoints):
+    from pdserve.config import EngineConfig
+    from pdserve.engine.tp.shard import TPShard
+
+    with pytest.raises(ValueError, match="qwen3 is a dense model"):
+        TPShard(0, 2, 2).check(checkpoints["qwen3"][1].config)
+    with pytest.raises(ValueError, match="does not divide the 4 experts; sizes that work"):
+        TPShard(0, 3, 3).check(checkpoints["mixtral"][1].config)
+    with pytest.raises(ValueError, match="--expert-parallel-size 2 must divide"):
+        EngineConfig(tensor_parallel_size=1, expert_parallel_size=2)
+    moe = checkpoints["qwen3_moe"][1].config
+    assert [TPShard(r, 2, 2).experts(moe) for r in range(2)] == [range(0, 2), range(2, 4)]
+    weights = TPShard(1, 2, 2).weights(moe, checkpoints["qwen3_moe"][1].weights)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in weights  # whole, its own
+    assert "model.layers.0.mlp.experts.0.up_proj.weight" not in weights
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+         "beta_fast": 16, "mscale": 1.0, "mscale_all_dim": 0.5},
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+    ],
+)  # fmt: skip
+def test_rope_scaling_equals_transformers(scaling):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pdserve.model.rope import rope_inv_freq, scaling_from_hf
+
+    theta = 1e6
+    config = transformers.Qwen2Config(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+        rope_parameters={"rope_theta": theta, **scaling},
+    )  # fmt: skip
+    ref_inv, ref_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+    inv, factor = rope_inv_freq(16, theta, scaling_from_hf(config.rope_parameters), None)
+    torch.testing.assert_close(inv, ref_inv.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(ref_factor)
+
+
+def test_biases_the_decoder_does_not_add_are_refused_not_ignored(tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(**{**BASE, "attention_bias": True})
+    transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="llama with a bias on o_proj"):
+        make_engine(load_model_files(str(tmp_path)))

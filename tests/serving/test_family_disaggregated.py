@@ -1,0 +1,49 @@
+"""Disaggregated serving of other families: a prefill worker pushes the prompt's KV over tcp
+into a decode worker (the sides driven in-process, as tests/serving/test_tp_disaggregated.py
+does), which then gives a co-located engine's greedy tokens; for Mistral the prompt runs past
+its sliding window; Qwen3-MoE goes from a prefill worker of TP 1 / EP 1 into a decode worker of
+TP 2 / EP 2 (2 ranks, each holding half of the heads and 2 of the 4 experts whole)."""
+
+from __future__ import annotations
+
+import pytest
+from factories import make_engine, run_to_completion
+from family_models import WINDOW, build, one_thread
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.loader import load_model_files
+from serving.test_tp_disaggregated import PROMPT, handoff
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+
+@pytest.mark.parametrize(
+    ("family", "p", "d", "ep"), [("mistral", 1, 1, (1, 1)), ("qwen3_moe", 1, 2, (1, 2))]
+)
+def test_kv_pushed_over_tcp_gives_the_colocated_tokens(tmp_path, family, p, d, ep):
+    build(family, tmp_path)
+    files = load_model_files(str(tmp_path))
+    assert len(PROMPT) > WINDOW
+    engine = make_engine(files)
+    [reference] = run_to_completion(engine, [PROMPT], SamplingParams(max_tokens=6, ignore_eos=True))
+    tokens, done, _, _, _ = handoff(files, "tcp", p, d, ep)
+    assert done.error is None and done.first_token == reference[0]
+    assert tokens == reference
+
+
+def test_expert_parallel_ranks_hold_whole_experts_and_give_the_tokens_of_one(tmp_path):
+    build("mixtral", tmp_path)
+    files = load_model_files(str(tmp_path))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    reference = run_to_completion(make_engine(files), [PROMPT, PROMPT[:9]], params)
+    engine = make_engine(files, tensor_parallel_size=2, expert_parallel_size=2)
+    try:
+        moe = engine.runner.model.layers[0].mlp
+        assert [e is not None for e in moe.experts] == [True, True, False, False]  # rank 0's
+        assert moe.experts[0].down.weight.shape == (64, 96)  # whole: not split by width
+        assert (
+            engine.runner.decode_path == "eager (tensor parallel, 2 ranks, experts over 2 groups)"
+        )
+        assert run_to_completion(engine, [PROMPT, PROMPT[:9]], params) == reference
+    finally:
+        engine.close()

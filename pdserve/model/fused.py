@@ -10,6 +10,8 @@ eager with a warning that says so.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import platform
@@ -59,18 +61,33 @@ def load_extension():
         start = time.perf_counter()
         if not built:
             log.info("compiling the fused decode step into %s (once per machine, ~20 s)", path)
-        _module = cpp_extension.load(
-            name="pdserve_decode",
-            sources=[str(SOURCE)],
-            extra_cflags=FLAGS,
-            build_directory=str(path),
-            verbose=False,
-        )
+        with _only_builder(path):
+            _module = cpp_extension.load(
+                name="pdserve_decode",
+                sources=[str(SOURCE)],
+                extra_cflags=FLAGS,
+                build_directory=str(path),
+                verbose=False,
+            )
         now = {p: p.stat().st_mtime_ns for p in path.glob("*.so")}
         verb = "loaded" if built and now == built else "built"
         load_note = f"{verb} in {time.perf_counter() - start:.1f} s"
         log.info("fused decode step %s", load_note)
     return _module
+
+
+@contextlib.contextmanager
+def _only_builder(path: Path):
+    """One process at a time builds or loads in `path`, under a kernel lock that dies with its
+    holder. torch's own lock is a file that a process killed mid-build leaves behind, and every
+    later start then waits on it forever: held here, such a file can only be stale."""
+    with open(path / "pdserve.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = path / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 class FusedDecode:

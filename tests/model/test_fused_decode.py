@@ -74,3 +74,20 @@ def test_hooks_and_mixed_steps_stay_eager(files):
     batch = decode_batch(eng, PROMPTS[:1])
     rows, _ = eng.runner.run(batch, layer_hook=calls.append)
     assert rows == [0] and calls == list(range(files.config.num_layers))
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start():
+    # torch's build lock is a plain file: a start killed while building leaves it, and torch
+    # alone would wait on it forever. Held under the kernel lock, it is known stale and removed.
+    import subprocess
+    import sys
+
+    from pdserve.model import fused
+
+    fused.load_extension()  # built (or loaded) here first
+    (fused.build_dir() / "lock").touch()
+    code = "from pdserve.model import fused; fused.load_extension(); print(fused.load_note)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("loaded in"), done.stdout
+    assert not (fused.build_dir() / "lock").exists()

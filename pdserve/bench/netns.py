@@ -213,9 +213,16 @@ class Host:
 
     def bytes_sent(self) -> int:
         """Bytes `eth0` has sent (its kernel counter)."""
+        return self._counter("TX:")
+
+    def bytes_received(self) -> int:
+        """Bytes `eth0` has received (its kernel counter)."""
+        return self._counter("RX:")
+
+    def _counter(self, heading: str) -> int:
         out = _ip("-n", self.ns, "-s", "link", "show", "eth0").stdout.splitlines()
-        tx = next(i for i, line in enumerate(out) if line.strip().startswith("TX:"))
-        return int(out[tx + 1].split()[0])
+        row = next(i for i, line in enumerate(out) if line.strip().startswith(heading))
+        return int(out[row + 1].split()[0])
 
 
 class Network:

@@ -9,6 +9,7 @@ has none."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ from waiting import wait_until
 
 from pdserve.bench import netns
 
-from .conftest import DECODE, ROUTER, TRANSFER_TIMEOUT_S, URL
+from .conftest import TRANSFER_TIMEOUT_S, URL
 
 
 # ~300 tokens of distinct text per prompt (the prefix cache must not answer for the link)
@@ -97,7 +98,7 @@ def test_a_router_refuses_a_non_loopback_control_socket_without_the_secret(clust
         [*host.prefix(), sys.executable, "-m", "pdserve.cli", "router", "--port", "0",
          "--control-host", host.address],
         capture_output=True, text=True, timeout=120,
-        env={k: v for k, v in __import__("os").environ.items()
+        env={k: v for k, v in os.environ.items()
              if not k.startswith("PDSERVE_SECRET")},
     )  # fmt: skip
     assert done.returncode != 0

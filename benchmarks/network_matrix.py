@@ -166,13 +166,14 @@ def crossover(rates: list[float], disagg: list[float], colocated: float) -> str:
     """The link rate (Mbit/s) where the disagg TTFT p50 crosses the co-located one."""
     points = sorted(zip(rates, disagg, strict=True), reverse=True)  # fastest first
     if points[-1][1] <= colocated:
-        return f"below {points[-1][0]:g} Mbit/s (disaggregation never lost)"
+        return f"none: within co-located down to {points[-1][0]:g} Mbit/s"
     if points[0][1] > colocated:
-        return f"above {points[0][0]:g} Mbit/s (disaggregation lost at every rate)"
+        return f"none: above co-located at every rate (from {points[0][0]:g} Mbit/s down)"
     for (r1, t1), (r2, t2) in itertools.pairwise(points):
         if t1 <= colocated < t2:
             f = (colocated - t1) / (t2 - t1)
-            return f"{math.exp(math.log(r1) + f * (math.log(r2) - math.log(r1))):.0f} Mbit/s"
+            rate = math.exp(math.log(r1) + f * (math.log(r2) - math.log(r1)))
+            return f"{rate:.0f} Mbit/s (above it within co-located)"
     return "n/a"
 
 
@@ -184,12 +185,31 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3, help="measured prompts per cell")
     parser.add_argument("--profile", help="`pdserve profile` JSON: print simulate's prediction")
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument(
+        "--results", help="print the table of an earlier --json run, measure nothing"
+    )
     args = parser.parse_args()
-    if why := netns.unavailable():
-        print(f"network_matrix: cannot make hosts: {why}")
-        return 2
     rates = [float(r) for r in args.rates.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
+    if args.results:
+        saved = json.loads(Path(args.results).read_text())
+        results = {
+            "colocated": {int(n): c for n, c in saved["colocated"].items()},
+            "disagg": {int(n): {float(r): c for r, c in by.items()}
+                       for n, by in saved["disagg"].items()},
+        }  # fmt: skip
+    else:
+        if why := netns.unavailable():
+            print(f"network_matrix: cannot make hosts: {why}")
+            return 2
+        results = measure(rates, lengths, args.requests)
+    table(results, rates, lengths, args.profile, args.requests)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+def measure(rates: list[float], lengths: list[int], requests: int) -> dict:
     print(f"delay/loss: {netns.netem_unavailable() or 'netem available (not used)'}")
     env = {"PDSERVE_SECRET": secrets.token_hex(16)}
     rng = random.Random(0)
@@ -207,7 +227,7 @@ def main() -> int:
                 "decode": ["--role", "decode", "--kv-host", net.hosts["decode"].address],
             }, env))  # fmt: skip
             for n in lengths:
-                results["colocated"][n] = cell(client, colo.url, n, args.requests, rng)
+                results["colocated"][n] = cell(client, colo.url, n, requests, rng)
                 print(f"colocated {n}: {results['colocated'][n]}", flush=True)
                 for rate in rates:
                     prefill = net.hosts["prefill"]
@@ -215,7 +235,7 @@ def main() -> int:
                         prefill.shape(rate * 1e6)
                     sent = prefill.bytes_sent()
                     try:
-                        got = cell(client, disagg.url, n, args.requests, rng)
+                        got = cell(client, disagg.url, n, requests, rng)
                     finally:
                         prefill.unshape()
                     got["link_mbytes"] = (prefill.bytes_sent() - sent) / 1e6
@@ -224,18 +244,22 @@ def main() -> int:
         finally:
             for dep in deps:
                 dep.stop()
+    return results
+
+
+def table(results: dict, rates, lengths, profile, requests) -> None:
     print()
     header = ("prompt", "link", "mode", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "sim TTFT")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for n in lengths:
         c = results["colocated"][n]
-        sim = predict(args.profile, "colocated", n, None, args.requests) if args.profile else None
+        sim = predict(profile, "colocated", n, None, requests) if profile else None
         row = [n, "-", "colocated", c["ttft_p50"], c["ttft_p99"], c["itl_p50"], c["itl_p99"], sim]
         print(_row(row))
         for rate in rates:
             d = results["disagg"][n][rate]
             gbps = rate / 1000 if rate else None
-            sim = predict(args.profile, "disagg", n, gbps, args.requests) if args.profile else None
+            sim = predict(profile, "disagg", n, gbps, requests) if profile else None
             label = f"{rate:g} Mbit/s" if rate else "unshaped"
             print(_row([n, label, "disagg", d["ttft_p50"], d["ttft_p99"], d["itl_p50"],
                         d["itl_p99"], sim]))  # fmt: skip
@@ -243,10 +267,7 @@ def main() -> int:
         cross = crossover(shaped, [results["disagg"][n][r]["ttft_p50"] for r in shaped],
                           c["ttft_p50"])  # fmt: skip
         results.setdefault("crossover", {})[n] = cross
-        print(f"\nprompt {n}: disaggregated TTFT p50 exceeds co-located below {cross}\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-    return 0
+        print(f"\nprompt {n}: crossover of TTFT p50 (disaggregated vs co-located): {cross}\n")
 
 
 def _row(cells) -> str:

@@ -112,6 +112,9 @@ def cluster(tmp_path_factory):
             cluster = Cluster(net, procs)
             cluster.wait_clean(60)
             yield cluster
-        finally:
-            for proc in reversed(list(procs.values())):
-                proc.stop()
+        finally:  # all at once: each waits for its process to exit
+            stopping = [threading.Thread(target=proc.stop) for proc in procs.values()]
+            for thread in stopping:
+                thread.start()
+            for thread in stopping:
+                thread.join()

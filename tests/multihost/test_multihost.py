@@ -140,6 +140,7 @@ def test_a_partition_of_the_decode_host_mid_stream_ends_it_clearly_and_leaks_not
         client.join(30)  # the router declares d0 dead after --heartbeat-timeout-s 3
         assert not client.is_alive(), f"the stream hung after the partition: {seen[-3:]}"
         errors = [e for e in seen if "error" in e]
+        print("partition: the stream ended with", seen[-2:])
         assert errors, f"the stream ended without saying why: {seen[-3:]}"
         assert "[DONE]" not in seen[-1] or errors
     finally:

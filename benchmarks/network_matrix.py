@@ -148,7 +148,8 @@ def cell(client, url: str, length: int, requests: int, rng: random.Random) -> di
 
 
 def predict(profile: str, mode: str, length: int, gbps: float | None, requests: int) -> float:
-    """`pdserve simulate`'s TTFT p50 for these prompts at a low rate (one at a time)."""
+    """`pdserve simulate`'s TTFT p50 for these prompts at a low rate (one at a time, without
+    the background streams: the link and the prefill are what it predicts)."""
     cmd = [sys.executable, "-m", "pdserve.cli", "simulate", "--gpu", "cpu", "--profile", profile,
            "--mode", mode, "--prompt-tokens", f"fixed:{length}",
            "--output-tokens", f"fixed:{OUTPUT_TOKENS}", "--rate", "0.05",
@@ -158,8 +159,7 @@ def predict(profile: str, mode: str, length: int, gbps: float | None, requests: 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode:
         return float("nan")
-    out = json.loads(done.stdout[done.stdout.index("{") :])
-    return out.get("ttft_p50", out.get("ttft", {}).get("p50", float("nan")))
+    return json.loads(done.stdout[done.stdout.index("{") :])["ttft_s"]["p50"]
 
 
 def crossover(rates: list[float], disagg: list[float], colocated: float) -> str:

@@ -156,8 +156,26 @@ def test_a_partition_of_the_decode_host_mid_stream_ends_it_clearly_and_leaks_not
     )
     cluster.wait_clean(60)
     assert cluster.metric("pdserve_worker_failures_total") >= 1
+    # registered again and staying so for longer than --heartbeat-timeout-s (one run in three
+    # saw the first request after the heal fail with 503 when it was sent at once: see the
+    # report; this waits that window out, and the print below says what the workers logged)
+    failures = cluster.metric("pdserve_worker_failures_total")
+    steady_since = [time.monotonic()]
+
+    def steady() -> bool:
+        if cluster.metric("pdserve_worker_failures_total") != failures:
+            raise AssertionError("the router declared a worker dead again after the heal")
+        cluster.wait_clean(30)
+        return time.monotonic() - steady_since[0] > 4
+
+    wait_until(steady, 60, "the workers steady for 4 s after the heal")
     prompt = PROMPTS[0]
-    assert cluster.complete(body(prompt))["choices"][0]["text"] == texts[prompt]
+    try:
+        assert cluster.complete(body(prompt))["choices"][0]["text"] == texts[prompt]
+    except AssertionError:
+        for name in ("router", "prefill", "decode"):
+            print(f"--- {name}:", "".join(cluster.procs[name].lines[-15:]))
+        raise
     cluster.wait_clean()
 
 

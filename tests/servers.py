@@ -56,7 +56,9 @@ def run_serve(
 
 class Command:
     """One `pdserve ARGS` process other than serve (`router`, `worker`), up once it prints a line
-    matching `ready`; `lines`: everything it printed. A context manager: stopped on exit."""
+    matching `ready`; `lines`: everything it printed. A context manager: stopped on exit.
+    `prefix`: argv it runs under, e.g. a network host's `ip netns exec NS` (which execs: the
+    pid is pdserve's own)."""
 
     def __init__(
         self,
@@ -64,12 +66,13 @@ class Command:
         ready: str,
         env: dict[str, str | None] | None = None,
         startup_timeout_s: float = 120.0,
+        prefix: list[str] | tuple[str, ...] = (),
     ):
         self.lines: list[str] = []
         self.match: re.Match | None = None
         self._ready, self._pattern = threading.Event(), re.compile(ready)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *args],
+            [*prefix, sys.executable, "-m", "pdserve.cli", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

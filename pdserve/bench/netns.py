@@ -1,0 +1,269 @@
+"""Hosts on one machine: Linux network namespaces joined by a bridge, for running pdserve's
+processes each on a host of its own, with links shaped and cut (tests/multihost,
+benchmarks/network_matrix.py; the recipe: docs/serving.md#multi-host).
+
+    with Network() as net:
+        router, decode = net.add_host("router"), net.add_host("decode")
+        decode.shape(rate_bit=1e9)          # its link, both ways, 1 Gbit/s (tc tbf)
+        proc = decode.popen([sys.executable, "-m", "pdserve.cli", "worker", ...])
+        decode.partition(); decode.heal()   # its switch port down, then up
+        router.call(httpx.get, f"http://{router.address}:8000/health")  # a socket in its ns
+
+Layout: one "switch" namespace holds a bridge; each host is a namespace with `lo` and `eth0`, the
+end of a veth pair whose other end is a port of that bridge, and an address on one /24. Every
+interface is created inside a namespace made here (never in the machine's own namespace), and
+no namespace has a route out, so all traffic stays between the hosts. Names start with
+`pdn<pid>-`: `close()` (the context manager's exit, and atexit) kills what still runs in them
+and deletes them, which removes their links; a run that was killed leaves them behind, and the
+next `Network()` removes every `pdn<pid>-` namespace whose pid is gone (`remove_stale`).
+
+Needs root and iproute2 (`ip`, `tc`): `unavailable()` says why not. Rates use tbf; delay and
+loss need the netem qdisc, which some kernels lack: `netem_unavailable()` says so, and
+`shape(delay_ms=..)` then raises `ShapingUnavailable` rather than shape without it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+PREFIX = "pdn"
+SUBNET = "10.77.0"  # hosts get .1, .2, ...: private, and reachable only from these namespaces
+_STALE = re.compile(rf"^{PREFIX}(\d+)-")
+_CLONE_NEWNET = 0x40000000
+
+
+class ShapingUnavailable(RuntimeError):
+    """This kernel cannot shape a link that way (e.g. no netem qdisc for delay or loss)."""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["ip", *args], check)
+
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if check and done.returncode:
+        raise RuntimeError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+    return done
+
+
+def unavailable() -> str | None:
+    """Why hosts cannot be made here (not root, no `ip`/`tc`, namespaces refused), or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root, as CI does)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+_netem: list[str | None] = []
+
+
+def netem_unavailable() -> str | None:
+    """Why delay and loss cannot be shaped here (the kernel has no netem qdisc), or None."""
+    if not _netem:
+        probe = f"{PREFIX}{os.getpid()}-netem"
+        _ip("netns", "add", probe)
+        try:
+            tried = _ip("-n", probe, "link", "set", "lo", "up", check=False)
+            tried = _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo",
+                          "root", "netem", "delay", "1ms"], check=False)  # fmt: skip
+        finally:
+            _ip("netns", "del", probe, check=False)
+        why = tried.stderr.strip()
+        _netem.append(f"this kernel has no netem qdisc (tc: {why!r})" if tried.returncode else None)
+    return _netem[0]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _namespaces() -> list[str]:
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL every process still running in namespace `ns`."""
+    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces (and so their links) of runs whose process is gone, killing what
+    still runs in them; return their names."""
+    stale = [ns for ns in _namespaces() if (m := _STALE.match(ns)) and not _alive(int(m[1]))]
+    for ns in stale:
+        _kill_inside(ns)
+        _ip("netns", "del", ns, check=False)
+    return stale
+
+
+class Host:
+    """One namespace on the bridge: `address` on `eth0`, its own loopback, no route out."""
+
+    def __init__(self, net: Network, name: str, index: int):
+        self.net, self.name = net, name
+        self.ns = f"{net.prefix}{name}"
+        self.address = f"{SUBNET}.{index}"
+        self.port = f"p{index}"  # its end on the switch
+        _ip("netns", "add", self.ns)
+        net.made.append(self.ns)
+        _ip("-n", net.switch, "link", "add", self.port, "type", "veth",
+            "peer", "name", "eth0", "netns", self.ns)  # fmt: skip
+        _ip("-n", net.switch, "link", "set", self.port, "master", "br0", "up")
+        _ip("-n", self.ns, "addr", "add", f"{self.address}/24", "dev", "eth0")
+        _ip("-n", self.ns, "link", "set", "eth0", "up")
+        _ip("-n", self.ns, "link", "set", "lo", "up")
+
+    def __repr__(self) -> str:
+        return f"Host({self.name!r}, {self.address})"
+
+    # -- processes -------------------------------------------------------------------------
+    def prefix(self) -> list[str]:
+        """argv that runs the rest inside this host: `ip netns exec NS` (it execs, so the pid
+        is the command's own)."""
+        return ["ip", "netns", "exec", self.ns]
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen([*self.prefix(), *argv], **kwargs)
+
+    def run(self, argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
+        return _run([*self.prefix(), *argv], check)
+
+    def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, **kwargs) on a thread of this process that has entered this host's
+        network namespace: the sockets it makes are this host's (a client on it). Returns its
+        result or raises what it raised."""
+        box: dict = {}
+
+        def inside() -> None:
+            try:
+                with open(f"/run/netns/{self.ns}") as handle:
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    if libc.setns(handle.fileno(), _CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {self.ns} failed")
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+
+        thread = threading.Thread(target=inside, name=f"netns-{self.name}", daemon=True)
+        thread.start()
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    # -- the link --------------------------------------------------------------------------
+    def shape(
+        self, rate_bit: float, *, delay_ms: float | None = None, loss_pct: float | None = None
+    ) -> None:
+        """Limit this host's link to `rate_bit` bits/s each way (tbf on `eth0` and on its
+        switch port). Delay or loss need netem: ShapingUnavailable where the kernel lacks it."""
+        if delay_ms is not None or loss_pct is not None:
+            if why := netem_unavailable():
+                raise ShapingUnavailable(f"cannot add delay or loss: {why}")
+            raise ShapingUnavailable("delay and loss are not implemented yet (netem exists)")
+        rate = int(rate_bit)
+        # The bucket: >= one MTU, and ~1 ms of the rate so that fast links are not held back
+        # by timer resolution (tbf segments GSO packets larger than it).
+        burst = max(16 * 1024, rate // 8 // 1000)
+        for ns, dev in ((self.ns, "eth0"), (self.net.switch, self.port)):
+            _ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                "rate", f"{rate}bit", "burst", str(burst), "latency", "100ms")  # fmt: skip
+
+    def unshape(self) -> None:
+        for ns, dev in ((self.ns, "eth0"), (self.net.switch, self.port)):
+            _ip("netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
+    def partition(self) -> None:
+        """Cut this host off: its switch port down (its `eth0` loses carrier; packets either
+        way are dropped, no connection is told)."""
+        _ip("-n", self.net.switch, "link", "set", self.port, "down")
+
+    def heal(self) -> None:
+        _ip("-n", self.net.switch, "link", "set", self.port, "up")
+
+    def bytes_sent(self) -> int:
+        """Bytes `eth0` has sent (its kernel counter)."""
+        return self._counter("TX:")
+
+    def bytes_received(self) -> int:
+        """Bytes `eth0` has received (its kernel counter)."""
+        return self._counter("RX:")
+
+    def _counter(self, heading: str) -> int:
+        out = _ip("-n", self.ns, "-s", "link", "show", "eth0").stdout.splitlines()
+        row = next(i for i, line in enumerate(out) if line.strip().startswith(heading))
+        return int(out[row + 1].split()[0])
+
+
+class Network:
+    """A switch namespace with a bridge, and the hosts on it. A context manager: `close()` on
+    exit (also at interpreter exit, if still open)."""
+
+    def __init__(self):
+        if why := unavailable():
+            raise RuntimeError(f"cannot make network hosts: {why}")
+        remove_stale()
+        self.prefix = f"{PREFIX}{os.getpid()}-"
+        self.switch = f"{self.prefix}switch"
+        self.made: list[str] = []
+        self.hosts: dict[str, Host] = {}
+        self._closed = False
+        atexit.register(self.close)
+        _ip("netns", "add", self.switch)
+        self.made.append(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+
+    def add_host(self, name: str) -> Host:
+        if name in self.hosts or name == "switch":
+            raise ValueError(f"host name {name!r} is taken")
+        host = Host(self, name, len(self.hosts) + 1)
+        self.hosts[name] = host
+        return host
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill whatever still runs in these hosts and delete every namespace made (their
+        links go with them). Safe to call again."""
+        if self._closed:
+            return
+        self._closed = True
+        for ns in reversed(self.made):
+            _kill_inside(ns)
+            _ip("netns", "del", ns, check=False)
+        atexit.unregister(self.close)

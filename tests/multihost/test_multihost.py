@@ -1,0 +1,207 @@
+"""pdserve across network hosts (Linux network namespaces, bench/netns.py): the router, the
+prefill worker, the decode worker and the KV store each on a host of its own, the KV crossing a
+real (virtual) link. The greedy text is the offline engine's; the KV bytes the prefill worker
+reports are the bytes that left its host and reached the decode host; a partition of the decode
+host mid-stream ends the stream with a clear error and leaks nothing once healed; a link cut to
+10 Mbit/s makes the push give up after --transfer-timeout-s and the decode worker prefill the
+prompt itself (docs/serving.md). Delay and loss need the netem qdisc: skipped where the kernel
+has none."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from waiting import wait_until
+
+from pdserve.bench import netns
+
+from .conftest import TRANSFER_TIMEOUT_S, URL
+
+
+# ~300 tokens of distinct text per prompt (the prefix cache must not answer for the link)
+def notes(seed: int, n: int = 24) -> str:
+    return f"Summarize the following notes ({seed}). " + " ".join(
+        f"Note {i}: the warehouse in district {(i * seed) % 7} shipped {i * 13 % 97} crates "
+        f"on day {i + seed}." for i in range(n)
+    )  # fmt: skip
+
+
+PROMPTS = [notes(1), notes(2), notes(3, 32)]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The offline engine's greedy text for each prompt, and the bundled model's KV bytes per
+    token (float32 K and V, every layer)."""
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    mc = llm.engine.model_config
+    texts = {p: llm.generate(p, params)[0].text for p in PROMPTS}
+    return texts, 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
+
+
+def body(prompt: str, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            **extra}  # fmt: skip
+
+
+def test_greedy_text_across_hosts_is_the_offline_one_and_kv_bytes_cross_the_link(cluster, offline):
+    texts, per_token = offline
+    prefill, decode = cluster.hosts["prefill"], cluster.hosts["decode"]
+    pushed, sent, received = (
+        cluster.metric("pdserve_kv_transfer_bytes_total"),
+        prefill.bytes_sent(),
+        decode.bytes_received(),
+    )
+    prompt = PROMPTS[0]
+    reply = cluster.complete(body(prompt))
+    assert reply["choices"][0]["text"] == texts[prompt]
+    tokens = reply["usage"]["prompt_tokens"]
+    pushed = cluster.metric("pdserve_kv_transfer_bytes_total") - pushed
+    # the prefill worker's count: at least the prompt's KV (whole blocks: a little more)
+    assert tokens * per_token <= pushed < (tokens + 32) * per_token, (tokens, pushed)
+    # ...and the kernel's on both ends of the link: those bytes left one host, reached the other
+    assert prefill.bytes_sent() - sent >= pushed
+    assert decode.bytes_received() - received >= pushed
+    workers = cluster.wait_clean()
+    assert workers["d0"]["role"] == "decode" and workers["p0"]["role"] == "prefill"
+
+
+def test_the_kv_store_on_its_own_host_receives_the_finished_blocks(cluster, offline):
+    texts, per_token = offline
+    store = cluster.hosts["store"]
+    received = store.bytes_received()
+    prompt = PROMPTS[1]
+    assert cluster.complete(body(prompt))["choices"][0]["text"] == texts[prompt]
+    known = wait_until(
+        lambda: cluster.get("/health").json().get("kv_store_blocks_known", 0),
+        30,
+        "the router to hear of blocks in the KV store",
+    )
+    assert known > 0
+    assert store.bytes_received() - received >= 16 * per_token  # at least one block's bytes
+
+
+def test_a_router_refuses_a_non_loopback_control_socket_without_the_secret(cluster):
+    host = cluster.hosts["client"]  # a host with an address of its own, nothing running on it
+    done = subprocess.run(
+        [*host.prefix(), sys.executable, "-m", "pdserve.cli", "router", "--port", "0",
+         "--control-host", host.address],
+        capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items()
+             if not k.startswith("PDSERVE_SECRET")},
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "PDSERVE_SECRET" in done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def _stream(cluster, prompt: str, seen: list, started: threading.Event) -> None:
+    """A long greedy stream on the client host: each data event into `seen`."""
+
+    def run():
+        request = body(prompt, max_tokens=4000, stream=True)
+        with httpx.stream("POST", URL + "/v1/completions", json=request, timeout=60) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(line[6:])
+                    started.set()
+
+    try:
+        cluster.call(run)
+    except httpx.HTTPError as exc:  # the connection dropped: what the client sees, recorded
+        seen.append(f"(connection error: {exc!r})")
+    finally:
+        started.set()
+
+
+def test_a_partition_of_the_decode_host_mid_stream_ends_it_clearly_and_leaks_nothing(
+    cluster, offline
+):
+    texts, _ = offline
+    seen: list[str] = []
+    started = threading.Event()
+    client = threading.Thread(target=_stream, args=(cluster, notes(4), seen, started))
+    client.start()
+    assert started.wait(60), "the stream never started"
+    decode = cluster.hosts["decode"]
+    decode.partition()
+    try:
+        client.join(30)  # the router declares d0 dead after --heartbeat-timeout-s 3
+        assert not client.is_alive(), f"the stream hung after the partition: {seen[-3:]}"
+        errors = [e for e in seen if "error" in e]
+        print("partition: the stream ended with", seen[-2:])
+        assert errors, f"the stream ended without saying why: {seen[-3:]}"
+        assert "[DONE]" not in seen[-1] or errors
+    finally:
+        decode.heal()
+    # d0 heard nothing from the router for --router-timeout-s: it dropped the stream and freed
+    # its blocks, and registers again once the router answers.
+    worker = cluster.procs["decode"]
+    wait_until(
+        lambda: any("freed their blocks" in x or "reset this worker" in x for x in worker.lines),
+        30,
+        "the decode worker to drop the partitioned stream",
+        state=lambda: worker.lines[-5:],
+    )
+    cluster.wait_clean(60)
+    assert cluster.metric("pdserve_worker_failures_total") >= 1
+    # registered again and staying so for longer than --heartbeat-timeout-s (one run in three
+    # saw the first request after the heal fail with 503 when it was sent at once: see the
+    # report; this waits that window out, and the print below says what the workers logged)
+    failures = cluster.metric("pdserve_worker_failures_total")
+    steady_since = [time.monotonic()]
+
+    def steady() -> bool:
+        if cluster.metric("pdserve_worker_failures_total") != failures:
+            raise AssertionError("the router declared a worker dead again after the heal")
+        cluster.wait_clean(30)
+        return time.monotonic() - steady_since[0] > 4
+
+    wait_until(steady, 60, "the workers steady for 4 s after the heal")
+    prompt = PROMPTS[0]
+    try:
+        assert cluster.complete(body(prompt))["choices"][0]["text"] == texts[prompt]
+    except AssertionError:
+        for name in ("router", "prefill", "decode"):
+            print(f"--- {name}:", "".join(cluster.procs[name].lines[-15:]))
+        raise
+    cluster.wait_clean()
+
+
+def test_a_link_cut_to_10_mbit_gives_up_the_push_and_the_decode_worker_prefills(cluster, offline):
+    """--transfer-timeout-s after the prompt was computed the prefill worker gives up a push its
+    decode worker has not acknowledged; the decode worker then prefills it (docs/serving.md)."""
+    texts, per_token = offline
+    prompt = PROMPTS[2]
+    prefill = cluster.hosts["prefill"]
+    failures = cluster.metric("pdserve_kv_transfer_failures_total")
+    prefill.shape(rate_bit=10e6)
+    try:
+        start = time.monotonic()
+        reply = cluster.complete(body(prompt))
+        took = time.monotonic() - start
+    finally:
+        prefill.unshape()
+    assert reply["choices"][0]["text"] == texts[prompt]
+    wire_s = reply["usage"]["prompt_tokens"] * per_token * 8 / 10e6
+    assert wire_s > 3 * TRANSFER_TIMEOUT_S  # the link really is too slow for this push
+    assert took < wire_s, (took, wire_s)  # it did not wait for the push
+    assert cluster.metric("pdserve_kv_transfer_failures_total") == failures + 1
+    cluster.wait_clean()
+
+
+def test_delay_and_loss_need_netem(cluster):
+    if why := netns.netem_unavailable():
+        pytest.skip(f"delay/loss shaping is blocked by the kernel: {why}")
+    pytest.fail("netem exists here: write the 50 ms / 5 % loss test (bench/netns.py shape)")

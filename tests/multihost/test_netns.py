@@ -1,0 +1,78 @@
+"""The harness itself (bench/netns.py): hosts reach each other and nothing else, the machine's
+own namespace gets no interface, shaping limits a link, and every namespace goes at close,
+also a crashed run's (its pid gone) at the next start."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from pdserve.bench import netns
+
+
+def _links() -> set[str]:
+    """The interface names of the machine's own namespace."""
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return {line.split(":")[1].strip() for line in out.splitlines()}
+
+
+def _throughput_bit(a: netns.Host, b: netns.Host, nbytes: int) -> float:
+    server = b.call(socket.create_server, (b.address, 0))
+    port = server.getsockname()[1]
+    conn_box = {}
+    accepting = threading.Thread(target=lambda: conn_box.setdefault("c", server.accept()[0]))
+    accepting.start()
+    client = a.call(socket.create_connection, (b.address, port), 10)
+    accepting.join(10)
+    conn = conn_box["c"]
+    start = time.perf_counter()
+    sender = threading.Thread(target=client.sendall, args=(b"x" * nbytes,))
+    sender.start()
+    got = 0
+    while got < nbytes:
+        got += len(conn.recv(1 << 20))
+    sender.join()
+    took = time.perf_counter() - start
+    for s in (client, conn, server):
+        s.close()
+    return nbytes * 8 / took
+
+
+def test_hosts_reach_each_other_only_and_leave_nothing_behind():
+    before = _links()
+    with netns.Network() as net:
+        a, b = net.add_host("a"), net.add_host("b")
+        assert _links() == before  # every interface is in a namespace of the harness
+        assert _throughput_bit(a, b, 2_000_000) > 0
+        with pytest.raises(OSError):  # no route out of a host
+            a.call(socket.create_connection, ("192.0.2.1", 9), 2)
+        a.shape(rate_bit=20e6)
+        rate = _throughput_bit(a, b, 2_500_000)  # 1 s at 20 Mbit/s
+        assert 10e6 < rate < 24e6, rate
+        a.unshape()
+        listening = b.call(socket.create_server, (b.address, 0))
+        port = listening.getsockname()[1]
+        a.partition()
+        with pytest.raises(TimeoutError):  # no answer, not even a refusal
+            a.call(socket.create_connection, (b.address, port), 1)
+        a.heal()
+        a.call(socket.create_connection, (b.address, port), 10).close()
+        listening.close()
+        names = list(net.made)
+    assert not set(names) & set(netns._namespaces())
+    assert _links() == before
+
+
+def test_a_crashed_runs_namespaces_are_removed_at_the_next_start():
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid nobody has now: the crashed run's
+    stale = f"{netns.PREFIX}{dead.pid}-host"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"])
+    with netns.Network():
+        assert stale not in netns._namespaces()
+    assert sleeper.wait(10) != 0  # what ran in it was killed

@@ -22,12 +22,9 @@ from pdserve.kv_store import mooncake
 from pdserve.kv_transfer.memory import layout_of
 from pdserve.serving.store_link import StoreLink, split_index_events
 
-try:
-    mooncake.import_mooncake()
-    SKIP = None
-except ImportError as exc:
-    SKIP = str(exc)
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"Mooncake unavailable: {SKIP}")
+from .helpers import MOONCAKE_SKIP
+
+pytestmark = pytest.mark.skipif(MOONCAKE_SKIP is not None, reason=str(MOONCAKE_SKIP))
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 A = [5, 17, 33, 2, 9, 71, 8, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]  # 5 full

@@ -1,12 +1,13 @@
 """`MooncakeStoreClient`: the KV store interface of `StoreClient`, on a Mooncake Store pool.
 
 `--kv-store mooncake://MASTER_HOST:PORT[?replicas=N&prefer=SEGMENT&segment_mb=M&buffer_mb=B
-&host=ADDR]` makes a worker a client of a Mooncake Store cluster (`mooncake_master` at
+&host=ADDR&metrics_port=P]` makes a worker a client of a Mooncake Store cluster (`mooncake_master` at
 MASTER_HOST:PORT, its RPC port) instead of one `pdserve store`: each worker contributes
 `segment_mb` of DRAM to the pool, the master places objects (with `replicas` copies, preferring
 segment `prefer`, e.g. a decode host's `ADDR:PORT`) and evicts at its high watermark. The
 engine's side (`StoreLink`) is unchanged: `put`, `put_copies`, `snapshot`, `lookup`, `load`,
-`start_load`, `drain_removed`, `flush`, `close`, `backing_off`, `last_error`.
+`start_load`, `drain_removed`, `flush`, `close`, `backing_off`, `last_error`. With
+`metrics_port` its counters (hits, misses, evictions seen, bytes) are Prometheus /metrics.
 
 Keys: `pdserve/<layout key>/r<rank>/<chained block hash>/<part>`: the layout key names the model
 fingerprint, dtype, block size and (tensor-parallel shard) head count, so two layouts never share
@@ -53,7 +54,7 @@ from pdserve.kv_transfer.memory import byte_views, check_block_ids, check_caches
 
 log = logging.getLogger("pdserve.kv_store")
 SCHEME = "mooncake://"
-PARAMS = {"replicas", "prefer", "segment_mb", "buffer_mb", "host", "rank"}
+PARAMS = {"replicas", "prefer", "segment_mb", "buffer_mb", "host", "rank", "metrics_port"}
 MISSING_LIBRARY = (
     "the Mooncake Store client is not installed: `pip install 'pdserve[mooncake]'` (wheel "
     "mooncake-transfer-engine-non-cuda) and, on Debian/Ubuntu, `apt-get install libibverbs1` "
@@ -85,7 +86,7 @@ def parse_endpoint(endpoint: str) -> tuple[str, dict[str, str]]:
         raise ValueError(
             f"unknown mooncake:// parameter(s) {sorted(unknown)}: use {sorted(PARAMS)}"
         )
-    for name in ("replicas", "segment_mb", "buffer_mb", "rank"):
+    for name in ("replicas", "segment_mb", "buffer_mb", "rank", "metrics_port"):
         if name in params and not params[name].isdigit():
             raise ValueError(f"mooncake:// parameter {name} must be an integer, got {params[name]}")
     if int(params.get("replicas", 1)) < 1:
@@ -153,6 +154,24 @@ class PoolCounters:
         return {name: getattr(self, name) for name in self.FIELDS}
 
 
+def serve_counters(counters: PoolCounters, host: str, port: int) -> int:
+    """Serve `counters` as `pdserve_kv_pool_<field>_total` on http://host:port/metrics (0: a
+    free port) in a daemon thread; return the port."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily
+
+    class Collector:
+        def collect(self):
+            for name, value in counters.as_dict().items():
+                doc = f"Mooncake pool {name.replace('_', ' ')} (this client)"
+                yield CounterMetricFamily(f"pdserve_kv_pool_{name}", doc, value=value)
+
+    registry = CollectorRegistry()
+    registry.register(Collector())  # type: ignore[arg-type]
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server.server_port
+
+
 class MooncakeStoreClient(BlockStoreClient):
     """The `StoreClient` interface over a Mooncake Store pool (see the module docstring)."""
 
@@ -205,6 +224,9 @@ class MooncakeStoreClient(BlockStoreClient):
         self.last_error: str | None = None
         self._backoff_until = 0.0
         self._puts = PutQueue(self._send_put, self._put_failed, max_queued_puts)
+        self.metrics_port = None
+        if "metrics_port" in params:  # this client's counters as Prometheus /metrics
+            self.metrics_port = serve_counters(self.counters, host, int(params["metrics_port"]))
 
     # --- keys -------------------------------------------------------------------------------
 

@@ -267,8 +267,8 @@ WORKER_FLAGS = (
         "--kv-store", metavar="ENDPOINT",
         help="a `pdserve store` endpoint (tcp://HOST:PORT, or nixl://HOST:PORT: block bytes by "
         "NIXL READs), or a Mooncake Store pool (mooncake://MASTER:PORT[?replicas=N&prefer="
-        "SEGMENT&segment_mb=M&buffer_mb=B&host=ADDR]): load cached prefixes from it and "
-        "offload finished requests' blocks to it",
+        "SEGMENT&segment_mb=M&buffer_mb=B&host=ADDR&metrics_port=P], docs/serving.md): load "
+        "cached prefixes from it and offload finished requests' blocks to it",
     ),
 )
 # fmt: on

@@ -10,8 +10,10 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 from factories import make_engine, make_model_files, run_to_completion
 from waiting import wait_until
@@ -135,6 +137,31 @@ def test_blocks_offloaded_by_one_process_are_loaded_by_another(local, peer, refe
     assert set(block_hashes(A, 4)[:5]) <= set(held) and not removed  # fed to the router
     assert link.client.stats()["hits"] >= 5
     clean(engine)
+
+
+def test_a_call_past_its_deadline_fails_and_holds_off_the_next_until_it_returns():
+    call = mooncake._Caller("test")
+    release = threading.Event()
+    with pytest.raises(mooncake.PoolError, match="took over"):
+        call(0.05, release.wait, 5)
+    with pytest.raises(mooncake.PoolError, match="has not returned"):
+        call(1.0, lambda: 1)  # its buffers may still be in use: nothing new starts
+    release.set()
+    wait_until(lambda: not call.stuck, 5, "the stuck call to return")
+    assert call(1.0, lambda: 7) == 7
+    call.close()
+
+
+def test_the_endpoint_is_checked_and_the_pool_counters_are_served(local, master):
+    for bad in ("mooncake://127.0.0.1", "mooncake://h:1?replica=2", "mooncake://h:1?replicas=x"):
+        with pytest.raises(ValueError, match="mooncake"):
+            mooncake.parse_endpoint(bad)
+    engine, link = local
+    counters = link.client.counters
+    port = mooncake.serve_counters(counters, "127.0.0.1", 0)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for name in ("hits", "misses", "evictions_seen", "put_bytes", "load_bytes", "timeouts"):
+        assert f"pdserve_kv_pool_{name}_total " in text
 
 
 def test_another_layout_and_a_corrupt_block_are_misses(local, peer, reference, master):

@@ -1,13 +1,14 @@
 """`MooncakeStoreClient`: the KV store interface of `StoreClient`, on a Mooncake Store pool.
 
 `--kv-store mooncake://MASTER_HOST:PORT[?replicas=N&prefer=SEGMENT&segment_mb=M&buffer_mb=B
-&host=ADDR&metrics_port=P]` makes a worker a client of a Mooncake Store cluster (`mooncake_master` at
-MASTER_HOST:PORT, its RPC port) instead of one `pdserve store`: each worker contributes
-`segment_mb` of DRAM to the pool, the master places objects (with `replicas` copies, preferring
-segment `prefer`, e.g. a decode host's `ADDR:PORT`) and evicts at its high watermark. The
-engine's side (`StoreLink`) is unchanged: `put`, `put_copies`, `snapshot`, `lookup`, `load`,
-`start_load`, `drain_removed`, `flush`, `close`, `backing_off`, `last_error`. With
-`metrics_port` its counters (hits, misses, evictions seen, bytes) are Prometheus /metrics.
+&host=ADDR&metrics_port=P]` makes a worker a client of a Mooncake Store cluster
+(`mooncake_master` at MASTER_HOST:PORT, its RPC port) instead of one `pdserve store`: each
+worker contributes `segment_mb` of DRAM to the pool, the master places objects (with
+`replicas` copies, preferring segment `prefer`, e.g. a decode host's `ADDR:PORT`) and evicts at
+its high watermark. The engine's side (`StoreLink`) is unchanged: `put`, `put_copies`,
+`snapshot`, `lookup`, `load`, `start_load`, `drain_removed`, `flush`, `close`, `backing_off`,
+`last_error`. With `metrics_port` its counters (hits, misses, evictions seen, bytes) are
+Prometheus /metrics.
 
 Keys: `pdserve/<layout key>/r<rank>/<chained block hash>/<part>`: the layout key names the model
 fingerprint, dtype, block size and (tensor-parallel shard) head count, so two layouts never share

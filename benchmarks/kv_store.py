@@ -5,9 +5,10 @@ worker's own KV cache is kept small (as on a busy server) so that a session's ea
 evicted locally between its turns; with `--kv-store` they are loaded back from the store instead
 of recomputed. For every request of the same length we also send a cold prompt (fresh tokens)
 so warm and cold TTFT are compared at equal length. Prints TTFT (warm vs cold) and throughput,
-store on vs off, side by side.
+store off, `pdserve store` and (with `--mooncake`, needs pdserve[mooncake]) a Mooncake Store
+pool started by `--kv-store-backend mooncake`, side by side.
 
-    .venv/bin/python benchmarks/kv_store.py [--sessions 6 --turns 4]
+    .venv/bin/python benchmarks/kv_store.py [--sessions 6 --turns 4] [--mooncake]
 """
 
 from __future__ import annotations
@@ -53,9 +54,13 @@ def main() -> int:
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--user-tokens", type=int, default=96)
     ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--mooncake", action="store_true", help="add a Mooncake Store pool row")
     args = ap.parse_args()
     rows = []
-    for label, extra in (("store off", ()), ("store on", ("--kv-store",))):
+    cases = [("store off", ()), ("store on", ("--kv-store",))]
+    if args.mooncake:
+        cases.append(("mooncake", ("--kv-store", "--kv-store-backend", "mooncake")))
+    for label, extra in cases:
         with server("disagg", *WORKER_CACHE, *extra) as url:
             rows.append((label, *run(url, args)))
     print(

@@ -36,10 +36,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
-from pdserve.engine.block_hash import hash_block
-from pdserve.kv_store.config import payload_bytes
 from pdserve.kv_store.connection import Connection, Deadline, recv_into_by
-from pdserve.kv_store.layer_load import LayerLoad
+from pdserve.kv_store.interface import BlockStoreClient
+from pdserve.kv_store.layer_load import LayerLoad  # noqa: F401 (store_link imports it here)
 from pdserve.kv_store.protocol import (
     MAX_BLOCKS,
     BlockMeta,
@@ -72,7 +71,7 @@ _FAILURES = (OSError, ValueError)
 T = TypeVar("T")  # OSError covers ConnectionError, TimeoutError, ProtocolError
 
 
-class StoreClient:
+class StoreClient(BlockStoreClient):
     """Talks to one store for one engine. `secret`: None reads $PDSERVE_SECRET(_FILE)."""
 
     def __init__(
@@ -133,12 +132,7 @@ class StoreClient:
         """Queue blocks whose bytes were copied out of the cache with `snapshot` (each chained
         from its own parent), so that their cache blocks could be reused at once. Raises
         ValueError if a block's hash does not match its token ids or a payload its layout."""
-        size = payload_bytes(self.layout)
-        for meta, payload in zip(blocks, payloads, strict=True):
-            if len(meta.token_ids) != self.layout.block_size or not chains(meta):
-                raise ValueError(f"block hash {meta.block_hash} does not match its token ids")
-            if len(payload) != size:
-                raise ValueError(f"a payload of {len(payload)} bytes, not {size}")
+        self._check_copies(blocks, payloads)
         return self._puts.submit(PutJob(list(blocks), list(payloads), self._puts.open()))
 
     def snapshot(self, block_id: int) -> bytearray | memoryview:
@@ -164,21 +158,6 @@ class StoreClient:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every put issued so far is done (stored or failed); False on timeout."""
         return self._puts.flush(timeout_s)
-
-    def _metas(self, hashes, tokens, parent: int | None) -> list[BlockMeta]:
-        if len(hashes) != len(tokens):
-            raise ValueError(f"{len(hashes)} block hashes but {len(tokens)} token lists")
-        metas = []
-        for h, ids in zip(hashes, tokens, strict=True):
-            ids = list(ids)
-            if len(ids) != self.layout.block_size or hash_block(parent, ids) != h:
-                raise ValueError(
-                    f"block hash {h} is not the chained hash of its {len(ids)} token ids (only "
-                    f"full blocks of {self.layout.block_size} tokens, hashed from parent {parent})"
-                )
-            metas.append(BlockMeta(h, parent, ids))
-            parent = h
-        return metas
 
     def _send_put(self, job: PutJob) -> int:
         """Send one queued put, CHUNK blocks at a time (on the put thread, `PutQueue`)."""
@@ -259,38 +238,6 @@ class StoreClient:
             except _FAILURES as exc:
                 self._failed(f"KV store load failed after {landed} blocks: {exc}")
         return landed
-
-    def start_load(
-        self,
-        block_hashes: Sequence[int],
-        dst_block_ids: Sequence[int],
-        token_ids_per_block: Sequence[Sequence[int]] | None = None,
-        parent: int | None = None,
-    ) -> LayerLoad:
-        """`load` on a thread of its own. Do not touch the destination blocks (nor free them)
-        before `result()` returns; raises ValueError at once for bad arguments."""
-        self._check_load(block_hashes, dst_block_ids)
-        job = LayerLoad()
-
-        def run() -> None:
-            landed = 0
-            try:
-                landed = self.load(block_hashes, dst_block_ids, None, token_ids_per_block,
-                                   parent, on_layer=job.layer_done)  # fmt: skip
-            except Exception:  # load() turns store failures into 0; anything else is a bug
-                log.exception("KV store load thread failed")
-            finally:
-                job.finish(landed)
-
-        threading.Thread(target=run, name="kv-store-load", daemon=True).start()
-        return job
-
-    def _check_load(self, block_hashes: Sequence[int], dst_block_ids: Sequence[int]) -> list[int]:
-        dst = list(dst_block_ids)
-        check_block_ids(dst, self.num_blocks, "load destination")
-        if len(dst) != len(block_hashes):
-            raise ValueError(f"{len(dst)} destination blocks for {len(block_hashes)} hashes")
-        return dst
 
     @staticmethod
     def _expected(hashes, tokens, parent, start: int, end: int) -> list[tuple]:

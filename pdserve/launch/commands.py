@@ -197,6 +197,11 @@ def serve(args) -> int:
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores, tp)
     check_kv_compression(args.kv_compression, args.kv_transport)
+    if args.kv_store_backend != "pdserve" and not args.kv_store:
+        raise ValueError(
+            f"--kv-store-backend {args.kv_store_backend} chooses what --kv-store starts: add "
+            "--kv-store, or give a running pool with --kv-store-endpoint mooncake://HOST:PORT"
+        )
     for size in tp.values():
         check_tensor_parallel(size, args.kv_store or args.kv_store_endpoint)
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
@@ -226,8 +231,9 @@ def serve(args) -> int:
     store_endpoint = args.kv_store_endpoint
     if args.kv_store and not store_endpoint:
         store_endpoint = procs.start_store(
-            args.store_dir, args.store_dram_gb, args.store_ssd_gb, args.kv_transport
-        )
+            args.store_dir, args.store_dram_gb, args.store_ssd_gb, args.kv_transport,
+            args.kv_store_backend,
+        )  # fmt: skip
     if store_endpoint:
         base_argv += ["--kv-store", store_endpoint]
     base_argv += ["--transfer-timeout-s", str(args.transfer_timeout_s)]

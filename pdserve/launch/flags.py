@@ -246,7 +246,15 @@ SERVE_FLAGS = (  # serve: after the pools and autoscaling
     Flag(
         "--kv-store-endpoint", metavar="ENDPOINT",
         help="use an existing `pdserve store` at tcp://HOST:PORT (or nixl://HOST:PORT, a store "
-        "started with --transport nixl) instead of starting one",
+        "started with --transport nixl), or a Mooncake Store pool at mooncake://MASTER:PORT "
+        "(docs/serving.md), instead of starting one",
+    ),
+    Flag(
+        "--kv-store-backend", choices=("pdserve", "mooncake"), default="pdserve",
+        help="what --kv-store starts: `pdserve store` (one process, DRAM + SSD; the default) or "
+        "a loopback mooncake_master whose Mooncake Store pool every worker contributes "
+        "--store-dram-gb of DRAM to (a one-host trial: for a cluster, run mooncake_master "
+        "yourself and give --kv-store-endpoint mooncake://HOST:PORT; needs pdserve[mooncake])",
     ),
     Flag("--store-dir", help="SSD tier directory (default: a temporary directory)"),
     Flag("--store-dram-gb", float, 1.0, "store DRAM tier size (default 1)"),
@@ -283,7 +291,9 @@ WORKER_FLAGS = (
     Flag(
         "--kv-store", metavar="ENDPOINT",
         help="a `pdserve store` endpoint (tcp://HOST:PORT, or nixl://HOST:PORT: block bytes by "
-        "NIXL READs): load cached prefixes from it and offload finished requests' blocks to it",
+        "NIXL READs), or a Mooncake Store pool (mooncake://MASTER:PORT[?replicas=N&prefer="
+        "SEGMENT&segment_mb=M&buffer_mb=B&host=ADDR&metrics_port=P], docs/serving.md): load "
+        "cached prefixes from it and offload finished requests' blocks to it",
     ),
 )
 # fmt: on

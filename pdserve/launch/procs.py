@@ -125,11 +125,26 @@ class WorkerProcs:
                     child.unsent.append(line)
 
     def start_store(
-        self, store_dir: str | None, dram_gb: float, ssd_gb: float, transport: str = "tcp"
+        self,
+        store_dir: str | None,
+        dram_gb: float,
+        ssd_gb: float,
+        transport: str = "tcp",
+        backend: str = "pdserve",
     ) -> str:
         """Start `pdserve store` (block bytes over `transport`: tcp or nixl) and return its
-        endpoint (tcp:// or nixl://) once it listens."""
+        endpoint (tcp:// or nixl://) once it listens; with backend "mooncake", a loopback
+        `mooncake_master` instead (mooncake://: each worker contributes `dram_gb` to its pool)."""
         import tempfile
+
+        if backend == "mooncake":
+            from pdserve.kv_store.mooncake import master_command
+            from pdserve.subprocs import free_port
+
+            port, metrics = free_port(), free_port()
+            child = self.spawn("mooncake-master", master_command("127.0.0.1", port, metrics))
+            self.wait_for_line(child, "Master service started", timeout_s=60)
+            return f"mooncake://127.0.0.1:{port}?segment_mb={max(16, int(dram_gb * 1024))}"
 
         store_dir = store_dir or tempfile.mkdtemp(prefix="pdserve-store-")
         cmd = [

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pdserve import envs, tracing
 from pdserve.engine.kv_connector import combine
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kv_store.client import StoreClient
+from pdserve.kv_store.mooncake import open_store_client
 from pdserve.kv_transfer import KVLayout, KVReceiver, make_receiver, make_sender
 from pdserve.kv_transfer.group import ReceiverGroup
 from pdserve.protocol.channel import Codec, require_secret_for, resolve_secret
@@ -54,7 +54,7 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
             receiver.start()
         decode = DecodeSide(engine, layout, routers.send, config.worker_id, receiver, staging)
     if config.kv_store:
-        client = StoreClient(config.kv_store, layout, runner.k_caches, runner.v_caches)
+        client = open_store_client(config.kv_store, layout, runner.k_caches, runner.v_caches)
         store = StoreLink.for_role(client, engine.block_manager, role)
         if decode is not None and tracing.enabled():  # store hits and misses in its traces
             store.lookups, decode.store = {}, store

@@ -82,3 +82,16 @@ def fill(store: Store, layout: KVLayout, chain: Chain, caches, blocks=None) -> l
 class Served(NamedTuple):
     store: Store
     server: StoreServer
+
+
+def _mooncake_missing() -> str | None:
+    from pdserve.kv_store.mooncake import import_mooncake
+
+    try:
+        import_mooncake()
+    except ImportError as exc:
+        return f"Mooncake unavailable: {exc}"
+    return None
+
+
+MOONCAKE_SKIP = _mooncake_missing()  # None where the wheel and libibverbs1 load

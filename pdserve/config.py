@@ -76,6 +76,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     tensor_parallel_size: int = 1  # ranks (processes) of this engine: engine/tp/
+    # JSON with vLLM's fields, e.g. {"method": "ngram", "num_speculative_tokens": 4}: off if None
+    speculative_config: str | None = None  # engine/spec_decode.py
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

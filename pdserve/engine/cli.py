@@ -57,6 +57,14 @@ ENGINE_FLAGS = (
         "receives its own KV heads (`pdserve serve --prefill-tp P --decode-tp D`). Not with a "
         "KV store (default 1)", metavar="N",
     ),
+    Flag.of(
+        EngineConfig, "speculative_config", "speculative decoding, as JSON with vLLM's fields: "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+        "\"prompt_lookup_max\": 5}' (prompt lookup; optional \"disable_by_batch_size\": no "
+        "speculation in steps of more decoding sequences). Greedy outputs are unchanged, sampled "
+        "ones keep their distribution (rejection sampling). Default: off",
+        metavar="JSON",
+    ),
 )
 # fmt: on
 

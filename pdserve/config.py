@@ -101,6 +101,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (processes) of this engine: engine/tp/
     # experts split over this many groups of those ranks (Mixture-of-Experts): engine/tp/shard.py
     expert_parallel_size: int = 1
+    # JSON with vLLM's fields, e.g. {"method": "ngram", "num_speculative_tokens": 4}: off if None
+    speculative_config: str | None = None  # engine/spec_decode.py
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -96,6 +96,17 @@ class BlockManager:
         seq.block_table.extend(self._pop_free() for _ in range(needed))
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks at the end of seq's table beyond what num_tokens tokens need (those
+        that only held rejected speculative tokens: never hashed)."""
+        keep = -(-num_tokens // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        del seq.block_table[keep:]
+
     def register_computed(self, seq: Sequence) -> None:
         """Publish seq's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
@@ -115,12 +126,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; tail blocks go to the free queue first so that shared
         prefixes, freed last, are evicted last."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-        seq.block_table = []
+        self.trim(seq, 0)
         seq.block_hashes = []
 
     def drain_events(self) -> list[tuple[str, int]]:

@@ -65,6 +65,16 @@ ENGINE_FLAGS = (
         "all-reduce after the MoE layer combines the experts' rows (default 1: every expert "
         "split by width over all ranks)", metavar="N",
     ),
+    Flag.of(
+        EngineConfig, "speculative_config", "speculative decoding, as JSON with vLLM's fields: "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+        "\"prompt_lookup_max\": 5}' (prompt lookup; optional \"disable_by_batch_size\": no "
+        "speculation in steps of more decoding sequences). Greedy outputs are the plain decoder's "
+        "with dense float32/bf16 weights (int8/int4 kernels round differently with the number "
+        "of rows, so a near-tie may go the other way); sampled ones keep their distribution "
+        "(rejection sampling). Default: off",
+        metavar="JSON",
+    ),
 )
 # fmt: on
 

@@ -22,10 +22,17 @@ from pdserve.engine.guided import GuideCompiler, GuideError
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prompt_check import check_prompt
-from pdserve.engine.sampler import TokenLogprobs, sample
+from pdserve.engine.sampler import TokenLogprobs, sample, token_logprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import ScheduledBatch, Sequence
+from pdserve.engine.spec_decode import (
+    SpeculativeConfig,
+    make_proposer,
+    parse_speculative_config,
+    speculates,
+    verify,
+)
 from pdserve.engine.step_perf import StepLog, StepPerf
 from pdserve.model.loader import ModelFiles, load_model_files, load_tokenizer
 
@@ -37,10 +44,14 @@ class StepOutput(NamedTuple):
     new_token: int
     finished: bool
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    num_output_tokens: int = 0  # the sequence's output tokens up to this one (a step may emit
+    # several tokens of one sequence: speculative decoding)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None):
+        # checked before the model loads: a bad config is refused at once
+        self.spec: SpeculativeConfig | None = parse_speculative_config(config.speculative_config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -79,6 +90,10 @@ class LLMEngine:
         self.connector = KVConnector()  # moves no KV until a worker connects one
         self._guides: GuideCompiler | None = None
         self._masker: ThreadPoolExecutor | None = None  # fills guides' masks beside the model
+        self.proposer = None  # speculative decoding (engine/spec_decode.py), not on prefill
+        if self.spec is not None and config.role != "prefill":
+            self.proposer = make_proposer(self.spec, mc.vocab_size)
+        self.spec_proposed = self.spec_accepted = self.spec_verifies = 0
 
     def connect(self, connector: KVConnector) -> None:
         """Move KV through `connector` from now on (see KVConnector for when it is called).
@@ -195,6 +210,7 @@ class LLMEngine:
         """One iteration: schedule, run the model (the connector's layer hooks around each
         layer), sample, and finish what is done."""
         start = time.perf_counter()
+        self._propose()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -208,6 +224,9 @@ class LLMEngine:
             bitmask = masks.result() if masks is not None else None
         self.scheduler.after_step(batch, void)
         outs = self._sample(batch, indices, logits, bitmask, void)
+        for seq in batch.seqs:
+            if seq.spec_token_ids:
+                self.scheduler.rollback(seq)
         end = time.perf_counter()
         self.perf.observe(prefill_tokens, decode_seqs, start, end)
         if self.step_log:
@@ -232,12 +251,57 @@ class LLMEngine:
             indices, logits = [indices[j] for j in keep], logits[keep]
         if not indices:
             return []
-        seqs = [batch.seqs[i] for i in indices]
-        mask = bitmask[indices] if bitmask is not None else None
-        tokens, logprobs = sample(logits, seqs, mask)
-        return [
-            self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, tokens, logprobs, strict=True)
-        ]
+        plain, spec = [], {}  # rows sampled as usual; rows of each sequence verifying proposals
+        for j, i in enumerate(indices):
+            (spec.setdefault(i, []) if batch.seqs[i].spec_token_ids else plain).append(j)
+        outs = []
+        if plain:
+            idx = [indices[j] for j in plain]
+            seqs = [batch.seqs[i] for i in idx]
+            mask = bitmask[idx] if bitmask is not None else None
+            tokens, logprobs = sample(logits[plain] if spec else logits, seqs, mask)
+            outs = [self._append(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
+        for i, rows in spec.items():
+            outs.extend(self._verify(batch.seqs[i], logits[rows]))
+        return outs
+
+    def _propose(self) -> None:
+        """Proposals for the decoding sequences that speculate, unless the batch is above
+        `disable_by_batch_size` (then speculation costs more than it gains)."""
+        if self.proposer is None:
+            return
+        decoding = []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0:
+                decoding.append(seq)
+        if len(decoding) > self.spec.disable_by_batch_size:
+            return
+        for seq in decoding:
+            k = min(self.spec.num_speculative_tokens,
+                    seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1)  # fmt: skip
+            if k >= 1 and speculates(seq):
+                seq.spec_token_ids = self.proposer.propose(seq, k)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[StepOutput]:
+        """The tokens seq keeps of its proposals' verification step (spec_decode.verify),
+        appended one by one so that a stop ends it where it comes."""
+        draft = seq.spec_token_ids
+        tokens = verify(logits, seq, draft)
+        self.spec_verifies += 1
+        self.spec_proposed += len(draft)
+        self.spec_accepted += len(tokens) - 1
+        lps: list = [None] * len(tokens)
+        if seq.params.logprobs is not None:
+            k = [seq.params.logprobs] * len(tokens)
+            lps = token_logprobs(logits[: len(tokens)], torch.tensor(tokens), k)
+        outs = []
+        for tok, lp in zip(tokens, lps, strict=True):
+            outs.append(self._append(seq, tok, lp))
+            if outs[-1].finished:
+                break
+        return outs
 
     def _start_masks(self, batch) -> Future | None:
         """Guided sequences that sample this step: their next-token masks, computed on a
@@ -285,7 +349,7 @@ class LLMEngine:
             keep = self.connector.request_finished(seq)
             self.scheduler.finish(seq, reason, keep_blocks=keep)
             self.requests.pop(seq.request_id, None)
-        return StepOutput(seq, token, reason is not None, logprobs)
+        return StepOutput(seq, token, reason is not None, logprobs, seq.num_output_tokens)
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.scheduler.live)
@@ -304,6 +368,13 @@ class LLMEngine:
             "preemptions": s.num_preemptions,
             "prefill_tok_s": self.perf.prefill_tok_s,
             "decode_step_s": self.perf.decode_step_s,
+            "spec_proposed_tokens": self.spec_proposed,
+            "spec_accepted_tokens": self.spec_accepted,
+            "spec_verify_steps": self.spec_verifies,
+            # accepted / proposed; tokens per verification step (accepted + the target's one)
+            "spec_acceptance_rate": self.spec_accepted / max(1, self.spec_proposed),
+            "spec_mean_accepted_len": (self.spec_accepted + self.spec_verifies)
+            / max(1, self.spec_verifies),
             "pid": os.getpid(),
         }
 

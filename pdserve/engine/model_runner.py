@@ -167,7 +167,7 @@ class ModelRunner:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.step_token_ids()[start:end])
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1:
@@ -176,7 +176,9 @@ class ModelRunner:
             else:
                 t = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=dev)
                 prefills.append(PrefillSpan(len(ids) - n, len(ids), end, t, start == 0))
-            if end == seq.num_tokens:
+            if seq.spec_token_ids:  # verifying proposals: every row is scored
+                sample_rows.extend((i, r) for r in range(len(ids) - n, len(ids)))
+            elif end == seq.num_tokens:
                 sample_rows.append((i, len(ids) - 1))
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 prompt_spans.append((i, len(ids) - n, start))
@@ -217,9 +219,11 @@ class ModelRunner:
         self, batch: ScheduledBatch, layer_hook=None, before_layer=None
     ) -> tuple[list[int], torch.Tensor | None]:
         """Runs one step. Returns (indices into batch.seqs that get a token, their logits).
+        A sequence verifying proposals gets its 1 + k rows, its index repeated.
         `before_layer(i)` / `layer_hook(i)` run before / after layer i (KV loads / streaming)."""
         if self.fused is not None and layer_hook is None and before_layer is None:
-            if all(n == 1 for n in batch.num_new_tokens) and not any(
+            sizes = zip(batch.seqs, batch.num_new_tokens, strict=True)
+            if all(n == 1 or s.spec_token_ids for s, n in sizes) and not any(
                 s.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
                 for s in batch.seqs
             ):
@@ -255,23 +259,34 @@ class ModelRunner:
 
     def _run_fused(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """A step of one token per sequence through the fused step; as `run`. (A token of a
-        prompt chunked one token at a time computes alike; it just samples nothing.)"""
-        bs, seqs = self.block_size, batch.seqs
-        pos = [s.num_computed_tokens for s in seqs]
+        prompt chunked one token at a time computes alike; it just samples nothing.) A
+        sequence verifying k proposals is k+1 rows of one token each, at consecutive positions
+        over the same blocks: the step writes every row's K/V before any row attends."""
+        bs = self.block_size
+        ids, pos, slots, tables, lens, rows = [], [], [], [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            c, tokens = seq.num_computed_tokens, seq.step_token_ids()
+            for p in range(c, c + n):
+                ids.append(tokens[p])
+                pos.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+                tables.append(seq.block_table)
+                lens.append(p + 1)
+                if seq.spec_token_ids or p + 1 == seq.num_tokens:
+                    rows.append((i, len(ids) - 1))
         width = max(p // bs for p in pos) + 1
-        tables = [t + [0] * (width - len(t)) for t in (s.block_table[:width] for s in seqs)]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos, strict=True)]
+        tables = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         logits = self.fused(
-            torch.tensor([s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]),
+            torch.tensor(ids),
             torch.tensor(pos),
             torch.tensor(slots),
             torch.tensor(tables),
-            torch.tensor([p + 1 for p in pos]),
+            torch.tensor(lens),
         )
-        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens + 1 == s.num_tokens]
         if not rows:
             return [], None
-        return rows, logits if len(rows) == len(seqs) else logits[rows]
+        keep = [r for _, r in rows]
+        return [i for i, _ in rows], logits if len(keep) == len(ids) else logits[keep]
 
 
 def gpu_kv_budget(free: int, total: int, fraction: float) -> float:

@@ -130,6 +130,9 @@ class Scheduler:
 
     @staticmethod
     def _chunk(seq: Sequence, budget: int, chunk: int | None) -> int:
+        if seq.spec_token_ids:  # a decode verifying proposals: 1 + k tokens, k cut to fit
+            del seq.spec_token_ids[max(0, budget - 1) :]
+            return min(1 + len(seq.spec_token_ids), budget)
         n = seq.num_uncomputed_tokens
         if chunk is not None:
             n = min(n, chunk)
@@ -138,6 +141,7 @@ class Scheduler:
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
         self.bm.free(victim)
+        victim.spec_token_ids = []
         victim.num_computed_tokens = victim.num_cached_tokens = 0
         victim.status = SeqStatus.WAITING
         victim.num_preemptions += 1
@@ -166,6 +170,16 @@ class Scheduler:
             budget -= n
         return seqs, counts, budget
 
+    def rollback(self, seq: Sequence) -> None:
+        """After a verification step: seq's KV is valid for all but its last token; publish
+        its full blocks and give back the blocks that only rejected proposals used."""
+        seq.spec_token_ids = []
+        if seq.is_finished:
+            return
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.bm.register_computed(seq)
+        self.bm.trim(seq, seq.num_tokens)
+
     def schedule(self) -> ScheduledBatch:
         budget, chunk = self._limits()
         seqs, counts, budget = self._schedule_running(budget, chunk)
@@ -188,10 +202,11 @@ class Scheduler:
     ) -> list[Sequence]:
         """Advance counters; return the sequences whose whole context is now computed (they
         get a sampled token). Sequences in `void` (by id) are not advanced: what this step
-        computed for them is recomputed by a later one."""
+        computed for them is recomputed by a later one. Sequences verifying proposals are
+        advanced by the engine once it knows how many were accepted (`rollback`)."""
         done = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if id(seq) in void:
+            if id(seq) in void or seq.spec_token_ids:
                 continue
             seq.num_computed_tokens += n
             self.bm.register_computed(seq)

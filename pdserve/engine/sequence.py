@@ -52,6 +52,9 @@ class Sequence:
     num_replayed: int = 0  # output tokens at the end of the prompt (a migrated request's replay)
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs per prompt token >= 1
     guide: object | None = None  # engine.guided.Guide when the output is constrained
+    # proposed tokens this step verifies (engine/spec_decode.py): never in token_ids, never
+    # hashed into the prefix cache; empty outside a step
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -78,6 +81,10 @@ class Sequence:
     def generated_token_ids(self) -> list[int]:
         """Every output token of the request, replayed ones included (penalties count them)."""
         return self.token_ids[self.num_prompt_tokens - self.num_replayed :]
+
+    def step_token_ids(self) -> list[int]:
+        """The tokens a step computes from: token_ids, then any proposed ones."""
+        return self.token_ids + self.spec_token_ids if self.spec_token_ids else self.token_ids
 
     @property
     def num_uncomputed_tokens(self) -> int:

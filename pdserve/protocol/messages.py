@@ -64,6 +64,12 @@ class Load(msgspec.Struct):
     prefill_tok_s: float = 0.0  # measured prefill speed (0: not measured yet); admission control
     decode_step_s: float = 0.0  # measured seconds per step while decoding (each stream's TPOT)
     leases_expired: int = 0  # KV leases that expired before their KV arrived, since it started
+    # speculative decoding (engine/spec_decode.py): proposed / accepted tokens, verify steps
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_len: float = 0.0  # tokens emitted per verify step
 
 
 class Heartbeat(msgspec.Struct, tag=True):

@@ -151,6 +151,11 @@ class WorkerCollector:
         "prefix_hit_tokens",
         "prefix_query_tokens",
         "preemptions",
+        "spec_proposed_tokens",
+        "spec_accepted_tokens",
+        "spec_verify_steps",
+        "spec_acceptance_rate",
+        "spec_mean_accepted_len",
     )
 
     def __init__(self, core, model_name: str = ""):

@@ -191,8 +191,8 @@ class DecodeSide(KVConnector):
         items = []
         for o in outs:
             rid = o.seq.request_id
-            index = self.index_offset.get(rid, 0) + o.seq.num_output_tokens - 1
-            first = o.seq.num_output_tokens == 1
+            index = self.index_offset.get(rid, 0) + o.num_output_tokens - 1
+            first = o.num_output_tokens == 1
             items.append(
                 m.TokenOut(
                     rid,

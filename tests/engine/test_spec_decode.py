@@ -1,0 +1,184 @@
+"""Speculative decoding (engine/spec_decode.py) on a tiny random model: greedy outputs identical
+with and without prompt-lookup speculation (fused and eager steps, batched with sequences that
+do not speculate), rejection sampling preserves the target distribution (chi-square), block
+accounting exact after rejections, preemption and aborts, bad configs refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec_decode import NgramProposer, parse_speculative_config, verify
+from tests.factories import make_engine, make_model_files, make_sequence
+
+SPEC = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+)
+# prompts that repeat themselves, so that prompt lookup proposes
+PROMPTS = [[5, 6, 7, 8, 9, 10] * 4 + [5, 6], [20, 21, 22, 23] * 5, [40 + i % 7 for i in range(30)]]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensor ops: on a loaded machine a second torch thread costs 30x in waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def files():
+    return make_model_files()
+
+
+def run(engine, prompts, params_list, abort_after: dict | None = None):
+    seqs = [engine.add_request(list(p), q) for p, q in zip(prompts, params_list, strict=True)]
+    engine.seen = [*getattr(engine, "seen", []), *seqs]  # every sequence, finished or aborted
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
+        steps += 1
+        for rid, at in (abort_after or {}).items():
+            if steps == at:
+                engine.abort(rid)
+    return [s.output_token_ids for s in seqs]
+
+
+def assert_clean(engine):
+    bm = engine.block_manager
+    engine.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks
+    # the prefix cache holds only verified tokens: each cached block is a block of a finished
+    # sequence's tokens at its place
+    for block in bm.blocks:
+        if block.hash is not None:
+            assert any(
+                tuple(s[i : i + bm.block_size]) == block.token_ids
+                for s in (q.token_ids for q in engine.seen)
+                for i in range(0, len(s), bm.block_size)
+            ), f"block {block.block_id} caches tokens no sequence had"
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["fused", "eager"])
+def test_greedy_identical_batched_with_plain_sequences(files, eager):
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=0.5)
+    logprobs = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    params = [greedy, penalized, logprobs]
+    base = run(make_engine(files, enforce_eager=eager), PROMPTS, params)
+    engine = make_engine(files, enforce_eager=eager, speculative_config=SPEC)
+    assert run(engine, PROMPTS, params) == base
+    st = engine.stats()
+    assert st["spec_verify_steps"] > 0 and st["spec_proposed_tokens"] > 0
+    assert st["spec_accepted_tokens"] > 0, st
+    assert 0 < st["spec_acceptance_rate"] <= 1 and st["spec_mean_accepted_len"] > 1
+    assert_clean(engine)
+
+
+def test_max_tokens_stops_and_adaptive_batch_limit(files):
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    base = run(make_engine(files), PROMPTS, [params] * 3)
+    engine = make_engine(files, speculative_config=SPEC)
+    out = run(engine, PROMPTS, [params] * 3)
+    assert out == base and all(len(o) == 7 for o in out)
+    off = json.dumps({**json.loads(SPEC), "disable_by_batch_size": 2})
+    engine = make_engine(files, speculative_config=off)
+    assert run(engine, PROMPTS, [params] * 3) == base
+    assert engine.stats()["spec_verify_steps"] == 0  # three decoding: above the limit
+
+
+def test_blocks_exact_after_preemption_and_abort(files):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    base = run(make_engine(files, kv_cache_gb=0.00004), PROMPTS, [params] * 3)
+    engine = make_engine(files, kv_cache_gb=0.00004, speculative_config=SPEC)
+    assert run(engine, PROMPTS, [params] * 3) == base
+    assert engine.scheduler.num_preemptions > 0  # the small cache forced some
+    assert engine.stats()["spec_verify_steps"] > 0
+    assert_clean(engine)
+    engine = make_engine(files, speculative_config=SPEC)
+    out = run(engine, PROMPTS, [params] * 3, abort_after={"req-1": 4})
+    assert out[0] == base[0] and len(out[1]) < 40
+    assert_clean(engine)
+
+
+def test_ngram_proposer_takes_earliest_longest_match():
+    cfg = parse_speculative_config(SPEC)
+    prop = NgramProposer(cfg, 100)
+    seq = make_sequence([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3])
+    assert prop.propose(seq, 3) == [9, 1, 2]
+    assert prop.propose(make_sequence([1, 2, 3, 4]), 3) == []
+
+
+def test_rejection_sampling_preserves_the_distribution(one_thread):
+    """Chi-square over seeded draws (vocab 8): the first emitted token follows the target's p0
+    whatever the draft; the second, after an accepted draft, follows p1."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 8, generator=gen) * 1.5
+    seq = make_sequence([1, 2, 3], temperature=0.8, top_k=6, seed=1)
+
+    def probs(row):
+        kth = torch.topk(row, 6).values[-1]
+        return (row / 0.8).masked_fill(row < kth, float("-inf")).softmax(-1)
+
+    d0 = int(probs(logits[0]).argmax())  # often accepted: the second position gets draws
+    draws = 4000
+    first, second = torch.zeros(8), torch.zeros(8)
+    for _ in range(draws):
+        out = verify(logits, seq, [d0, 5])
+        first[out[0]] += 1
+        if out[0] == d0:
+            second[out[1]] += 1
+    plain = torch.zeros(8)  # the plain sampler on the same row, for comparison
+    for tok in sample(logits[:1].expand(400, 8), [make_sequence([1], temperature=0.8, top_k=6,
+                                                              seed=2)] * 400)[0]:  # fmt: skip
+        plain[tok] += 1
+
+    def chi2(counts, p):
+        exp = p * counts.sum()
+        keep = exp > 0
+        assert counts[~keep].sum() == 0  # never a token the target cannot draw
+        return float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+
+    crit = 20.5  # chi-square with 5 degrees of freedom (top-6), p = 0.001
+    assert chi2(first, probs(logits[0])) < crit
+    assert chi2(plain, probs(logits[0])) < crit
+    assert second.sum() > 800
+    assert chi2(second, probs(logits[1])) < crit
+    # and a draft the target never draws is always rejected
+    banned = int(logits[0].argmin())
+    assert all(verify(logits, seq, [banned, 5])[0] != banned for _ in range(50))
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('{"method": "eagle9", "num_speculative_tokens": 2}', "unknown method"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
+        ('{"method": "ngram"}', "needs 'num_speculative_tokens'"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "unknown fields ['k']"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+            '"prompt_lookup_max": 2}',
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),  # fmt: skip
+        ('{"method": "draft", "num_speculative_tokens": 2, "model": "x"}', "'draft' is not"),
+        ("{nope", "not valid JSON"),
+    ],
+)
+def test_bad_config_refused(text, needle):
+    with pytest.raises(ValueError, match="speculative-config") as err:
+        parse_speculative_config(text)
+    assert needle in str(err.value)
+
+
+def test_engine_refuses_bad_config_before_loading_the_model():
+    """(`pdserve generate/worker/serve --speculative-config` print this and exit 1.)"""
+    bad = '{"method": "nope", "num_speculative_tokens": 2}'
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        make_engine(files=object(), speculative_config=bad)  # never reaches the files

@@ -13,10 +13,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	# Optional: the Mooncake Store pool (--kv-store mooncake://) and the system library it loads.
-	# Either may fail (offline, not root, not Debian): the install goes on, those tests skip.
+	# Either may fail (offline, not Debian): the install goes on, those tests skip.
 	$(BIN)/pip install -q -e '.[mooncake]' || echo "make install: note: pdserve[mooncake] not installed; the Mooncake tests will skip"
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libibverbs.so.1; then \
-		apt-get install -y -q libibverbs1 >/dev/null 2>&1 || echo "make install: note: apt-get install libibverbs1 failed; the Mooncake tests will skip"; \
+	# Its C++ library loads libibverbs.so.1 (with libnl) even without RDMA: Debian's packages are
+	# unpacked into .venv/sysdeps, not installed system-wide, where NIXL's bundled UCX would load
+	# them too and crash at exit (pdserve/kv_store/mooncake.py loads them from there).
+	if command -v apt-get >/dev/null && ! ls $(VENV)/sysdeps/usr/lib/*/libibverbs.so.1 >/dev/null 2>&1; then \
+		d=$$(mktemp -d) && (cd $$d && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null 2>&1 \
+			&& for f in *.deb; do dpkg-deb -x $$f $(CURDIR)/$(VENV)/sysdeps; done) \
+			|| echo "make install: note: could not fetch libibverbs1; the Mooncake tests will skip"; \
+		rm -rf $$d; \
 	fi
 	# Optional: a real Prometheus for the dashboard test (tests/serving/test_observability.py).
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v prometheus >/dev/null; then \

@@ -38,12 +38,15 @@ import concurrent.futures as cf
 import ctypes
 import json
 import logging
+import os
 import queue
 import socket
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from pdserve.kv_store.config import layout_key, payload_bytes
@@ -59,9 +62,28 @@ SCHEME = "mooncake://"
 PARAMS = {"replicas", "prefer", "segment_mb", "buffer_mb", "host", "rank", "metrics_port"}
 MISSING_LIBRARY = (
     "the Mooncake Store client is not installed: `pip install 'pdserve[mooncake]'` (wheel "
-    "mooncake-transfer-engine-non-cuda) and, on Debian/Ubuntu, `apt-get install libibverbs1` "
-    "(needed even without RDMA)"
+    "mooncake-transfer-engine-non-cuda) and libibverbs.so.1 (needed even without RDMA): `make "
+    "install` unpacks Debian's libibverbs1 and libnl into <venv>/sysdeps (a system-wide "
+    "libibverbs1 makes NIXL's bundled UCX crash at exit)"
 )
+
+
+PRIVATE_LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")  # load order
+
+
+def private_libs() -> list[Path]:
+    """libibverbs.so.1 and libnl where `make install` unpacked them (<venv>/sysdeps), in load
+    order ([] if it did not): they are kept out of the system's library path, where NIXL's
+    bundled UCX would load them too and crash at exit."""
+    root = Path(sys.prefix, "sysdeps")
+    found = {p.name: p for p in root.glob("**/lib*.so.*") if p.name in PRIVATE_LIBS}
+    return [found[name] for name in PRIVATE_LIBS] if len(found) == len(PRIVATE_LIBS) else []
+
+
+def _load_private_libs() -> None:
+    """Load them into this process before Mooncake's modules, which then link to them."""
+    for lib in private_libs():
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
 
 
 class PoolError(OSError):
@@ -71,8 +93,9 @@ class PoolError(OSError):
 def import_mooncake():
     """(MooncakeDistributedStore, ReplicateConfig), or ImportError saying what to install."""
     try:
+        _load_private_libs()
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-    except ImportError as exc:  # the wheel, or libibverbs.so.1 under it
+    except (ImportError, OSError) as exc:  # the wheel, or libibverbs.so.1 under it
         raise ImportError(f"{MISSING_LIBRARY} ({exc})") from exc
     return MooncakeDistributedStore, ReplicateConfig
 
@@ -514,14 +537,15 @@ def master_command(host: str, port: int, metrics_port: int, client_ttl_s: int = 
     """`mooncake_master` serving RPC on host:port (metrics on metrics_port), no etcd: clients
     exchange their transfer metadata peer to peer (P2PHANDSHAKE). ValueError if not installed."""
     import shutil
-    import sys
-    from pathlib import Path
 
     exe = Path(sys.executable).with_name("mooncake_master")
     exe = str(exe) if exe.exists() else shutil.which("mooncake_master")
     if not exe:
         raise ValueError(f"mooncake_master not found: {MISSING_LIBRARY}")
+    libs = sorted({str(lib.parent) for lib in private_libs()})  # the binary links them too
+    path = ":".join([*libs, *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
     return [
+        *(["env", f"LD_LIBRARY_PATH={path}"] if libs else []),
         exe, f"--rpc_address={host}", f"--rpc_port={port}", f"--metrics_host={host}",
         f"--metrics_port={metrics_port}", f"--client_ttl={client_ttl_s}",
         "--enable_http_metadata_server=false",

@@ -107,9 +107,10 @@ def _hf_name(name: str, fam) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")  # blk.{i}.{kind}.weight (or .bias)
-    kind = _LAYER_NAMES.get(parts[2]) or fam.gguf_layer_names.get(parts[2])
-    if parts[0] == "blk" and kind is not None:
-        return f"model.layers.{parts[1]}.{kind}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4:
+        kind = _LAYER_NAMES.get(parts[2]) or fam.gguf_layer_names.get(parts[2])
+        if kind is not None:
+            return f"model.layers.{parts[1]}.{kind}.{parts[3]}"
     if name == "rope_freqs.weight":
         return "rope_freqs"
     return None

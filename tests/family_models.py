@@ -4,6 +4,7 @@ transformers on the same weights."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -61,33 +62,34 @@ def build(family: str, folder: Path, seed: int = 0):
     return model
 
 
-# HF weight name -> GGUF tensor name (llama.cpp's), for the layers' tensors
-_GGUF_LAYER = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_GGUF_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+# family -> general.architecture, as llama.cpp's convert_hf_to_gguf.py writes it
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama", "qwen3_moe": "qwen3moe",
+             "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}  # fmt: skip
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 
 
-def write_gguf(model, arch: str, path: Path) -> None:
-    """The HF `model`'s float32 weights and shape as a GGUF file of `arch` (qwen2 or qwen3:
-    rotate-half RoPE, so no q/k permutation), written with the `gguf` package's writer."""
+def _permute(w, n_head: int):
+    """llama.cpp's `LlamaModel.permute`: rotate-half q/k rows -> adjacent-pair rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_gguf(family: str, config, weights: dict, path: Path, qtype: str = "F32") -> None:
+    """What llama.cpp's convert_hf_to_gguf.py writes for this HF checkpoint (`config`: its
+    transformers config; `weights`: its saved tensors, HF-named), in float32, with the `gguf`
+    package's writer: the base metadata keys its TextModel writes (the expert count and top-k,
+    the Qwen-MoE expert widths), the tensor names of gguf's own name map, every layer's experts
+    stacked into one (experts, rows, cols) tensor per projection, and for `llama` (Mixtral) the
+    q/k rows permuted. `qtype` (e.g. Q4_0) quantizes the layers' linear weights (as
+    llama-quantize does; norms, biases, embeddings and the router stay float32)."""
     import gguf
+    import numpy as np
 
-    c = model.config
+    arch = GGUF_ARCH[family]
+    c = config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -100,13 +102,50 @@ def write_gguf(model, arch: str, path: Path) -> None:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_vocab_size(c.vocab_size)
-    for name, t in model.state_dict().items():
-        if name in _GGUF_GLOBAL:
-            gname = _GGUF_GLOBAL[name]
+    if experts := getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None):
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if family == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    names = gguf.get_tensor_name_map(by_name[arch], c.num_hidden_layers)
+    # Qwen2-MoE's dense layers (mlp_only_layers): llama.cpp's qwen2moe has no such tensors (its
+    # converter stops there); written under llama's names, blk.N.ffn_gate etc, pdserve reads them
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
+    tensors, stacks = {}, {}
+    for name, t in weights.items():
+        t = np.asarray(t, dtype=np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            t = _permute(t, c.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            t = _permute(t, c.num_key_value_heads)
+        if m := _EXPERT.fullmatch(name):
+            i, block, e, proj = m.groups()
+            merged = f"layers.{i}.feed_forward.experts.{proj}" if block != "mlp" else (
+                f"model.layers.{i}.mlp.experts.{proj}"
+            )  # fmt: skip
+            stacks.setdefault(merged, {})[int(e)] = t
         else:
-            _, _, i, *rest = name.split(".")
-            gname = f"blk.{i}.{_GGUF_LAYER['.'.join(rest[:-1])]}.{rest[-1]}"
-        w.add_tensor(gname, t.float().numpy())
+            suffixes = (".weight", ".bias")
+            gname = names.get_name(name, suffixes) or dense.get_name(name, suffixes)
+            tensors[gname] = t
+    for merged, by_expert in stacks.items():
+        tensors[names.get_name(merged) + ".weight"] = np.stack(
+            [by_expert[e] for e in sorted(by_expert)]
+        )
+    quantized = gguf.GGMLQuantizationType[qtype]
+    for gname, t in tensors.items():
+        if (
+            qtype != "F32"
+            and gname.startswith("blk.")
+            and t.ndim >= 2
+            and "ffn_gate_inp" not in gname
+        ):
+            w.add_tensor(gname, gguf.quants.quantize(t, quantized), raw_dtype=quantized)
+        else:
+            w.add_tensor(gname, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

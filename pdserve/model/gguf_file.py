@@ -1,6 +1,10 @@
 """Read a GGUF file: metadata -> ModelConfig, tensors -> HF-named float32 arrays. The family
-comes from `general.architecture` through `model/registry.py` (llama, qwen2, qwen3 here); its
-metadata keys are prefixed with that name.
+comes from `general.architecture` through `model/registry.py` (llama, qwen2, qwen3, qwen2moe,
+qwen3moe, olmoe; `llama` with `llama.expert_count` is Mixtral, as llama.cpp writes it); its
+metadata keys are prefixed with that name. A family's own fields and tensor names beyond the
+shared ones come from the family (`gguf_fields`, `gguf_layer_names`): llama.cpp stacks each
+layer's experts into one 3-D tensor per projection (`blk.N.ffn_gate_exps`: experts x rows x
+cols), split here into the HF per-expert names.
 
 llama.cpp's converter permutes the rows of Llama's q/k projections so that RoPE rotates adjacent
 pairs (not Qwen's: their GGUF RoPE is rotate-half, "neox"); we undo that permutation so one
@@ -58,12 +62,14 @@ def read_config(path: Path) -> ModelConfig:
 
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
-    family = registry.family_for_gguf(arch, str(path))
+    experts = bool(_field(reader, f"{arch}.expert_count", 0))
+    family = registry.family_for_gguf(arch, experts, str(path))
 
     def key(name: str, default=None):
         return _field(reader, f"{arch}.{name}", default)
 
-    names = {t.name for t in reader.tensors}
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    names = set(shapes)
     vocab = key("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
@@ -85,6 +91,7 @@ def read_config(path: Path) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
         architecture=family,
+        **registry.family(family).gguf_fields(key, shapes, str(path)),
     )
 
 
@@ -94,28 +101,44 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, fam) -> str | None:
+    """The HF name of GGUF tensor `name`; one holding a layer's stacked experts gives a name
+    with `{e}` where the expert's index goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")  # blk.{i}.{kind}.weight (or .bias)
-    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4:
+        kind = _LAYER_NAMES.get(parts[2]) or fam.gguf_layer_names.get(parts[2])
+        if kind is not None:
+            return f"model.layers.{parts[1]}.{kind}.{parts[3]}"
     if name == "rope_freqs.weight":
         return "rope_freqs"
     return None
 
 
+def _split(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    """{HF name: array}: one, or one per expert of a stacked (experts, ...) tensor."""
+    return {name.format(e=e): w[e] for e in range(w.shape[0])} if "{e}" in name else {name: w}
+
+
+def _heads(name: str, config: ModelConfig) -> int | None:
+    """How many heads a q/k projection's rows (weight or bias) hold; None for other tensors."""
+    if ".q_proj." in name:
+        return config.num_heads
+    return config.num_kv_heads if ".k_proj." in name else None
+
+
 def read_tensors(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Every tensor dequantized to float32 and renamed to Hugging Face's Llama names."""
+    """Every tensor dequantized to float32 and renamed to Hugging Face's names."""
     import gguf
 
     from pdserve.model import registry
 
-    permuted = registry.family(config.architecture).gguf_permuted_qk
+    fam = registry.family(config.architecture)
     reader = _reader(path)
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, fam)
         if name is None:
             continue
         qtype = t.tensor_type.name
@@ -125,11 +148,12 @@ def read_tensors(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
             )
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
-        if permuted and name.endswith("q_proj.weight"):
-            w = _unpermute(w, config.num_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            w = _unpermute(w, config.num_kv_heads)
-        out[name] = w
+        n_head = _heads(name, config)
+        if n_head is not None and fam.gguf_permuted_qk:
+            w = _unpermute(w, n_head)
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # llama.cpp reads it as one vector (n_embd)
+        out.update(_split(name, w))
     return out
 
 
@@ -154,20 +178,25 @@ def _int4_blocks(data: np.ndarray, qtype: str, rows: int) -> Int4Blocks:
 
 def read_int4_blocks(path: Path, config: ModelConfig) -> dict[str, Int4Blocks]:
     """The linear weights stored as Q4_0 / Q4_1, in HF naming, as their own 4-bit blocks (q/k
-    rows un-permuted like `read_tensors`); other tensors are left out."""
+    rows un-permuted like `read_tensors`, stacked experts split); other tensors are left out."""
     from pdserve.model import registry
 
-    permuted = registry.family(config.architecture).gguf_permuted_qk
+    fam = registry.family(config.architecture)
     out: dict[str, Int4Blocks] = {}
     for t in _reader(path).tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, fam)
         if name is None or t.tensor_type.name not in ("Q4_0", "Q4_1") or "layers" not in name:
             continue
+        stack = int(t.shape[2]) if len(t.shape) == 3 else 1  # experts
         rows = int(t.shape[1])
-        b = _int4_blocks(np.asarray(t.data), t.tensor_type.name, rows)
-        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
-        n_head = next((n for k, n in heads.items() if k in name), None)
-        if n_head is not None and permuted:
+        b = _int4_blocks(np.asarray(t.data).reshape(stack * rows, -1), t.tensor_type.name,
+                         stack * rows)  # fmt: skip
+        n_head = _heads(name, config)
+        if n_head is not None and fam.gguf_permuted_qk:
             b = Int4Blocks(*(_unpermute(a, n_head) for a in b))
-        out[name] = b
+        if "{e}" in name:
+            for e in range(stack):
+                out[name.format(e=e)] = Int4Blocks(*(a[e * rows : (e + 1) * rows] for a in b))
+        else:
+            out[name] = b
     return out

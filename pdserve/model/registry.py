@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import importlib
 
-# family: (module:class, HF architectures, GGUF general.architecture names)
+# family: (module:class, HF architectures, GGUF general.architecture names). A GGUF name ending
+# "+experts" matches that architecture with `{arch}.expert_count` > 0: llama.cpp writes Mixtral
+# as `llama` with expert tensors.
 FAMILIES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "llama": ("pdserve.model.families.dense:Llama", ("LlamaForCausalLM",), ("llama",)),
     "mistral": ("pdserve.model.families.dense:Mistral", ("MistralForCausalLM",), ()),
     "qwen2": ("pdserve.model.families.dense:Qwen2", ("Qwen2ForCausalLM",), ("qwen2",)),
     "qwen3": ("pdserve.model.families.dense:Qwen3", ("Qwen3ForCausalLM",), ("qwen3",)),
-    "mixtral": ("pdserve.model.families.moe:Mixtral", ("MixtralForCausalLM",), ()),
-    "qwen2_moe": ("pdserve.model.families.moe:Qwen2Moe", ("Qwen2MoeForCausalLM",), ()),
-    "qwen3_moe": ("pdserve.model.families.moe:Qwen3Moe", ("Qwen3MoeForCausalLM",), ()),
-    "olmoe": ("pdserve.model.families.moe:Olmoe", ("OlmoeForCausalLM",), ()),
+    "mixtral": ("pdserve.model.families.moe:Mixtral", ("MixtralForCausalLM",), ("llama+experts",)),
+    "qwen2_moe": ("pdserve.model.families.moe:Qwen2Moe", ("Qwen2MoeForCausalLM",), ("qwen2moe",)),
+    "qwen3_moe": ("pdserve.model.families.moe:Qwen3Moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",)),
+    "olmoe": ("pdserve.model.families.moe:Olmoe", ("OlmoeForCausalLM",), ("olmoe",)),
 }
 _BY_HF = {arch: fam for fam, (_, archs, _) in FAMILIES.items() for arch in archs}
 _BY_GGUF = {arch: fam for fam, (_, _, ggufs) in FAMILIES.items() for arch in ggufs}
@@ -57,10 +59,13 @@ def family_for_hf(raw: dict, where: str) -> str:
     )
 
 
-def family_for_gguf(arch: str | None, where: str) -> str:
+def family_for_gguf(arch: str | None, experts: bool, where: str) -> str:
+    """The family of a GGUF file's `general.architecture`, with experts or without."""
+    if experts and f"{arch}+experts" in _BY_GGUF:
+        return _BY_GGUF[f"{arch}+experts"]
     if arch in _BY_GGUF:
         return _BY_GGUF[arch]
-    names = ", ".join(_BY_GGUF)
+    names = ", ".join(n.replace("+experts", " with experts") for n in _BY_GGUF)
     raise UnsupportedArchitecture(
         f"{where}: GGUF architecture {arch!r} is not supported; GGUF files of {names} are "
         f"served (Hugging Face folders of {supported()})"

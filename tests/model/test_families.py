@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from factories import make_engine, run_to_completion
-from family_models import BASE, FAMILIES, WINDOW, build, one_thread, write_gguf
+from family_models import BASE, FAMILIES, GGUF_ARCH, WINDOW, build, one_thread, write_gguf
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.attention import AttentionMetadata, PrefillSpan
@@ -138,15 +139,49 @@ def test_olmoe_refuses_tensor_parallelism_by_name(checkpoints):
     TPShard(0, 2).check(checkpoints["qwen3_moe"][1].config)  # experts split by their width
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "norm_topk_prob", "dense_layers")  # fmt: skip
+
+
+@pytest.mark.parametrize("family", GGUF_ARCH)
 def test_a_gguf_file_serves_as_its_hf_folder(checkpoints, references, family, tmp_path,
                                              monkeypatch):  # fmt: skip
+    """A GGUF written as llama.cpp writes it (Mixtral as `llama` with stacked experts and
+    permuted q/k, Qwen2-MoE with its shared expert, Qwen2-MoE's layer 1 dense) gives the HF
+    folder's config and weights, transformers' greedy tokens and its logits within 1e-4."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    write_gguf(checkpoints[family][0], family, tmp_path / "m.gguf")
+    model, hf = checkpoints[family]
+    write_gguf(family, model.config, hf.weights, tmp_path / "m.gguf")
     files = load_model_files(str(tmp_path / "m.gguf"))
     assert files.config.architecture == family
+    for field in MOE_FIELDS:
+        assert getattr(files.config, field) == getattr(hf.config, field), field
+    assert files.weights.keys() == hf.weights.keys()
+    for name, w in hf.weights.items():  # q/k rows un-permuted, experts split back
+        assert (files.weights[name] == w).all(), name
     engine = make_engine(files, enable_prefix_caching=False)
-    assert run_to_completion(engine, PROMPTS, GREEDY) == references[family][0]
+    tokens, logits = references[family]
+    assert run_to_completion(engine, PROMPTS, GREEDY) == tokens
+    torch.testing.assert_close(last_logits(engine, PROMPTS[1]), logits[1], atol=1e-4, rtol=0)
+
+
+def test_q4_0_experts_and_permuted_qk_keep_their_4_bit_blocks(checkpoints, tmp_path, monkeypatch):
+    """`--weights int4` takes a Q4_0 GGUF's own blocks for every expert (split from the stacked
+    tensor) and for Mixtral's q/k (rows un-permuted): they equal the dequantized weights."""
+    from model.test_quant import dequantize
+    from pdserve.model.loader import load_int4_blocks
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model, hf = checkpoints["mixtral"]
+    write_gguf("mixtral", model.config, hf.weights, tmp_path / "m.gguf", qtype="Q4_0")
+    files = load_model_files(str(tmp_path / "m.gguf"))
+    blocks = load_int4_blocks(files)
+    linears = {
+        n for n, w in hf.weights.items() if w.ndim == 2 and ".layers." in n and "gate." not in n
+    }
+    assert blocks.keys() == linears  # every expert of every layer, q, k, v, o
+    for name in linears:
+        assert np.array_equal(dequantize(blocks[name]), files.weights[name]), name
 
 
 def test_expert_parallelism_is_refused_where_it_cannot_split(checkpoints):

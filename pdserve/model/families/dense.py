@@ -15,9 +15,16 @@ class Llama:
 
     name = "llama"
     gguf_permuted_qk = True  # llama.cpp's converter permutes q/k rows for this family only
+    gguf_layer_names: dict[str, str] = {}  # GGUF tensor kinds beyond the shared ones -> HF
 
     def hf_fields(self, raw: dict) -> dict:
         """ModelConfig fields of this family beyond the shared ones, from config.json."""
+        return {}
+
+    def gguf_fields(self, key, shapes: dict[str, tuple[int, ...]], where: str) -> dict:
+        """The same fields from GGUF: `key(name, default)` reads `{arch}.name`, `shapes` maps
+        each tensor's GGUF name to its shape (HF order). llama.cpp writes no sliding window for
+        `llama` (Mistral's GGUF files attend to every position, in llama.cpp as here)."""
         return {}
 
     def attention_parts(self, cfg, w: dict[str, torch.Tensor], p: str) -> list:

@@ -1,6 +1,12 @@
 """Mixture-of-Experts families: Mixtral (softmax top-2, renormalised), Qwen3-MoE (top-k,
 `norm_topk_prob`, per-head q/k norm), Qwen2-MoE (q/k/v biases, a gated shared expert), OLMoE
-(q/k norm over all heads). Their experts are `parts.MoE`; the fused decode step serves none."""
+(q/k norm over all heads). Their experts are `parts.MoE`; the fused decode step serves none.
+
+From GGUF (llama.cpp's names: `llama` with experts, `qwen3moe`, `qwen2moe`, `olmoe`) the expert
+count and top-k are `{arch}.expert_count` / `expert_used_count`, each expert's width and the
+MoE layers come from the tensors' shapes, and the renormalisation is llama.cpp's per
+architecture (its graphs hard-code it: Mixtral and Qwen3-MoE renormalise, Qwen2-MoE and OLMoE
+do not; the files carry no `norm_topk_prob`)."""
 
 from __future__ import annotations
 
@@ -34,6 +40,35 @@ class _MoEFamily(Llama):
     expert_prefix = "mlp."  # where a layer's router ("gate") and experts live
     expert_names = ("gate_proj", "up_proj", "down_proj")
     gguf_permuted_qk = False
+    gguf_norm_topk = False  # what llama.cpp's graph of this architecture does
+
+    @property
+    def gguf_layer_names(self) -> dict[str, str]:
+        m = self.expert_prefix
+        stacked = zip(("gate", "up", "down"), self.expert_names, strict=True)
+        return {"ffn_gate_inp": m + "gate"} | {
+            f"ffn_{kind}_exps": f"{m}experts.{{e}}.{name}" for kind, name in stacked
+        }
+
+    def gguf_fields(self, key, shapes, where):
+        def need(name: str) -> int:
+            value = key(name)
+            if not value:
+                raise ValueError(f"{where}: a Mixture-of-Experts GGUF needs {name} (not found)")
+            return int(value)
+
+        n = need("block_count")
+        routed = {int(name.split(".")[1]) for name in shapes if ".ffn_gate_inp." in name}
+        gate = next((s for name, s in shapes.items() if ".ffn_gate_exps." in name), None)
+        if gate is None:
+            raise ValueError(f"{where}: no stacked expert tensors (blk.N.ffn_gate_exps)")
+        return {
+            "num_experts": need("expert_count"),
+            "num_experts_per_tok": need("expert_used_count"),
+            "moe_intermediate_size": gate[1],  # (experts, width, hidden)
+            "norm_topk_prob": self.gguf_norm_topk,
+            "dense_layers": tuple(i for i in range(n) if i not in routed),
+        }
 
     def mlp(self, cfg, w, p, i):
         if i in cfg.dense_layers:
@@ -60,6 +95,8 @@ class Mixtral(_MoEFamily):
     name = "mixtral"
     expert_prefix = "block_sparse_moe."
     expert_names = ("w1", "w3", "w2")
+    gguf_permuted_qk = True  # written as llama
+    gguf_norm_topk = True
 
     def hf_fields(self, raw):
         return {
@@ -73,6 +110,7 @@ class Mixtral(_MoEFamily):
 
 class Qwen3Moe(_MoEFamily):
     name = "qwen3_moe"
+    gguf_norm_topk = True
 
     def hf_fields(self, raw):
         Qwen3().hf_fields(raw)
@@ -93,6 +131,19 @@ class Qwen2Moe(_MoEFamily):
 
     def attention_parts(self, cfg, w, p):
         return Qwen2().attention_parts(cfg, w, p) if p + "self_attn.q_proj.bias" in w else []
+
+    @property
+    def gguf_layer_names(self):
+        return super().gguf_layer_names | {
+            "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+            **{f"ffn_{k}_shexp": f"mlp.shared_expert.{k}_proj" for k in ("gate", "up", "down")},
+        }
+
+    def gguf_fields(self, key, shapes, where):
+        shared = next((s for name, s in shapes.items() if ".ffn_gate_shexp." in name), (0,))
+        return super().gguf_fields(key, shapes, where) | {
+            "shared_expert_intermediate_size": shared[0]
+        }
 
     def shared(self, cfg, w, m):
         if not cfg.shared_expert_intermediate_size:

@@ -10,8 +10,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -20,48 +18,13 @@ from servers import Server, free_port, metric_samples, metric_sum
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow
-trace_pb2 = pytest.importorskip(
+pytest.importorskip(
     "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
     reason="tracing needs pdserve[otel] (opentelemetry-sdk, opentelemetry-exporter-otlp)",
 )
+from otlp_receiver import Receiver  # noqa: E402  (needs the protobufs checked above)
 
 FLAGS = ("--mode", "disagg", "--local-prefill-threshold", "0", "--kv-cache-gb", "0.25")
-
-
-class Receiver:
-    """An OTLP/HTTP trace receiver on a free port: every span it was sent, as
-    (service.name, span) pairs."""
-
-    def __init__(self):
-        self.spans: list[tuple[str, object]] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                req = trace_pb2.ExportTraceServiceRequest.FromString(body)
-                for rs in req.resource_spans:
-                    attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
-                    for ss in rs.scope_spans:
-                        receiver.spans.extend((attrs["service.name"], s) for s in ss.spans)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-                self.wfile.write(trace_pb2.ExportTraceServiceResponse().SerializeToString())
-
-            def log_message(self, *args):
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_port}/v1/traces"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def trace(self, trace_id: bytes) -> list[tuple[str, object]]:
-        return [(svc, s) for svc, s in list(self.spans) if s.trace_id == trace_id]
-
-    def close(self):
-        self.http.shutdown()
-        self.http.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +134,7 @@ def test_request_log_of_a_short_bench_run(server, request_log, tmp_path):
 
 
 def by_name(spans) -> dict[str, tuple[str, object]]:
-    return {s.name: (svc, s) for svc, s in spans}
+    return {g.span.name: (g.service, g.span) for g in spans}
 
 
 def test_one_trace_across_router_prefill_and_decode(server, receiver):
@@ -219,9 +182,9 @@ def test_bad_traceparent_is_ignored_not_refused(server, receiver):
     out = complete(server.url, "A malformed trace header", 2, {"traceparent": "00-nonsense-xx"})
     assert out["usage"]["completion_tokens"] == 2
     rid_spans = wait_until(
-        lambda: [s for svc, s in list(receiver.spans) if s.name == "request"
+        lambda: [g.span for g in list(receiver.spans) if g.span.name == "request"
                  and any(a.value.int_value == 2 and a.key == "pdserve.max_tokens"
-                         for a in s.attributes)],
+                         for a in g.span.attributes)],
         30, "the request span of the request with a bad traceparent",
     )  # fmt: skip
     assert rid_spans[-1].parent_span_id == b""  # a trace of its own

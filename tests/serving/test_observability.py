@@ -174,8 +174,29 @@ def test_one_trace_across_router_prefill_and_decode(server, receiver):
             assert times[a][1] <= times[b][0] + slack, (a, b, times)
     assert request.start_time_unix_nano <= times["placement"][0]
     assert times["decode.decode"][1] <= request.end_time_unix_nano + slack
+    assert_phases_add_up_to_the_ttft(request, {n: s for n, (_, s) in spans.items()})
     push = {a.key: a.value for a in spans["prefill.kv_push"][1].attributes}
     assert push["pdserve.bytes"].int_value > 0 and push["pdserve.ok"].bool_value
+
+
+def assert_phases_add_up_to_the_ttft(request, spans: dict) -> None:
+    """The trace's phases of a remote prefill, up to the router's `first_token` event (on its
+    clock: the client's TTFT), follow one another without overlapping and add up to that
+    TTFT: admission (router), placement, decode_wait (the decode worker reserving blocks: the
+    messages between placement and the prefill worker), prefill.queue, prefill.compute and the
+    push's exposed part. What no span covers is the last message, PrefillDone to the router."""
+    (first,) = [e.time_unix_nano for e in request.events if e.name == "first_token"]
+    cuts = [request.start_time_unix_nano]  # each phase ends where the next starts
+    for name in ("placement", "prefill.queue", "prefill.compute"):
+        cuts += [spans[name].start_time_unix_nano, spans[name].end_time_unix_nano]
+    cuts.append(max(cuts[-1], spans["prefill.kv_push"].end_time_unix_nano))  # exposed push
+    durations = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+    slack = 2_000_000  # 2 ms: the clocks of three processes
+    assert min(durations) >= -slack, (durations, cuts)  # no phase overlaps the one before
+    ttft = first - request.start_time_unix_nano
+    hop = ttft - sum(durations)  # PrefillDone's way to the router (~1 ms on an idle machine)
+    # a few ms; the bound allows a loaded 2-core machine's scheduling delays
+    assert -slack <= hop <= 25_000_000, (hop, durations, ttft)
 
 
 def test_bad_traceparent_is_ignored_not_refused(server, receiver):

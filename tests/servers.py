@@ -296,6 +296,15 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
+def environ(pid: int) -> dict[str, str]:
+    """The environment `pid` was started with ({} once it has exited)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+
+
 def exited(pid: int) -> bool:
     """Exited: no such process, or a zombie nobody has reaped yet."""
     try:

@@ -131,6 +131,8 @@ class Frontend:
                 ttft, tpot = metrics.observe_request(state, status, self.model_name, role)
                 if self.request_log is not None:
                     self.request_log.write(state, status)
+                if state.first_token_at is not None:  # where the trace's TTFT ends
+                    tracing.event(state.span, "first_token", state.first_token_at)
                 tracing.end(
                     state.span, status=status, request_id=state.request_id,
                     output_tokens=len(state.tokens),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-from servers import Server, cmdline, exited, metric
+from servers import Server, cmdline, environ, exited, metric
 from waiting import wait_until
 
 __all__ = ["Cluster", "Outcome", "Server", "complete", "metric", "stream", "wait_until"]
@@ -29,8 +29,11 @@ class Cluster:
     def __init__(self, server: Server, log_dir: Path):
         self.server, self.url, self.log_dir = server, server.url, log_dir
         self.restarted: dict[str, subprocess.Popen] = {}
-        # worker id -> how it was started
-        self.argv = {wid: cmdline(pid) for wid, pid in server.worker_pids().items()}
+        # worker id -> how it was started: its command line and environment (serve hands the
+        # workers some settings as variables: the OTLP endpoint, ...)
+        pids = server.worker_pids()
+        self.argv = {wid: cmdline(pid) for wid, pid in pids.items()}
+        self.env = {wid: environ(pid) for wid, pid in pids.items()}
         if not self.argv:
             server.stop()
             raise RuntimeError("`pdserve serve` runs no worker process:\n" + "".join(server.lines))
@@ -102,15 +105,17 @@ class Cluster:
         )
 
     def restart(self, wid: str, timeout_s: float = 120.0) -> None:
-        """Start `wid` again with the same command line; wait until it has re-registered."""
+        """Start `wid` again with the same command line and environment; wait until it has
+        re-registered."""
         if wid in self.pids():
             self.kill(wid)
         if wid in self.health():
             self.wait_gone(wid)
         log = open(self.log_dir / f"{wid}-{time.monotonic_ns()}.log", "w")  # noqa: SIM115
         self.restarted[wid] = subprocess.Popen(
-            self.argv[wid], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            self.argv[wid], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=self.env[wid] or None,
+        )  # fmt: skip
         log.close()
         wait_until(lambda: wid in self.health(), timeout_s, f"{wid} to re-register", interval_s=0.1)
 
@@ -179,7 +184,12 @@ def complete(url: str, body: dict, timeout_s: float = 60.0, headers=None) -> Out
 
 
 def stream(
-    url: str, body: dict, timeout_s: float = 60.0, on_chunk=None, stop_after: int | None = None
+    url: str,
+    body: dict,
+    timeout_s: float = 60.0,
+    on_chunk=None,
+    stop_after: int | None = None,
+    headers=None,
 ) -> Outcome:
     """Stream a completion; `on_chunk(n)` runs after the n-th text chunk; `stop_after` chunks
     closes the connection (a client that goes away mid-stream: kind "cancelled")."""
@@ -188,7 +198,7 @@ def stream(
     parts: list[str] = []
     usage, t0 = None, time.monotonic()
     try:
-        with httpx.stream("POST", url + path, json=body, timeout=timeout_s) as r:
+        with httpx.stream("POST", url + path, json=body, timeout=timeout_s, headers=headers) as r:
             if r.status_code != 200:
                 msg = _error_message(r.read())
                 kind = "error" if msg else "unclear"

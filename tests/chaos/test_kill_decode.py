@@ -1,14 +1,18 @@
 """kill -9 a decode worker mid-stream: its request migrates to the other decode worker and the
 client's stream goes on with exactly the tokens an uninterrupted run gives (greedy, float32);
-the restarted worker re-registers and takes traffic again; no block leaks anywhere."""
+the restarted worker re-registers and takes traffic again; no block leaks anywhere. With
+tracing on (pdserve[otel]), the migrated request's one trace holds both decode workers' spans
+and the router's migration event."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 
 import pytest
+from otlp_receiver import attrs
 
-from .cluster import complete, metric, stream
+from .cluster import complete, metric, stream, wait_until
 
 pytestmark = pytest.mark.slow
 # Shorter than one block (16 tokens): no prefix overlap steers placement, so the router's
@@ -27,12 +31,20 @@ def baselines(url: str) -> dict[str, str]:
     return want
 
 
-def test_decode_worker_killed_mid_stream_migrates(cluster):
+def decode_spans(receiver, trace_id: bytes, wid: str) -> dict:
+    """Name -> span of the decode-side spans `wid` sent for one trace."""
+    return {g.span.name: g.span for g in receiver.trace(trace_id)
+            if g.worker == wid and g.span.name.startswith("decode.")}  # fmt: skip
+
+
+def test_decode_worker_killed_mid_stream_migrates(cluster, receiver):
     cluster.ensure_all()
     want = baselines(cluster.url)
     migrations = metric(cluster.url, "pdserve_migrations_total")
     cluster.wait_decoders_idle()  # the baselines' load reports must not name the victim
     victim, other = [], {}
+    trace_id = secrets.token_bytes(16)
+    header = {"traceparent": f"00-{trace_id.hex()}-{secrets.token_hex(8)}-01"}
 
     def run_other():
         other["out"] = stream(cluster.url, {"prompt": PROMPTS[1], **GREEDY})
@@ -43,9 +55,12 @@ def test_decode_worker_killed_mid_stream_migrates(cluster):
             other["thread"] = threading.Thread(target=run_other)
             other["thread"].start()  # B lands on the other decode worker (fewer in flight)
         if n == 8:
+            if receiver is not None:  # sent within 100 ms of its first token: long ago
+                wait_until(lambda: "decode.first_token" in decode_spans(receiver, trace_id,
+                           victim[0]), 5, "the victim's first-token span")  # fmt: skip
             cluster.kill(victim[0])
 
-    out = stream(cluster.url, {"prompt": PROMPTS[0], **GREEDY}, on_chunk=on_chunk)
+    out = stream(cluster.url, {"prompt": PROMPTS[0], **GREEDY}, on_chunk=on_chunk, headers=header)
     other["thread"].join(60)
     assert (out.kind, out.completion_tokens) == ("ok", N), out
     assert out.text == want[PROMPTS[0]]  # no duplicated or missing token after the migration
@@ -53,6 +68,39 @@ def test_decode_worker_killed_mid_stream_migrates(cluster):
     assert metric(cluster.url, "pdserve_migrations_total") == migrations + 1
     assert victim[0] not in cluster.health()
     cluster.assert_clean()
+    if receiver is not None:
+        assert_trace_shows_both_decode_workers(receiver, trace_id, victim[0])
+
+
+def assert_trace_shows_both_decode_workers(receiver, trace_id: bytes, victim: str) -> None:
+    """The migrated request's trace: the router's request span with one migration event from
+    the victim to a survivor, and decode spans under it from both workers' processes."""
+    spans = wait_until(
+        lambda: (found := receiver.trace(trace_id)) and any(
+            g.span.name == "request" for g in found) and any(
+            g.span.name == "decode.decode" and g.worker != victim for g in found) and found,
+        30, "the migrated request's request span and the survivor's decode span",
+        state=lambda: sorted((g.worker, g.span.name) for g in receiver.trace(trace_id)),
+    )  # fmt: skip
+    (request,) = [g.span for g in spans if g.span.name == "request"]
+    assert attrs(request)["migrations"] == 1
+    (moved,) = [e for e in request.events if e.name == "migration"]
+    survivor = attrs(moved)["to_worker"]
+    assert attrs(moved)["from_worker"] == victim and survivor not in ("", victim), attrs(moved)
+    workers = {g.worker for g in spans if g.span.name.startswith("decode.")}
+    assert workers == {victim, survivor}, workers  # two worker processes, one trace
+    before, after = (
+        decode_spans(receiver, trace_id, victim),
+        decode_spans(receiver, trace_id, survivor),
+    )
+    assert "decode.first_token" in before and "decode.decode" not in before  # it died decoding
+    assert after.keys() >= {"decode.first_token", "decode.decode"}, after.keys()
+    # the replay on the survivor skipped the tokens the client had: the migration's count
+    assert attrs(after["decode.first_token"])["migrated_after"] == attrs(moved)["tokens_streamed"]
+    for span in [*before.values(), *after.values()]:
+        assert span.parent_span_id == request.span_id, span.name
+    assert moved.time_unix_nano >= before["decode.first_token"].end_time_unix_nano
+    assert moved.time_unix_nano <= after["decode.first_token"].start_time_unix_nano + 2_000_000
 
 
 def test_restarted_decode_worker_takes_traffic(cluster):

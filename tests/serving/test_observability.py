@@ -10,8 +10,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -20,48 +18,13 @@ from servers import Server, free_port, metric_samples, metric_sum
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow
-trace_pb2 = pytest.importorskip(
+pytest.importorskip(
     "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
     reason="tracing needs pdserve[otel] (opentelemetry-sdk, opentelemetry-exporter-otlp)",
 )
+from otlp_receiver import Receiver  # noqa: E402  (needs the protobufs checked above)
 
 FLAGS = ("--mode", "disagg", "--local-prefill-threshold", "0", "--kv-cache-gb", "0.25")
-
-
-class Receiver:
-    """An OTLP/HTTP trace receiver on a free port: every span it was sent, as
-    (service.name, span) pairs."""
-
-    def __init__(self):
-        self.spans: list[tuple[str, object]] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                req = trace_pb2.ExportTraceServiceRequest.FromString(body)
-                for rs in req.resource_spans:
-                    attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
-                    for ss in rs.scope_spans:
-                        receiver.spans.extend((attrs["service.name"], s) for s in ss.spans)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-                self.wfile.write(trace_pb2.ExportTraceServiceResponse().SerializeToString())
-
-            def log_message(self, *args):
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_port}/v1/traces"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def trace(self, trace_id: bytes) -> list[tuple[str, object]]:
-        return [(svc, s) for svc, s in list(self.spans) if s.trace_id == trace_id]
-
-    def close(self):
-        self.http.shutdown()
-        self.http.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +134,7 @@ def test_request_log_of_a_short_bench_run(server, request_log, tmp_path):
 
 
 def by_name(spans) -> dict[str, tuple[str, object]]:
-    return {s.name: (svc, s) for svc, s in spans}
+    return {g.span.name: (g.service, g.span) for g in spans}
 
 
 def test_one_trace_across_router_prefill_and_decode(server, receiver):
@@ -211,17 +174,38 @@ def test_one_trace_across_router_prefill_and_decode(server, receiver):
             assert times[a][1] <= times[b][0] + slack, (a, b, times)
     assert request.start_time_unix_nano <= times["placement"][0]
     assert times["decode.decode"][1] <= request.end_time_unix_nano + slack
+    assert_phases_add_up_to_the_ttft(request, {n: s for n, (_, s) in spans.items()})
     push = {a.key: a.value for a in spans["prefill.kv_push"][1].attributes}
     assert push["pdserve.bytes"].int_value > 0 and push["pdserve.ok"].bool_value
+
+
+def assert_phases_add_up_to_the_ttft(request, spans: dict) -> None:
+    """The trace's phases of a remote prefill, up to the router's `first_token` event (on its
+    clock: the client's TTFT), follow one another without overlapping and add up to that
+    TTFT: admission (router), placement, decode_wait (the decode worker reserving blocks: the
+    messages between placement and the prefill worker), prefill.queue, prefill.compute and the
+    push's exposed part. What no span covers is the last message, PrefillDone to the router."""
+    (first,) = [e.time_unix_nano for e in request.events if e.name == "first_token"]
+    cuts = [request.start_time_unix_nano]  # each phase ends where the next starts
+    for name in ("placement", "prefill.queue", "prefill.compute"):
+        cuts += [spans[name].start_time_unix_nano, spans[name].end_time_unix_nano]
+    cuts.append(max(cuts[-1], spans["prefill.kv_push"].end_time_unix_nano))  # exposed push
+    durations = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+    slack = 2_000_000  # 2 ms: the clocks of three processes
+    assert min(durations) >= -slack, (durations, cuts)  # no phase overlaps the one before
+    ttft = first - request.start_time_unix_nano
+    hop = ttft - sum(durations)  # PrefillDone's way to the router (~1 ms on an idle machine)
+    # a few ms; the bound allows a loaded 2-core machine's scheduling delays
+    assert -slack <= hop <= 25_000_000, (hop, durations, ttft)
 
 
 def test_bad_traceparent_is_ignored_not_refused(server, receiver):
     out = complete(server.url, "A malformed trace header", 2, {"traceparent": "00-nonsense-xx"})
     assert out["usage"]["completion_tokens"] == 2
     rid_spans = wait_until(
-        lambda: [s for svc, s in list(receiver.spans) if s.name == "request"
+        lambda: [g.span for g in list(receiver.spans) if g.span.name == "request"
                  and any(a.value.int_value == 2 and a.key == "pdserve.max_tokens"
-                         for a in s.attributes)],
+                         for a in g.span.attributes)],
         30, "the request span of the request with a bad traceparent",
     )  # fmt: skip
     assert rid_spans[-1].parent_span_id == b""  # a trace of its own

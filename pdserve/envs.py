@@ -15,6 +15,7 @@ CACHE_DIR = "PDSERVE_CACHE_DIR"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 KV_FAULT = "PDSERVE_KV_FAULT"
 KV_STAGING = "PDSERVE_KV_STAGING"
+LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
 # oneDNN's primitive cache and PyTorch's own cache of oneDNN matmul primitives (ideep)
 KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 KERNEL_CACHE_ENTRIES = 64
@@ -61,6 +62,11 @@ def quant_max_rows() -> int | None:
     if not value.isdigit():
         raise ValueError(f"{QUANT_MAX_ROWS} must be a whole number of rows, got {value!r}")
     return int(value)
+
+
+def library_path() -> list[str]:
+    """`LD_LIBRARY_PATH`'s folders (a child given more keeps these after them)."""
+    return [p for p in os.environ.get(LD_LIBRARY_PATH, "").split(":") if p]
 
 
 def model_path() -> str | None:

@@ -38,7 +38,6 @@ import concurrent.futures as cf
 import ctypes
 import json
 import logging
-import os
 import queue
 import socket
 import sys
@@ -49,6 +48,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from pdserve import envs
 from pdserve.kv_store.config import layout_key, payload_bytes
 from pdserve.kv_store.interface import BlockStoreClient
 from pdserve.kv_store.protocol import BlockMeta, chains
@@ -543,7 +543,7 @@ def master_command(host: str, port: int, metrics_port: int, client_ttl_s: int = 
     if not exe:
         raise ValueError(f"mooncake_master not found: {MISSING_LIBRARY}")
     libs = sorted({str(lib.parent) for lib in private_libs()})  # the binary links them too
-    path = ":".join([*libs, *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
+    path = ":".join([*libs, *envs.library_path()])
     return [
         *(["env", f"LD_LIBRARY_PATH={path}"] if libs else []),
         exe, f"--rpc_address={host}", f"--rpc_port={port}", f"--metrics_host={host}",

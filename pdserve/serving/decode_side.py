@@ -90,12 +90,12 @@ class DecodeSide(KVConnector):
 
     def on_admit(self, msg: m.Admit) -> None:
         self.index_offset[msg.request_id] = msg.skip_tokens
+        remote = msg.remote_prefill and self.receiver is not None
         if msg.trace and tracing.enabled():
-            remote = msg.remote_prefill and self.receiver is not None
             self.traced[msg.request_id] = Traced(
                 msg.trace, time.monotonic(), remote, msg.skip_tokens
             )
-        if msg.remote_prefill and self.receiver is not None:
+        if remote:
             self.pending.append(msg)
             self.try_place()
         else:

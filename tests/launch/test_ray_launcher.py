@@ -89,7 +89,7 @@ class TestOneRayDeployment:
             if chunks == 1:  # the stream is running: kill -9 the decode actor serving it
                 running = wait_until(  # once a heartbeat has shown it
                     lambda: [(w, v["pid"]) for w, v in ray_server.health()["workers"].items()
-                             if v["running"] == 1],
+                             if v.get("running") == 1],
                     10, "a heartbeat showing the stream on its decode worker",
                 )  # fmt: skip
                 killed.extend(running)
@@ -99,9 +99,12 @@ class TestOneRayDeployment:
         [(victim, pid)] = killed
         assert (out.kind, out.text) == ("ok", expected.text)
         back = wait_until(
-            lambda: (w := ray_server.health()["workers"].get(victim)) and w["pid"] != pid and w,
+            lambda: (w := ray_server.health()["workers"].get(victim))
+            and w["pid"] != pid
+            and "prefix_query_tokens" in w  # its first load report has arrived
+            and w,
             120,
-            f"Ray to restart {victim} and it to register again",
+            f"Ray to restart {victim}, it to register again and report its load",
         )
         before = back["prefix_query_tokens"]
         for i in range(4):  # spread over both decode workers: the restarted one takes some

@@ -62,7 +62,7 @@ def chunk_nll(llm, ids: list[int]) -> tuple[float, int]:
             for start in range(0, len(ids), step):
                 n = min(step, len(ids) - start)
                 seq.num_computed_tokens = start
-                inp, pos, meta, _ = runner._prepare(ScheduledBatch([seq], [n]))
+                inp, pos, meta, *_ = runner._prepare(ScheduledBatch([seq], [n]))
                 logits.append(runner.model.logits(runner.model(inp, pos, runner.kv_caches, meta)))
     finally:
         bm.free(seq)

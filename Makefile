@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[mooncake]' || echo "make install: note: pdserve[mooncake] not installed; the Mooncake tests will skip"
 	# Its C++ library loads libibverbs.so.1 (with libnl) even without RDMA: Debian's packages are
 	# unpacked into .venv/sysdeps, not installed system-wide, where NIXL's bundled UCX would load
-	# them too and crash at exit (pdserve/kv_store/mooncake.py loads them from there).
+	# them too and crash at exit (pdserve/kv_store/mooncake_setup.py loads them from there).
 	if command -v apt-get >/dev/null && ! ls $(VENV)/sysdeps/usr/lib/*/libibverbs.so.1 >/dev/null 2>&1; then \
 		d=$$(mktemp -d) && (cd $$d && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null 2>&1 \
 			&& for f in *.deb; do dpkg-deb -x $$f $(CURDIR)/$(VENV)/sysdeps; done) \

@@ -53,7 +53,8 @@ def _store(tier: str, transport: str, n: int):
     a loopback mooncake_master whose pool the clients' segments make up."""
     with tempfile.TemporaryDirectory() as d:
         if transport == "mooncake":
-            from pdserve.kv_store.mooncake import MooncakeStoreClient, master_command
+            from pdserve.kv_store.mooncake import MooncakeStoreClient
+            from pdserve.kv_store.mooncake_setup import master_command
 
             ports = []
             for _ in range(2):

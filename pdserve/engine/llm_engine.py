@@ -1,16 +1,16 @@
 """LLMEngine: add requests, step (schedule -> run -> sample -> postprocess), abort.
 
 Used directly by workers and wrapped by the offline `LLM`. Not thread-safe: one thread steps it.
+Speculative decoding's side is `Speculator` (engine/spec_decode.py); structured outputs' is
+`EngineGuides` (engine/guide_masks.py).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -18,25 +18,22 @@ import torch
 from pdserve import envs
 from pdserve.config import EngineConfig
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.guided import GuideCompiler, GuideError
+from pdserve.engine.guide_masks import EngineGuides
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prompt_check import check_prompt
-from pdserve.engine.sampler import TokenLogprobs, sample, token_logprobs
+from pdserve.engine.sampler import TokenLogprobs, sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import ScheduledBatch, Sequence
 from pdserve.engine.spec_decode import (
     SpeculativeConfig,
-    make_proposer,
+    Speculator,
     parse_speculative_config,
-    speculates,
-    verify,
+    spec_stats,
 )
-from pdserve.engine.step_perf import StepLog, StepPerf
+from pdserve.engine.step_perf import StepLog, StepPerf, phase_counts
 from pdserve.model.loader import ModelFiles, load_model_files, load_tokenizer
-
-log = logging.getLogger(__name__)
 
 
 class StepOutput(NamedTuple):
@@ -88,12 +85,10 @@ class LLMEngine:
         self._tokenizer = None
         self.eos_ids = set(mc.eos_token_ids)
         self.connector = KVConnector()  # moves no KV until a worker connects one
-        self._guides: GuideCompiler | None = None
-        self._masker: ThreadPoolExecutor | None = None  # fills guides' masks beside the model
-        self.proposer = None  # speculative decoding (engine/spec_decode.py), not on prefill
+        self.guides = EngineGuides(self._tokenizer_file, mc.vocab_size, self.eos_ids)
+        self.speculator = None  # speculative decoding (engine/spec_decode.py), not on prefill
         if self.spec is not None and config.role != "prefill":
-            self.proposer = make_proposer(self.spec, mc.vocab_size)
-        self.spec_proposed = self.spec_accepted = self.spec_verifies = 0
+            self.speculator = Speculator(self.spec, mc.vocab_size, self.max_model_len)
 
     def connect(self, connector: KVConnector) -> None:
         """Move KV through `connector` from now on (see KVConnector for when it is called).
@@ -130,17 +125,11 @@ class LLMEngine:
             seq.guide = self.guides.guide(params.guide, seq.generated_token_ids)
         return seq
 
-    @property
-    def guides(self) -> GuideCompiler:
-        """Builds the guides of structured outputs (made on first use: ~0.2 s)."""
-        if self._guides is None:
-            if self.files.path is None:
-                raise ValueError("structured outputs need the model's tokenizer; this has none")
-            self._guides = GuideCompiler(
-                self.tokenizer.path, self.model_config.vocab_size, sorted(self.eos_ids)
-            )
-            self._masker = ThreadPoolExecutor(1, thread_name_prefix="guide-mask")
-        return self._guides
+    def _tokenizer_file(self) -> str:
+        """For structured outputs (engine/guide_masks.py), on the first guided request."""
+        if self.files.path is None:
+            raise ValueError("structured outputs need the model's tokenizer; this has none")
+        return self.tokenizer.path
 
     def add_request(
         self,
@@ -210,13 +199,14 @@ class LLMEngine:
         """One iteration: schedule, run the model (the connector's layer hooks around each
         layer), sample, and finish what is done."""
         start = time.perf_counter()
-        self._propose()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         computed = [s.num_computed_tokens for s in batch.seqs] if self.step_log else []
-        prefill_tokens, decode_seqs = _phase_counts(batch)
-        masks = self._start_masks(batch)
+        prefill_tokens, decode_seqs = phase_counts(batch)
+        masks = self.guides.start_masks(batch.seqs, batch.num_new_tokens)
         try:
             indices, logits = self.runner.run(batch, *self._layer_hooks(batch))
         finally:  # never return (or raise) while a load may still write into blocks
@@ -265,76 +255,22 @@ class LLMEngine:
             outs.extend(self._verify(batch.seqs[i], logits[rows]))
         return outs
 
-    def _propose(self) -> None:
-        """Proposals for the decoding sequences that speculate, unless the batch is above
-        `disable_by_batch_size` (then speculation costs more than it gains)."""
-        if self.proposer is None:
-            return
-        decoding = []
-        for seq in self.scheduler.running:
-            seq.spec_token_ids = []
-            if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0:
-                decoding.append(seq)
-        if len(decoding) > self.spec.disable_by_batch_size:
-            return
-        for seq in decoding:
-            k = min(self.spec.num_speculative_tokens,
-                    seq.params.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - seq.num_tokens - 1)  # fmt: skip
-            if k >= 1 and speculates(seq):
-                seq.spec_token_ids = self.proposer.propose(seq, k)
-
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[StepOutput]:
-        """The tokens seq keeps of its proposals' verification step (spec_decode.verify),
+        """The tokens seq keeps of its proposals' verification step (`Speculator.accept`),
         appended one by one so that a stop ends it where it comes."""
-        draft = seq.spec_token_ids
-        tokens = verify(logits, seq, draft)
-        self.spec_verifies += 1
-        self.spec_proposed += len(draft)
-        self.spec_accepted += len(tokens) - 1
-        lps: list = [None] * len(tokens)
-        if seq.params.logprobs is not None:
-            k = [seq.params.logprobs] * len(tokens)
-            lps = token_logprobs(logits[: len(tokens)], torch.tensor(tokens), k)
         outs = []
-        for tok, lp in zip(tokens, lps, strict=True):
+        for tok, lp in self.speculator.accept(seq, logits):
             outs.append(self._append(seq, tok, lp))
             if outs[-1].finished:
                 break
         return outs
 
-    def _start_masks(self, batch) -> Future | None:
-        """Guided sequences that sample this step: their next-token masks, computed on a
-        thread while the model runs (llguidance releases the GIL). A (len(batch), words)
-        bitmask; rows of unguided sequences allow everything."""
-        if not any(s.guide is not None for s in batch.seqs):
-            return None
-        guides = [
-            s.guide if s.num_computed_tokens + n == s.num_tokens else None
-            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
-        ]
-        bitmask = self.guides.allocate_bitmask(len(guides))
-
-        def fill():
-            self.guides.fill_bitmask(guides, bitmask)
-            return bitmask
-
-        return self._masker.submit(fill)
-
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if not p.ignore_eos and token in self.eos_ids or token in p.stop_token_ids:
             return "stop"
-        if seq.guide is not None:
-            if token in self.eos_ids:  # (ignore_eos) the grammar allows EOS only at its end
-                return "stop"
-            try:
-                seq.guide.accept(token)
-            except GuideError as exc:  # the mask allowed it: a bug, not the client's fault
-                log.error("request %s left its grammar: %s", seq.request_id, exc)
-                return "stop"
-            if seq.guide.is_finished:  # nothing but EOS may follow
-                return "stop"
+        if seq.guide is not None and self.guides.finishes(seq, token):
+            return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -368,23 +304,6 @@ class LLMEngine:
             "preemptions": s.num_preemptions,
             "prefill_tok_s": self.perf.prefill_tok_s,
             "decode_step_s": self.perf.decode_step_s,
-            "spec_proposed_tokens": self.spec_proposed,
-            "spec_accepted_tokens": self.spec_accepted,
-            "spec_verify_steps": self.spec_verifies,
-            # accepted / proposed; tokens per verification step (accepted + the target's one)
-            "spec_acceptance_rate": self.spec_accepted / max(1, self.spec_proposed),
-            "spec_mean_accepted_len": (self.spec_accepted + self.spec_verifies)
-            / max(1, self.spec_verifies),
+            **spec_stats(self.speculator),
             "pid": os.getpid(),
         }
-
-
-def _phase_counts(batch: ScheduledBatch) -> tuple[int, int]:
-    """(prompt tokens computed, sequences decoding) in a scheduled step, before it advances."""
-    prefill_tokens = decodes = 0
-    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-        if seq.num_computed_tokens < seq.num_prompt_tokens:
-            prefill_tokens += n
-        else:
-            decodes += 1
-    return prefill_tokens, decodes

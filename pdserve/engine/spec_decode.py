@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from pdserve.engine.sampler import _filter, apply_logit_bias
+from pdserve.engine.sampler import TokenLogprobs, _filter, apply_logit_bias, token_logprobs
 from pdserve.engine.sequence import Sequence
 
 # Above this many decoding sequences in a step the step is no longer bandwidth bound and
@@ -129,6 +129,65 @@ PROPOSERS = {"ngram": NgramProposer, "draft": DraftModelProposer}
 
 def make_proposer(cfg: SpeculativeConfig, vocab_size: int):
     return PROPOSERS[cfg.method](cfg, vocab_size)
+
+
+class Speculator:
+    """The engine's side of speculative decoding: proposals for the decoding sequences before a
+    step is scheduled (`propose`), the tokens each keeps after it (`accept`), and the counters
+    `LLMEngine.stats` reports. Holds no sequence between steps."""
+
+    def __init__(self, cfg: SpeculativeConfig, vocab_size: int, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.proposer = make_proposer(cfg, vocab_size)
+        self.max_model_len = max_model_len
+        self.proposed = self.accepted = self.verifies = 0
+
+    def propose(self, running) -> None:
+        """Set `spec_token_ids` of the running sequences: proposals for those decoding that
+        speculate, unless they are more than `disable_by_batch_size` (then speculation costs
+        more than it gains); [] for the others."""
+        decoding = []
+        for seq in running:
+            seq.spec_token_ids = []
+            if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0:
+                decoding.append(seq)
+        if len(decoding) > self.cfg.disable_by_batch_size:
+            return
+        for seq in decoding:
+            k = min(self.cfg.num_speculative_tokens,
+                    seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1)  # fmt: skip
+            if k >= 1 and speculates(seq):
+                seq.spec_token_ids = self.proposer.propose(seq, k)
+
+    def accept(self, seq: Sequence, logits: torch.Tensor) -> list[tuple[int, TokenLogprobs | None]]:
+        """The tokens seq keeps of its proposals' verification step (`verify`), each with its
+        logprobs when the request asked for them; counted."""
+        draft = seq.spec_token_ids
+        tokens = verify(logits, seq, draft)
+        self.verifies += 1
+        self.proposed += len(draft)
+        self.accepted += len(tokens) - 1
+        lps: list = [None] * len(tokens)
+        if seq.params.logprobs is not None:
+            k = [seq.params.logprobs] * len(tokens)
+            lps = token_logprobs(logits[: len(tokens)], torch.tensor(tokens), k)
+        return list(zip(tokens, lps, strict=True))
+
+
+def spec_stats(speculator: Speculator | None) -> dict[str, float]:
+    """The speculative-decoding fields of `LLMEngine.stats` (zeros without speculation)."""
+    proposed, accepted, verifies = (
+        (speculator.proposed, speculator.accepted, speculator.verifies) if speculator else (0, 0, 0)
+    )
+    return {
+        "spec_proposed_tokens": proposed,
+        "spec_accepted_tokens": accepted,
+        "spec_verify_steps": verifies,
+        # accepted / proposed; tokens per verification step (accepted + the target's one)
+        "spec_acceptance_rate": accepted / max(1, proposed),
+        "spec_mean_accepted_len": (accepted + verifies) / max(1, verifies),
+    }
 
 
 def speculates(seq: Sequence) -> bool:

@@ -19,6 +19,10 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.engine.sequence import ScheduledBatch
 
 ALPHA = 0.2  # weight of the newest step in the moving averages
 MIN_PREFILL_TOKENS = 16  # steps with fewer prompt tokens say little about prefill speed
@@ -85,3 +89,15 @@ class StepLog:
             "prefill_tokens": prefill_tokens,
         }
         self._file.write(json.dumps(record) + "\n")
+
+
+def phase_counts(batch: ScheduledBatch) -> tuple[int, int]:
+    """(prompt tokens computed, sequences decoding) in a scheduled step, before it advances:
+    what `StepPerf.observe` takes."""
+    prefill_tokens = decodes = 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            prefill_tokens += n
+        else:
+            decodes += 1
+    return prefill_tokens, decodes

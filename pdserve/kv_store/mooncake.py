@@ -1,212 +1,56 @@
 """`MooncakeStoreClient`: the KV store interface of `StoreClient`, on a Mooncake Store pool.
 
-`--kv-store mooncake://MASTER_HOST:PORT[?replicas=N&prefer=SEGMENT&segment_mb=M&buffer_mb=B
-&host=ADDR&metrics_port=P]` makes a worker a client of a Mooncake Store cluster
-(`mooncake_master` at MASTER_HOST:PORT, its RPC port) instead of one `pdserve store`: each
-worker contributes `segment_mb` of DRAM to the pool, the master places objects (with
-`replicas` copies, preferring segment `prefer`, e.g. a decode host's `ADDR:PORT`) and evicts at
-its high watermark. The engine's side (`StoreLink`) is unchanged: `put`, `put_copies`,
-`snapshot`, `lookup`, `load`, `start_load`, `drain_removed`, `flush`, `close`, `backing_off`,
-`last_error`. With `metrics_port` its counters (hits, misses, evictions seen, bytes) are
-Prometheus /metrics.
+`--kv-store mooncake://MASTER_HOST:PORT[?...]` (the parameters: `kv_store/mooncake_setup.py`)
+makes a worker a client of a Mooncake Store cluster instead of one `pdserve store`: each worker
+contributes DRAM to the pool, whose master places objects and evicts. The engine's side
+(`StoreLink`) is unchanged: `put`, `put_copies`, `snapshot`, `lookup`, `load`, `start_load`,
+`drain_removed`, `flush`, `close`, `backing_off`, `last_error`. With `metrics_port` its counters
+(hits, misses, evictions seen, bytes) are Prometheus /metrics.
 
-Keys: `pdserve/<layout key>/r<rank>/<chained block hash>/<part>`: the layout key names the model
-fingerprint, dtype, block size and (tensor-parallel shard) head count, so two layouts never share
-a block. A block is `L` objects (part = layer: its K then V bytes) plus a meta object (part `m`:
-its hash, parent and token ids), put last. A load reads the meta objects first and verifies
-them (the hash chains over the token ids, the tokens are the prompt's), then the layers one by
-one, checking each object's size; whatever fails (a silent eviction, a lease, a master or peer
-gone) ends the prefix there: those blocks are a miss and are computed.
+A block is `L` layer objects plus a verified meta object (`kv_store/mooncake_blocks.py`). A load
+reads the meta objects first and verifies them, then the layers one by one, checking each
+object's size; whatever fails (a silent eviction, a lease, a master or peer gone) ends the
+prefix there: those blocks are a miss and are computed.
 
 Mooncake's calls are blocking C++ calls; each runs on a thread of this client and is waited for
-at most `timeout_s`. A call past its deadline fails the operation, and the client fails fast
-(no new calls) until that call returns. Because an abandoned call may still write or read its
-buffers later, block bytes never move straight between the pool and the engine's cache: they
-go through registered staging buffers of this client (one copy each way) that no later call
-reuses while one is outstanding, so that a late write can never land in a cache block the
-engine has since reused, and a late read never stores a reused block's bytes under a hash.
+at most `timeout_s` (`kv_store/mooncake_calls.py`). A call past its deadline fails the operation,
+and the client fails fast (no new calls) until that call returns. Because an abandoned call may
+still write or read its buffers later, block bytes never move straight between the pool and the
+engine's cache: they go through registered staging buffers of this client (one copy each way)
+that no later call reuses while one is outstanding, so that a late write can never land in a
+cache block the engine has since reused, and a late read never stores a reused block's bytes
+under a hash.
 
 The master restarting empties the pool (it keeps metadata in memory); the client re-registers
 by itself (Mooncake's heartbeat) and the pool refills from new offloads. Exposure: the master
 and every client's transfer port accept unauthenticated connections; bind them to a private
 network (docs/serving.md).
+
+Over 300 lines on purpose: the `BlockStoreClient` interface is this one class, its put and load
+paths sharing the pool, the counters and the fail-fast state; what stands alone is in
+`mooncake_setup.py`, `mooncake_calls.py` and `mooncake_blocks.py`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import ctypes
-import json
 import logging
-import queue
-import socket
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
-from pdserve import envs
-from pdserve.kv_store.config import layout_key, payload_bytes
+from pdserve.kv_store.config import payload_bytes
 from pdserve.kv_store.interface import BlockStoreClient
-from pdserve.kv_store.protocol import BlockMeta, chains
+from pdserve.kv_store.mooncake_blocks import META_ROOM, PoolBlocks
+from pdserve.kv_store.mooncake_calls import Buffer, Caller, PoolCounters, PoolError, serve_counters
+from pdserve.kv_store.mooncake_setup import SCHEME, import_mooncake, local_address, parse_endpoint
+from pdserve.kv_store.protocol import BlockMeta
 from pdserve.kv_store.put_queue import PutQueue
 from pdserve.kv_store.tickets import PutJob, PutTicket
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.memory import byte_views, check_block_ids, check_caches
 
 log = logging.getLogger("pdserve.kv_store")
-SCHEME = "mooncake://"
-PARAMS = {"replicas", "prefer", "segment_mb", "buffer_mb", "host", "rank", "metrics_port"}
-MISSING_LIBRARY = (
-    "the Mooncake Store client is not installed: `pip install 'pdserve[mooncake]'` (wheel "
-    "mooncake-transfer-engine-non-cuda) and libibverbs.so.1 (needed even without RDMA): `make "
-    "install` unpacks Debian's libibverbs1 and libnl into <venv>/sysdeps (a system-wide "
-    "libibverbs1 makes NIXL's bundled UCX crash at exit)"
-)
-
-
-PRIVATE_LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")  # load order
-
-
-def private_libs() -> list[Path]:
-    """libibverbs.so.1 and libnl where `make install` unpacked them (<venv>/sysdeps), in load
-    order ([] if it did not): they are kept out of the system's library path, where NIXL's
-    bundled UCX would load them too and crash at exit."""
-    root = Path(sys.prefix, "sysdeps")
-    found = {p.name: p for p in root.glob("**/lib*.so.*") if p.name in PRIVATE_LIBS}
-    return [found[name] for name in PRIVATE_LIBS] if len(found) == len(PRIVATE_LIBS) else []
-
-
-def _load_private_libs() -> None:
-    """Load them into this process before Mooncake's modules, which then link to them."""
-    for lib in private_libs():
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-
-
-class PoolError(OSError):
-    """A pool call failed, timed out, or was refused while an earlier one is still stuck."""
-
-
-def import_mooncake():
-    """(MooncakeDistributedStore, ReplicateConfig), or ImportError saying what to install."""
-    try:
-        _load_private_libs()
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-    except (ImportError, OSError) as exc:  # the wheel, or libibverbs.so.1 under it
-        raise ImportError(f"{MISSING_LIBRARY} ({exc})") from exc
-    return MooncakeDistributedStore, ReplicateConfig
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, dict[str, str]]:
-    """('HOST:PORT' of the master, {param: value}); ValueError naming what is wrong."""
-    parts = urlsplit(endpoint)
-    if parts.scheme != "mooncake" or not parts.hostname or not parts.port:
-        raise ValueError(f"a Mooncake endpoint is mooncake://MASTER_HOST:PORT, got {endpoint!r}")
-    params = {k: v[-1] for k, v in parse_qs(parts.query, strict_parsing=False).items()}
-    unknown = set(params) - PARAMS
-    if unknown:
-        raise ValueError(
-            f"unknown mooncake:// parameter(s) {sorted(unknown)}: use {sorted(PARAMS)}"
-        )
-    for name in ("replicas", "segment_mb", "buffer_mb", "rank", "metrics_port"):
-        if name in params and not params[name].isdigit():
-            raise ValueError(f"mooncake:// parameter {name} must be an integer, got {params[name]}")
-    if int(params.get("replicas", 1)) < 1:
-        raise ValueError("mooncake:// replicas must be >= 1")
-    return f"{parts.hostname}:{parts.port}", params
-
-
-def local_address(master: str) -> str:
-    """The address of this host that the master's host reaches (the route to it)."""
-    host, port = master.rsplit(":", 1)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, int(port)))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-class _Buffer:
-    """Registered host memory: `size` bytes at `ptr`, sliced as memoryviews."""
-
-    def __init__(self, size: int) -> None:
-        self.raw = (ctypes.c_char * size)()
-        self.ptr, self.size = ctypes.addressof(self.raw), size
-        self.view = memoryview(self.raw).cast("B")
-
-
-class _Caller:
-    """Runs pool calls on one daemon thread of its own (a stuck call never blocks the process's
-    exit), each waited for at most `timeout_s`; while a call is past its deadline the next ones
-    fail at once (their buffers must stay untouched)."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._stuck: cf.Future | None = None
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fut, fn, args = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as exc:  # handed to the caller
-                    fut.set_exception(exc)
-
-    def __call__(self, timeout_s: float, fn: Callable, *args):
-        if self.stuck:
-            raise PoolError("an earlier Mooncake call has not returned yet")
-        fut: cf.Future = cf.Future()
-        self._jobs.put((fut, fn, args))
-        try:
-            return fut.result(timeout=max(timeout_s, 0.001))
-        except cf.TimeoutError:
-            self._stuck = fut
-            raise PoolError(f"a Mooncake call took over {timeout_s:.1f} s") from None
-
-    @property
-    def stuck(self) -> bool:
-        return self._stuck is not None and not self._stuck.done()
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-
-class PoolCounters:
-    """What this client saw of the pool (`stats()`; the master's own /metrics has its side)."""
-
-    FIELDS = ("hits", "misses", "evictions_seen", "put_blocks", "put_bytes", "load_bytes",
-              "failures", "timeouts")  # fmt: skip
-
-    def __init__(self) -> None:
-        for name in self.FIELDS:
-            setattr(self, name, 0)
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.FIELDS}
-
-
-def serve_counters(counters: PoolCounters, host: str, port: int) -> int:
-    """Serve `counters` as `pdserve_kv_pool_<field>_total` on http://host:port/metrics (0: a
-    free port) in a daemon thread; return the port."""
-    from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.core import CounterMetricFamily
-
-    class Collector:
-        def collect(self):
-            for name, value in counters.as_dict().items():
-                doc = f"Mooncake pool {name.replace('_', ' ')} (this client)"
-                yield CounterMetricFamily(f"pdserve_kv_pool_{name}", doc, value=value)
-
-    registry = CollectorRegistry()
-    registry.register(Collector())  # type: ignore[arg-type]
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    return server.server_port
 
 
 class MooncakeStoreClient(BlockStoreClient):
@@ -228,8 +72,8 @@ class MooncakeStoreClient(BlockStoreClient):
         self.num_blocks = check_caches(layout, k_caches, v_caches)
         self._k, self._v = byte_views(k_caches), byte_views(v_caches)
         self.timeout_s = timeout_s
-        self.layer_bytes = 2 * layout.block_bytes  # one object: a block's K then V of a layer
-        self.prefix = f"pdserve/{layout_key(layout)}/r{params.get('rank', 0)}"
+        self.blocks = PoolBlocks(layout, params.get("rank", 0))
+        self.layer_bytes = self.blocks.layer_bytes
         self.replicas = int(params.get("replicas", 1))
         self.prefer = params.get("prefer", "")
         buffer_bytes = int(params.get("buffer_mb", 64)) << 20
@@ -242,7 +86,7 @@ class MooncakeStoreClient(BlockStoreClient):
         Store, self._Replicate = import_mooncake()
         host = params.get("host") or local_address(self.master)
         self._store = store or Store()
-        self._load_call, self._put_call = _Caller("mooncake-load"), _Caller("mooncake-put")
+        self._load_call, self._put_call = Caller("mooncake-load"), Caller("mooncake-put")
         try:  # bounded: a master that accepts but never answers must not hang the worker's start
             rc = self._load_call(max(30.0, timeout_s), self._store.setup, host, "P2PHANDSHAKE",
                                  segment_bytes, 16 << 20, "tcp", "", self.master)  # fmt: skip
@@ -254,7 +98,7 @@ class MooncakeStoreClient(BlockStoreClient):
                 "`mooncake_master` running there, with this host able to reach it?"
             )
         # staging: half for loads, half for puts; each registered with the transfer engine
-        self._load_buf, self._put_buf = _Buffer(buffer_bytes // 2), _Buffer(buffer_bytes // 2)
+        self._load_buf, self._put_buf = Buffer(buffer_bytes // 2), Buffer(buffer_bytes // 2)
         for buf in (self._load_buf, self._put_buf):
             if self._store.register_buffer(buf.ptr, buf.size) != 0:
                 raise ConnectionError("Mooncake refused to register this client's buffers")
@@ -267,14 +111,6 @@ class MooncakeStoreClient(BlockStoreClient):
         self.metrics_port = None
         if "metrics_port" in params:  # this client's counters as Prometheus /metrics
             self.metrics_port = serve_counters(self.counters, host, int(params["metrics_port"]))
-
-    # --- keys -------------------------------------------------------------------------------
-
-    def _key(self, block_hash: int, part: int | str) -> str:
-        return f"{self.prefix}/{block_hash & (1 << 64) - 1:016x}/{part}"
-
-    def _block_keys(self, block_hash: int) -> list[str]:
-        return [self._key(block_hash, la) for la in range(self.layout.num_layers)]
 
     # --- offload ----------------------------------------------------------------------------
 
@@ -316,7 +152,7 @@ class MooncakeStoreClient(BlockStoreClient):
         meta_keys = [self._key(m.block_hash, "m") for m in job.metas]
         present = self._put_call(self.timeout_s, self._store.batch_is_exist, meta_keys)
         todo = [i for i, p in enumerate(present) if p != 1]
-        per_round = max(1, self._put_buf.size // (payload_bytes(self.layout) + 8192))
+        per_round = max(1, self._put_buf.size // (payload_bytes(self.layout) + META_ROOM))
         stored = 0
         for r in range(0, len(todo), per_round):
             stored += self._put_round(job, todo[r : r + per_round])
@@ -325,34 +161,15 @@ class MooncakeStoreClient(BlockStoreClient):
     def _put_round(self, job: PutJob, todo: list[int]) -> int:
         if self._put_call.stuck:  # it may still be reading the put buffer: leave it alone
             raise PoolError("an earlier Mooncake put has not returned yet")
-        keys, ptrs, sizes, offset = [], [], [], 0
-        buf, lb = self._put_buf, self.layer_bytes
-        metas = []
-        for i in todo:
-            for la in range(self.layout.num_layers):
-                buf.view[offset : offset + lb] = self._layer_bytes(job.sources[i], la)
-                keys.append(self._key(job.metas[i].block_hash, la))
-                ptrs.append(buf.ptr + offset)
-                sizes.append(lb)
-                offset += lb
-            m = job.metas[i]
-            metas.append(json.dumps([m.block_hash, m.parent, m.token_ids]).encode())
-        for i, blob in zip(todo, metas, strict=True):  # meta objects last: after the layers
-            buf.view[offset : offset + len(blob)] = blob
-            keys.append(self._key(job.metas[i].block_hash, "m"))
-            ptrs.append(buf.ptr + offset)
-            sizes.append(len(blob))
-            offset += len(blob)
+        metas, sources = [job.metas[i] for i in todo], [job.sources[i] for i in todo]
+        keys, ptrs, sizes = self.blocks.stage(self._put_buf, metas, sources, self._layer_bytes)
         cfg = self._Replicate()
         cfg.replica_num = self.replicas
         if self.prefer:
             cfg.preferred_segment = self.prefer
         codes = self._put_call(self.timeout_s, self._store.batch_upsert_from, keys, ptrs, sizes,
                                cfg)  # fmt: skip
-        L = self.layout.num_layers
-        ok = [all(c >= 0 for c in codes[j * L : (j + 1) * L]) and codes[len(todo) * L + j] >= 0
-              for j in range(len(todo))]  # fmt: skip
-        stored = sum(ok)
+        stored = sum(self.blocks.stored(codes, len(todo)))
         self.counters.put_blocks += stored
         self.counters.put_bytes += stored * payload_bytes(self.layout)
         if stored < len(todo):
@@ -377,7 +194,7 @@ class MooncakeStoreClient(BlockStoreClient):
             return 0
         keys = []
         for h in block_hashes:
-            keys += [self._key(h, "m"), *self._block_keys(h)]
+            keys += [self._key(h, "m"), *self.blocks.layer_keys(h)]
         with self._lock:
             try:
                 present = self._load_call(self.timeout_s, self._store.batch_is_exist, keys)
@@ -428,7 +245,7 @@ class MooncakeStoreClient(BlockStoreClient):
         """Load blocks start..end-1: verify their meta objects, then layer by layer through
         the load buffer into the cache. Returns how many leading blocks landed whole."""
         n, lb, buf = end - start, self.layer_bytes, self._load_buf
-        meta_room = 8192  # a meta object: hash, parent, 16-256 token ids as JSON
+        meta_room = META_ROOM
         keys = [self._key(hashes[i], "m") for i in range(start, end)]
         ptrs = [buf.ptr + j * meta_room for j in range(n)]
         if n * meta_room > buf.size:
@@ -440,7 +257,7 @@ class MooncakeStoreClient(BlockStoreClient):
             i = start + j
             want_parent = parent if i == 0 else hashes[i - 1]
             want_tokens = None if tokens is None else list(tokens[i])
-            if not self._meta_ok(buf.view[j * meta_room : j * meta_room + max(size, 0)],
+            if not self.blocks.meta_ok(buf.view[j * meta_room : j * meta_room + max(size, 0)],
                                  hashes[i], want_parent, want_tokens):  # fmt: skip
                 break
             good += 1
@@ -467,20 +284,6 @@ class MooncakeStoreClient(BlockStoreClient):
                 return 0
         return good
 
-    def _meta_ok(self, blob, block_hash: int, parent, tokens) -> bool:
-        try:
-            h, p, ids = json.loads(bytes(blob))
-            meta = BlockMeta(int(h), None if p is None else int(p), [int(t) for t in ids])
-        except (ValueError, TypeError):
-            return False
-        return (
-            meta.block_hash == block_hash
-            and meta.parent == parent
-            and len(meta.token_ids) == self.layout.block_size
-            and chains(meta)
-            and (tokens is None or meta.token_ids == tokens)
-        )
-
     def _call(self, deadline: float, fn: Callable, *args):
         left = deadline - time.monotonic()
         if left <= 0:
@@ -492,6 +295,9 @@ class MooncakeStoreClient(BlockStoreClient):
         self._removed.append(block_hash)
 
     # --- misc -------------------------------------------------------------------------------
+
+    def _key(self, block_hash: int, part: int | str) -> str:
+        return self.blocks.key(block_hash, part)
 
     def stats(self) -> dict[str, int]:
         return self.counters.as_dict()
@@ -531,22 +337,3 @@ def open_store_client(endpoint: str, layout: KVLayout, k_caches, v_caches):
     from pdserve.kv_store.client import StoreClient
 
     return StoreClient(endpoint, layout, k_caches, v_caches)
-
-
-def master_command(host: str, port: int, metrics_port: int, client_ttl_s: int = 10) -> list[str]:
-    """`mooncake_master` serving RPC on host:port (metrics on metrics_port), no etcd: clients
-    exchange their transfer metadata peer to peer (P2PHANDSHAKE). ValueError if not installed."""
-    import shutil
-
-    exe = Path(sys.executable).with_name("mooncake_master")
-    exe = str(exe) if exe.exists() else shutil.which("mooncake_master")
-    if not exe:
-        raise ValueError(f"mooncake_master not found: {MISSING_LIBRARY}")
-    libs = sorted({str(lib.parent) for lib in private_libs()})  # the binary links them too
-    path = ":".join([*libs, *envs.library_path()])
-    return [
-        *(["env", f"LD_LIBRARY_PATH={path}"] if libs else []),
-        exe, f"--rpc_address={host}", f"--rpc_port={port}", f"--metrics_host={host}",
-        f"--metrics_port={metrics_port}", f"--client_ttl={client_ttl_s}",
-        "--enable_http_metadata_server=false",
-    ]  # fmt: skip

@@ -1,5 +1,9 @@
 """What `pdserve serve`, `pdserve router` and `pdserve worker` do, given their parsed flags
-(`launch/cli.py`). Heavy imports (torch, the router app) happen inside each command."""
+(`launch/cli.py`). Heavy imports (torch, the router app) happen inside each command.
+
+A little over 300 lines: `serve` starts the router, its workers, a KV store and the autoscaler
+in one order that reads best in one function (its workers' argv are built by the helpers here).
+"""
 
 from __future__ import annotations
 

@@ -138,7 +138,7 @@ class WorkerProcs:
         import tempfile
 
         if backend == "mooncake":
-            from pdserve.kv_store.mooncake import master_command
+            from pdserve.kv_store.mooncake_setup import master_command
             from pdserve.subprocs import free_port
 
             port, metrics = free_port(), free_port()

@@ -6,6 +6,9 @@ streamed tokens) or `PrefillSide` (role prefill: prompts whose KV it pushes into
 worker). It is assembled by `serving/build.py` `build_worker` (the engine's one KV connector,
 the KV fabric, the store link); its heartbeats go out on a thread of their own
 (`serving/load_report.py`).
+
+A little over 300 lines: the loop and the control messages read the same requests and routers;
+the wiring already lives in `serving/build.py` and the config checks in `worker_config.py`.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ homogeneous) and every prefill type with every decode type; a pool's capacity is
 its own hardware, and the KV transfer between two types runs at the slower end's link. For
 mixture-of-experts models each pool's shapes include expert parallelism (EP 2..8 over
 data-parallel attention, `LatencyModel`), so a plan may recommend `--decode-ep`.
+
+Over 300 lines on purpose: the three steps above are one search over one `_Search` (its cache of
+measured capacities), read top to bottom; what `pdserve plan` prints is `sim/report.py`.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class Served(NamedTuple):
 
 
 def _mooncake_missing() -> str | None:
-    from pdserve.kv_store.mooncake import import_mooncake
+    from pdserve.kv_store.mooncake_setup import import_mooncake
 
     try:
         import_mooncake()

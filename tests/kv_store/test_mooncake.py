@@ -20,7 +20,7 @@ from waiting import wait_until
 
 from pdserve.engine.block_hash import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_store import mooncake
+from pdserve.kv_store import mooncake, mooncake_calls, mooncake_setup
 from pdserve.kv_transfer.memory import layout_of
 from pdserve.serving.store_link import StoreLink, split_index_events
 
@@ -50,7 +50,7 @@ class Master:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        cmd = mooncake.master_command("127.0.0.1", self.port, self.metrics, client_ttl_s=2)
+        cmd = mooncake_setup.master_command("127.0.0.1", self.port, self.metrics, client_ttl_s=2)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         def listening() -> bool:
@@ -147,11 +147,11 @@ def test_blocks_offloaded_by_one_process_are_loaded_by_another(local, peer, refe
 
 
 def test_a_call_past_its_deadline_fails_and_holds_off_the_next_until_it_returns():
-    call = mooncake._Caller("test")
+    call = mooncake_calls.Caller("test")
     release = threading.Event()
-    with pytest.raises(mooncake.PoolError, match="took over"):
+    with pytest.raises(mooncake_calls.PoolError, match="took over"):
         call(0.05, release.wait, 5)
-    with pytest.raises(mooncake.PoolError, match="has not returned"):
+    with pytest.raises(mooncake_calls.PoolError, match="has not returned"):
         call(1.0, lambda: 1)  # its buffers may still be in use: nothing new starts
     release.set()
     wait_until(lambda: not call.stuck, 5, "the stuck call to return")
@@ -162,10 +162,10 @@ def test_a_call_past_its_deadline_fails_and_holds_off_the_next_until_it_returns(
 def test_the_endpoint_is_checked_and_the_pool_counters_are_served(local, master):
     for bad in ("mooncake://127.0.0.1", "mooncake://h:1?replica=2", "mooncake://h:1?replicas=x"):
         with pytest.raises(ValueError, match="mooncake"):
-            mooncake.parse_endpoint(bad)
+            mooncake_setup.parse_endpoint(bad)
     engine, link = local
     counters = link.client.counters
-    port = mooncake.serve_counters(counters, "127.0.0.1", 0)
+    port = mooncake_calls.serve_counters(counters, "127.0.0.1", 0)
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     for name in ("hits", "misses", "evictions_seen", "put_bytes", "load_bytes", "timeouts"):
         assert f"pdserve_kv_pool_{name}_total " in text
@@ -185,7 +185,7 @@ def test_another_layout_and_a_corrupt_block_are_misses(local, peer, reference, m
     hashes = block_hashes(B, 4)
     c = link.client  # overwrite block 2's meta with another chain's: it must fail verification
     bad = json.dumps([hashes[2], 12345, B[8:12]]).encode()
-    buf = mooncake._Buffer(len(bad))
+    buf = mooncake_calls.Buffer(len(bad))
     assert c._store.register_buffer(buf.ptr, buf.size) == 0
     buf.view[:] = bad
     assert c._store.upsert_from(c._key(hashes[2], "m"), buf.ptr, len(bad)) == 0

@@ -1,9 +1,9 @@
 """Decode speed per model family on tiny random-weight models (tests/family_models.py: 2 layers,
 hidden 64, vocab 256; Llama added at the same shape): steady-state decode tok/s at batch 1 and
-16, with the decode step each family gets (the fused C++ step for Llama, eager for the others:
-the worker's ready line says which), and Llama eager too, for the fused step's share. At this
-size a step is almost all per-layer overhead, so the figures compare the families' Python and
-kernel-call cost, not their FLOPs.
+16, with the decode step each family gets (the fused C++ step for the dense ones, eager for
+MoE: the worker's ready line says which), and Llama eager too, for the fused step's share. At
+this size a step is almost all per-layer overhead, so the figures compare the families' Python
+and kernel-call cost, not their FLOPs.
 
 Every family's engine is built first, then the repeats run interleaved (family after family,
 `--repeats` rounds) so a change in the machine's load hits all alike; figures are medians.

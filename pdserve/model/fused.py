@@ -2,10 +2,11 @@
 use and cached, so the second start loads it in well under a second.
 
 A decode-only step (one new token per sequence, no KV hooks) runs as one C++ call: every
-layer's norms, RoPE, cache write, paged attention over the block table (no gather), SwiGLU and
-residuals fused, the linears as torch's kernels. Prefills and mixed steps stay on the eager
-model. `--enforce-eager` turns this off; a machine without a working compiler falls back to
-eager with a warning that says so.
+layer's norms, attention parts (`FUSED_PARTS`: q/k/v biases, per-head q/k RMSNorm), RoPE, cache
+write, paged attention over the block table (no gather; over the sliding window where the
+config sets one), SwiGLU and residuals fused, the linears as torch's kernels. Prefills and
+mixed steps stay on the eager model. `--enforce-eager` turns this off; a machine without a
+working compiler falls back to eager with a warning that says so.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from pathlib import Path
 import torch
 
 from pdserve import envs
+from pdserve.model.parts import HeadQKNorm, QKVBias
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
 # -fopenmp: at::parallel_for is a header template, compiled here; without it its loops run on
 # one thread. Only the compile step gets it: the OpenMP runtime is torch's own, already loaded.
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The attention parts the step applies, in the order it applies them (after the qkv linear,
+# before RoPE); a layer may have any of them, in this order.
+FUSED_PARTS = (QKVBias, HeadQKNorm)
 _module = None
 load_note = ""  # "built in 21.3 s" / "loaded in 0.2 s": how long the extension took here
 
@@ -39,7 +44,19 @@ def cpu_flags() -> str:
     return next((line for line in lines if line.startswith("flags")), platform.processor())
 
 
+def unfused_parts(parts: list) -> str | None:
+    """Why the fused step cannot apply a layer's attention parts (None: it can)."""
+    kinds = [type(part) for part in parts]
+    if missing := sorted({k.__name__ for k in kinds if k not in FUSED_PARTS}):
+        return f"the fused step has no {', '.join(missing)}"
+    if kinds != [k for k in FUSED_PARTS if k in kinds]:
+        return f"the fused step applies {', '.join(k.__name__ for k in FUSED_PARTS)} in order"
+    return None
+
+
 def build_dir() -> Path:
+    """The build's folder: named by a hash of the source, so a changed decode.cpp builds anew
+    (and of everything else the build depends on)."""
     key = hashlib.sha256(SOURCE.read_bytes())
     # The paths of the source and of torch too: the build files name them, so two checkouts
     # or virtual environments sharing one folder would rebuild each other's.
@@ -100,6 +117,16 @@ class FusedDecode:
         def linear(lin):
             return ext.Linear(*lin.kernel_spec())
 
+        def parts(layer):  # those of FUSED_PARTS it has (`unfused_parts` checked the rest)
+            got = {type(part): part for part in layer.qkv_parts}
+            bias, norm = got.get(QKVBias), got.get(HeadQKNorm)
+            return ext.AttnParts(
+                bias.bias if bias else None,
+                norm.q if norm else None,
+                norm.k if norm else None,
+                norm.eps if norm else 0.0,
+            )
+
         cfg = model.cfg
         self.impl = ext.DecodeModel(
             model.embed,
@@ -110,6 +137,7 @@ class FusedDecode:
                 [linear(x) for x in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
                 for layer in model.layers
             ],
+            [parts(layer) for layer in model.layers],
             model.norm,
             linear(model.lm_head),
             [k for k, _ in kv_caches],
@@ -117,6 +145,7 @@ class FusedDecode:
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.rms_norm_eps,
+            cfg.sliding_window,
         )
 
     def __call__(self, ids, positions, slots, tables, lens) -> torch.Tensor:

@@ -2,7 +2,8 @@
 transformers' own classes: pdserve's greedy tokens equal transformers' `generate` in float32,
 last-token logits within 1e-4; a prefix-cache hit and chunked prefill give the cold run's tokens
 (Mistral's prompts run past its sliding window); experts take the int8 format; unknown
-architectures and tensor parallelism where it cannot work are refused by name."""
+architectures and tensor parallelism where it cannot work are refused by name. The dense
+families decode through the fused C++ step (its logits equal the eager step's), MoE eagerly."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.attention import AttentionMetadata, PrefillSpan
 from pdserve.model.loader import load_model_config, load_model_files
 from pdserve.model.registry import UnsupportedArchitecture
+
+DENSE = ("qwen2", "qwen3", "mistral")  # the fused decode step serves these; MoE stays eager
+MOE_REASON = "the fused step has no Mixture-of-Experts layers"
 
 PROMPTS = [[5, 17, 33, 2, 9, 71, 8], list(range(1, 20)), [200, 3, 3, 3, 250]]  # 19 > WINDOW
 NEW = 8
@@ -69,7 +73,10 @@ def test_greedy_tokens_and_logits_equal_transformers(checkpoints, references, fa
     tokens, logits = references[family]
     engine = make_engine(files, enable_prefix_caching=False)
     assert run_to_completion(engine, PROMPTS, GREEDY) == tokens
-    assert engine.runner.decode_path.startswith(f"eager ({family}: ")  # and says why
+    if family in DENSE:
+        assert engine.runner.decode_path.startswith("fused ("), engine.runner.decode_path
+    else:  # and says why
+        assert engine.runner.decode_path == f"eager ({family}: {MOE_REASON})"
     for p, ref in zip(PROMPTS, logits, strict=True):
         torch.testing.assert_close(last_logits(engine, p), ref, atol=1e-4, rtol=0)
 
@@ -91,15 +98,61 @@ def test_prefix_hits_and_chunked_prefill_give_the_cold_tokens(checkpoints, refer
     assert run_to_completion(warm, extended, GREEDY) == run_to_completion(fresh, extended, GREEDY)
 
 
-def test_the_sliding_window_is_what_makes_mistral_match(checkpoints, references):
-    """Past the window, attending to every position gives other tokens: the window is tested."""
+@pytest.mark.parametrize("eager", [True, False])
+def test_the_sliding_window_is_what_makes_mistral_match(checkpoints, references, eager):
+    """Past the window, attending to every position gives other tokens: the window is tested,
+    in the eager model and in the fused step."""
     import dataclasses
 
     files = checkpoints["mistral"][1]
     unwindowed = files._replace(config=dataclasses.replace(files.config, sliding_window=None))
-    engine = make_engine(unwindowed, enable_prefix_caching=False, enforce_eager=True)
+    engine = make_engine(unwindowed, enable_prefix_caching=False, enforce_eager=eager)
+    assert (engine.runner.fused is None) == eager
     assert len(PROMPTS[1]) > WINDOW
     assert run_to_completion(engine, PROMPTS[1:2], GREEDY) != references["mistral"][0][1:2]
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
+@pytest.mark.parametrize("family", DENSE)
+def test_the_fused_step_equals_the_eager_one(checkpoints, family, dtype, tol):
+    """q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), the sliding window (Mistral: the
+    39- and 10-token contexts run past it, the 7-token one not) in the fused step: one decode
+    step's logits and K/V as the eager step's; in float32 the same greedy tokens over 24 steps
+    (the window moves as they decode)."""
+    from model.test_fused_decode import PROMPTS as CONTEXTS
+    from model.test_fused_decode import decode_batch
+
+    files = checkpoints[family][1]
+    fused = make_engine(files, dtype=dtype, enable_prefix_caching=False)
+    eager = make_engine(files, dtype=dtype, enable_prefix_caching=False, enforce_eager=True)
+    assert fused.runner.decode_path.startswith("fused (") and eager.runner.fused is None
+    outs = []
+    for eng in (fused, eager):
+        rows, logits = eng.runner.run(decode_batch(eng, CONTEXTS))
+        assert sorted(rows) == [0, 1, 2]  # eager returns them shortest context first
+        outs.append((logits[torch.tensor(rows).argsort()], eng.runner.k_caches[1].clone()))
+    (lf, kf), (le, ke) = outs
+    assert (lf - le).abs().max().item() < tol
+    assert (kf.float() - ke.float()).abs().max().item() < tol  # k after its bias, norm, RoPE
+    if dtype == "float32":
+        assert (lf.argmax(-1) == le.argmax(-1)).all()
+        steps = SamplingParams(max_tokens=3 * WINDOW, ignore_eos=True)
+        prompts = [PROMPTS[0], PROMPTS[2][:3]]
+        fused = make_engine(files, enable_prefix_caching=False)
+        eager = make_engine(files, enable_prefix_caching=False, enforce_eager=True)
+        want = run_to_completion(eager, prompts, steps)
+        assert run_to_completion(fused, prompts, steps) == want
+
+
+def test_attention_parts_the_fused_step_cannot_apply_keep_a_model_eager():
+    from pdserve.model.fused import unfused_parts
+    from pdserve.model.parts import HeadQKNorm, QKVBias, WideQKNorm
+
+    bias, head, wide = (object.__new__(c) for c in (QKVBias, HeadQKNorm, WideQKNorm))
+    assert unfused_parts([]) is None and unfused_parts([bias, head]) is None
+    assert unfused_parts([head]) is None
+    assert unfused_parts([bias, wide]) == "the fused step has no WideQKNorm"
+    assert unfused_parts([head, bias]) == "the fused step applies QKVBias, HeadQKNorm in order"
 
 
 def test_int8_applies_to_every_expert(checkpoints, references):
@@ -236,3 +289,14 @@ def test_biases_the_decoder_does_not_add_are_refused_not_ignored(tmp_path):
     transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="llama with a bias on o_proj"):
         make_engine(load_model_files(str(tmp_path)))
+
+
+def test_speculative_rows_through_the_fused_step_keep_mistrals_window(checkpoints, references):
+    """A sequence verifying k proposals is k+1 fused rows at consecutive positions: each attends
+    to its own last WINDOW positions, so the tokens are transformers'."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    files = checkpoints["mistral"][1]
+    engine = make_engine(files, enable_prefix_caching=False, speculative_config=json.dumps(spec))
+    assert engine.runner.fused is not None
+    assert run_to_completion(engine, PROMPTS, GREEDY) == references["mistral"][0]
+    assert engine.stats()["spec_verify_steps"] > 0

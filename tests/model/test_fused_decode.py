@@ -91,3 +91,18 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start():
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("loaded in"), done.stdout
     assert not (fused.build_dir() / "lock").exists()
+
+
+def test_a_changed_source_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """The build is cached in a folder named by a hash of decode.cpp: an edited source never
+    loads the build of the one before."""
+    from pdserve.model import fused
+
+    source = tmp_path / "decode.cpp"
+    source.write_bytes(fused.SOURCE.read_bytes())
+    monkeypatch.setattr(fused, "SOURCE", source)
+    before = fused.build_dir()
+    source.write_bytes(fused.SOURCE.read_bytes() + b"// edited\n")
+    edited = fused.build_dir()
+    source.write_bytes(source.read_bytes().removesuffix(b"// edited\n"))
+    assert edited != before and fused.build_dir() == before

@@ -1,6 +1,8 @@
-// The decode step of a Llama-family model as one C++ call: every layer's RMSNorm, RoPE, KV cache
-// write, paged attention, SwiGLU and residuals fused into a few loops, the linears as torch's own
-// kernels (dense, int4 or int8: model/quant.py). Built at first use by model/fused.py.
+// The decode step of a dense model as one C++ call: every layer's RMSNorm, q/k/v biases (Qwen2),
+// per-head q/k RMSNorm (Qwen3), RoPE, KV cache write, paged attention (over a sliding window:
+// Mistral), SwiGLU and residuals fused into a few loops, the linears as torch's own kernels
+// (dense, int4 or int8: model/quant.py). Built at first use by model/fused.py. What a model
+// does not have costs nothing: the parts are skipped, and no window means the whole context.
 //
 // Why: at batch 1 an eager step on 2 CPU cores spent ~5 ms of its ~8 in ~1,400 small torch ops
 // (1-12 us each of dispatch and allocation), against ~3 ms in the weights themselves.
@@ -19,6 +21,7 @@
 #include <cstring>
 #include <type_traits>
 #include <limits>
+#include <optional>
 #include <vector>
 
 using at::Tensor;
@@ -199,13 +202,14 @@ struct Batch {
   int64_t width;
 };
 
-// One kv head's rows of one sequence: token t at base(t) + (t % bs) * stride.
+// One kv head's rows of one sequence: token t at base(t) + (t % bs) * stride. The query attends
+// to tokens [first, ctx): first is 0, or ctx - window for sliding-window attention.
 template <typename T>
 struct KV {
   const T* k;
   const T* v;
   const int64_t* table;  // the sequence's block ids
-  int64_t bs, stride, offset, ctx;
+  int64_t bs, stride, offset, first, ctx;
 
   const T* row(const T* cache, int64_t t) const {
     return cache + (table[t / bs] * bs + t % bs) * stride + offset;
@@ -215,33 +219,37 @@ struct KV {
 // The G queries of one kv head (roped, float, G * d) against their sequence's keys and values:
 // scores, softmax, the weighted sum of values into dst (G * d). CH = head_dim / 16 and G are
 // constants, so the queries and accumulators live in registers and each K/V row is loaded and
-// widened once for the whole group.
+// widened once for the whole group. scores[g * padded + t - first] is token t's.
 template <typename T, int CH, int G>
 void attend_group(const float* qf, const KV<T>& kv, float* scores, int64_t padded, float scale,
                   T* dst) {
   f16v q[G][CH], acc[G][CH], row[CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) q[g][c] = load16(qf + g * CH * 16 + 16 * c);
-  for (int64_t t0 = 0; t0 < kv.ctx; t0 += kv.bs) {  // block by block: no division per token
-    const T* k = kv.row(kv.k, t0);
-    for (int64_t t = t0; t < std::min(kv.ctx, t0 + kv.bs); ++t, k += kv.stride) {
+  const int64_t start = kv.first - kv.first % kv.bs, n = kv.ctx - kv.first;
+  // Block by block, no division per token; the first block from `first` on.
+  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
+    const int64_t t1 = std::max(t0, kv.first);
+    const T* k = kv.row(kv.k, t1);
+    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, k += kv.stride) {
       for (int c = 0; c < CH; ++c) row[c] = load16(k + 16 * c);
       for (int g = 0; g < G; ++g) {
         f16v s = q[g][0] * row[0];
         for (int c = 1; c < CH; ++c) s += q[g][c] * row[c];
-        scores[g * padded + t] = hsum(s);
+        scores[g * padded + t - kv.first] = hsum(s);
       }
     }
   }
-  for (int g = 0; g < G; ++g) softmax<T>(scores + g * padded, kv.ctx, scale);
+  for (int g = 0; g < G; ++g) softmax<T>(scores + g * padded, n, scale);
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) acc[g][c] = f16v{};
-  for (int64_t t0 = 0; t0 < kv.ctx; t0 += kv.bs) {
-    const T* v = kv.row(kv.v, t0);
-    for (int64_t t = t0; t < std::min(kv.ctx, t0 + kv.bs); ++t, v += kv.stride) {
+  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
+    const int64_t t1 = std::max(t0, kv.first);
+    const T* v = kv.row(kv.v, t1);
+    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, v += kv.stride) {
       for (int c = 0; c < CH; ++c) row[c] = load16(v + 16 * c);
       for (int g = 0; g < G; ++g) {
-        const float pt = scores[g * padded + t];
+        const float pt = scores[g * padded + t - kv.first];
         for (int c = 0; c < CH; ++c) acc[g][c] += pt * row[c];
       }
     }
@@ -265,11 +273,51 @@ void attend_heads(int64_t group, const float* qf, const KV<T>& kv, float* scores
   }
 }
 
+// x += delta, rounded as eager's add. n % 16 == 0.
+template <typename T>
+void add_into(T* x, const T* delta, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) store16(x + i, load16(x + i) + load16(delta + i));
+}
+
+// A layer's attention parts (model/parts.py), each undefined where its family has none.
+struct AttnParts {
+  Tensor bias;            // ((nh + 2 nkv) d,): QKVBias
+  Tensor q_norm, k_norm;  // (d,) each: HeadQKNorm
+  float eps;
+
+  AttnParts(std::optional<Tensor> bias, std::optional<Tensor> q_norm,
+            std::optional<Tensor> k_norm, double eps)
+      : bias(bias.value_or(Tensor())), q_norm(q_norm.value_or(Tensor())),
+        k_norm(k_norm.value_or(Tensor())), eps(static_cast<float>(eps)) {
+    TORCH_CHECK(this->q_norm.defined() == this->k_norm.defined(),
+                "fused decode: a q norm comes with a k norm");
+  }
+
+  bool any() const { return bias.defined() || q_norm.defined(); }
+};
+
+// The parts on qkv (B, (nh + 2 nkv) d) in place, before RoPE, in parts.py's order: the bias (as
+// eager's add), then RMSNorm of every q head and every k head over its d values (as Qwen3's
+// q_norm/k_norm: rms_rows' rounding is parts.rms'). d % 16 == 0.
+template <typename T>
+void apply_parts(Tensor& qkv, const AttnParts& p, int64_t nh, int64_t nkv, int64_t d) {
+  const int64_t row_len = qkv.size(1);
+  for (int64_t b = 0; b < qkv.size(0); ++b) {
+    T* r = qkv.data_ptr<T>() + b * row_len;
+    if (p.bias.defined()) add_into<T>(r, p.bias.data_ptr<T>(), row_len);
+    if (p.q_norm.defined()) {
+      rms_rows<T>(r, p.q_norm.data_ptr<T>(), r, nh, d, p.eps);  // in place: row by row
+      rms_rows<T>(r + nh * d, p.k_norm.data_ptr<T>(), r + nh * d, nkv, d, p.eps);
+    }
+  }
+}
+
 // RoPE on q and k, k/v written into the caches at the token's slot, then each query attends to
-// its sequence's blocks. qkv (B, (nh + 2 nkv) d) -> out (B, nh d).
+// its sequence's blocks (the last `window` tokens of them where window > 0, as the eager decode
+// mask: keys at positions >= len - window). qkv (B, (nh + 2 nkv) d) -> out (B, nh d).
 template <typename T>
 void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor& kc, Tensor& vc,
-            const Batch& bt, Tensor& out, int64_t nh, int64_t nkv) {
+            const Batch& bt, Tensor& out, int64_t nh, int64_t nkv, int64_t window) {
   const int64_t B = qkv.size(0), d = kc.size(3), bs = kc.size(1), group = nh / nkv;
   const int64_t row_len = (nh + 2 * nkv) * d;
   const T* src = qkv.data_ptr<T>();
@@ -301,12 +349,13 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
     std::vector<float> qf(group * d), scores;
     for (int64_t item = begin; item < end; ++item) {
       int64_t b = item / nkv, h = item % nkv, ctx = bt.lens[b], p = bt.positions[b];
-      const int64_t padded = (ctx + 15) / 16 * 16;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t padded = (ctx - first + 15) / 16 * 16;
       scores.resize(group * padded);
       for (int64_t g = 0; g < group; ++g)  // the group's query heads are adjacent
         rope_head<T>(src + b * row_len + (h * group + g) * d, cos + p * d, sin + p * d,
                      qf.data() + g * d, d);
-      KV<T> kv{kcp, vcp, bt.tables + b * bt.width, bs, stride, h * d, ctx};
+      KV<T> kv{kcp, vcp, bt.tables + b * bt.width, bs, stride, h * d, first, ctx};
       T* dst = o + (b * nh + h * group) * d;
       float* sc = scores.data();
       switch (d) {  // the head size as a constant
@@ -318,12 +367,6 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
       }
     }
   });
-}
-
-// x += delta, rounded as eager's add. n % 16 == 0.
-template <typename T>
-void add_into(T* x, const T* delta, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) store16(x + i, load16(x + i) + load16(delta + i));
 }
 
 // gate_up (B, 2f) -> silu(gate) * up (B, f), rounded as eager: T(T(silu(g)) * u). f % 16 == 0;
@@ -343,15 +386,21 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t f) {
 
 class DecodeModel {
  public:
-  // norms: per layer [attn_norm, mlp_norm]; linears: per layer [qkv, o, gate_up, down].
+  // norms: per layer [attn_norm, mlp_norm]; linears: per layer [qkv, o, gate_up, down]; parts:
+  // per layer; window: sliding-window attention over the last `window` positions (None: all).
   DecodeModel(Tensor embed, Tensor cos, Tensor sin, std::vector<std::vector<Tensor>> norms,
-              std::vector<std::vector<Linear>> linears, Tensor final_norm, Linear lm_head,
-              std::vector<Tensor> k_caches, std::vector<Tensor> v_caches, int64_t num_heads,
-              int64_t num_kv_heads, double eps)
+              std::vector<std::vector<Linear>> linears, std::vector<AttnParts> parts,
+              Tensor final_norm, Linear lm_head, std::vector<Tensor> k_caches,
+              std::vector<Tensor> v_caches, int64_t num_heads, int64_t num_kv_heads, double eps,
+              std::optional<int64_t> window)
       : embed_(embed), cos_(cos), sin_(sin), norms_(std::move(norms)),
-        linears_(std::move(linears)), final_norm_(final_norm), lm_head_(std::move(lm_head)),
-        k_(std::move(k_caches)), v_(std::move(v_caches)), nh_(num_heads), nkv_(num_kv_heads),
-        eps_(static_cast<float>(eps)) {}
+        linears_(std::move(linears)), parts_(std::move(parts)), final_norm_(final_norm),
+        lm_head_(std::move(lm_head)), k_(std::move(k_caches)), v_(std::move(v_caches)),
+        nh_(num_heads), nkv_(num_kv_heads), eps_(static_cast<float>(eps)),
+        window_(window.value_or(0)) {
+    TORCH_CHECK(parts_.size() == linears_.size(), "fused decode: one AttnParts per layer");
+    TORCH_CHECK(window_ >= 0, "fused decode: the sliding window must be positive");
+  }
 
   // Logits (B, V) float32 of one decode token per sequence; writes their K/V into the caches.
   Tensor forward(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens) {
@@ -378,7 +427,8 @@ class DecodeModel {
       const auto& lin = linears_[l];
       rms_rows<T>(x.data_ptr<T>(), norms_[l][0].data_ptr<T>(), h.data_ptr<T>(), B, n, eps_);
       Tensor qkv = lin[0](h).contiguous();
-      attend<T>(qkv, cos_, sin_, k_[l], v_[l], bt, attn, nh_, nkv_);
+      if (parts_[l].any()) apply_parts<T>(qkv, parts_[l], nh_, nkv_, k_[l].size(3));
+      attend<T>(qkv, cos_, sin_, k_[l], v_[l], bt, attn, nh_, nkv_, window_);
       add_into<T>(x.data_ptr<T>(), lin[1](attn).contiguous().data_ptr<T>(), B * n);
       rms_rows<T>(x.data_ptr<T>(), norms_[l][1].data_ptr<T>(), h.data_ptr<T>(), B, n, eps_);
       Tensor gu = lin[2](h).contiguous();
@@ -394,11 +444,13 @@ class DecodeModel {
   Tensor embed_, cos_, sin_;
   std::vector<std::vector<Tensor>> norms_;
   std::vector<std::vector<Linear>> linears_;
+  std::vector<AttnParts> parts_;
   Tensor final_norm_;
   Linear lm_head_;
   std::vector<Tensor> k_, v_;
   int64_t nh_, nkv_;
   float eps_;
+  int64_t window_;  // 0: every position
 };
 
 }  // namespace
@@ -406,9 +458,13 @@ class DecodeModel {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>>());
+  py::class_<AttnParts>(m, "AttnParts")
+      .def(py::init<std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
+                    double>());
   py::class_<DecodeModel>(m, "DecodeModel")
       .def(py::init<Tensor, Tensor, Tensor, std::vector<std::vector<Tensor>>,
-                    std::vector<std::vector<Linear>>, Tensor, Linear, std::vector<Tensor>,
-                    std::vector<Tensor>, int64_t, int64_t, double>())
+                    std::vector<std::vector<Linear>>, std::vector<AttnParts>, Tensor, Linear,
+                    std::vector<Tensor>, std::vector<Tensor>, int64_t, int64_t, double,
+                    std::optional<int64_t>>())
       .def("forward", &DecodeModel::forward, py::call_guard<py::gil_scoped_release>());
 }

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.model.fused import unfused_parts
 from pdserve.model.parts import HeadQKNorm, QKVBias, SwiGLU
 
 
 class Llama:
     """The shared decoder's defaults: plain attention (q/k/v biases where the checkpoint has
     them, as Llama's `attention_bias`), a SwiGLU MLP; the fused decode step and tensor
-    parallelism serve it."""
+    parallelism serve it and every dense family below."""
 
     name = "llama"
     gguf_permuted_qk = True  # llama.cpp's converter permutes q/k rows for this family only
@@ -39,14 +40,10 @@ class Llama:
         return SwiGLU(w, p + "mlp.")
 
     def eager_reason(self, cfg, layers) -> str | None:
-        """Why the fused C++ decode step (Llama layers: no attention parts, one SwiGLU, full
-        attention) cannot serve this model built as `layers` (None: it can)."""
-        if cfg.sliding_window is not None:
-            return f"sliding-window attention ({cfg.sliding_window})"
-        parts = sorted({type(part).__name__ for layer in layers for part in layer.qkv_parts})
-        if parts:
-            return f"the fused step has no {', '.join(parts)}"
-        return None
+        """Why the fused C++ decode step (one SwiGLU per layer; q/k/v biases, per-head q/k
+        RMSNorm, full or sliding-window attention) cannot serve this model built as `layers`
+        (None: it can)."""
+        return next(filter(None, (unfused_parts(layer.qkv_parts) for layer in layers)), None)
 
     def tp_refusal(self, cfg) -> str | None:
         """Why this model cannot run tensor-parallel (None: it can)."""

@@ -3,7 +3,8 @@ bf16, with llama.cpp's own perplexity of the same GGUF as the reference to beat.
 
 Perplexity as llama-perplexity computes it: the text's tokens cut into chunks of --ctx (512),
 each scored on its second half. The text is fed 8 tokens a step, so every linear and the
-lm_head run their decode-size (quantized) kernels, not the dense copies prefills use. Greedy:
+lm_head run their decode-size (quantized) kernels; the "prefill steps" rows feed each chunk
+whole, as a prefill, through the dense copies or int8 activations (model/act_quant.py). Greedy:
 --max-tokens tokens from each of a fixed prompt set through the engine (the fused decode step),
 compared token by token with bf16's.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -25,10 +27,21 @@ from pathlib import Path
 
 import torch
 
+from pdserve.envs import INT8_ACT_ROWS
+
 HERE = Path(__file__).resolve().parent
 TEXT = HERE / "data" / "held_text.txt"
-FORMATS = ("bf16", "int8", "int4")
 STEP = 8  # tokens per step, at most: fewer where a quantized kernel runs only to fewer rows
+# (label, --weights, --int8-activations, tokens per step: STEP, or None for whole chunks as a
+# prefill computes them: above the quantized kernels' rows, int8 activations or the dense copy)
+VARIANTS = (
+    ("bf16", "bf16", "off", STEP),
+    ("int8", "int8", "off", STEP),
+    ("int4", "int4", "off", STEP),
+    ("int4, prefill steps, dense copy", "int4", "off", None),
+    ("int4, prefill steps, int8 activations", "int4", "on", None),
+)
+BARS = {"bf16": "-", "int8": "<= +1 %", "int4": "<= +3 %"}
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -46,7 +59,7 @@ def quantized_linears(model) -> list:
     return [x for x in [*model.linears(), model.lm_head] if x.max_rows > 0]
 
 
-def chunk_nll(llm, ids: list[int]) -> tuple[float, int]:
+def chunk_nll(llm, ids: list[int], step: int | None = STEP) -> tuple[float, int]:
     """Summed negative log-likelihood of ids[n/2 + 1:] given what precedes, and its count."""
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.scheduler import ScheduledBatch
@@ -56,7 +69,10 @@ def chunk_nll(llm, ids: list[int]) -> tuple[float, int]:
     seq = Sequence("ppl", ids, SamplingParams(max_tokens=1))
     assert bm.allocate(seq)
     logits = []
-    step = min([STEP] + [x.max_rows for x in quantized_linears(runner.model)])
+    if step is None:
+        step = len(ids)
+    else:
+        step = min([step] + [x.max_rows for x in quantized_linears(runner.model)])
     try:
         with torch.inference_mode():
             for start in range(0, len(ids), step):
@@ -72,10 +88,10 @@ def chunk_nll(llm, ids: list[int]) -> tuple[float, int]:
     return -logp.gather(1, target[:, None]).sum().item(), len(target)
 
 
-def perplexity(llm, tokens: list[int], ctx: int, chunks: int) -> float:
+def perplexity(llm, tokens: list[int], ctx: int, chunks: int, step: int | None = STEP) -> float:
     nll, count = 0.0, 0
     for c in range(min(chunks, len(tokens) // ctx)):
-        s, n = chunk_nll(llm, tokens[c * ctx : (c + 1) * ctx])
+        s, n = chunk_nll(llm, tokens[c * ctx : (c + 1) * ctx], step)
         nll, count = nll + s, count + n
     return math.exp(nll / count)
 
@@ -132,15 +148,18 @@ def main() -> int:
     from pdserve import LLM
 
     rows, ref_tokens = {}, None
-    for fmt in FORMATS:
-        llm = LLM(weights=fmt, dtype=args.dtype, num_threads=args.threads)
+    for label, fmt, act, step in VARIANTS:
+        if act == "on":  # every step above the quantized kernels' rows, whatever is faster
+            os.environ[INT8_ACT_ROWS] = str(1 << 30)
+        llm = LLM(weights=fmt, dtype=args.dtype, num_threads=args.threads, int8_activations=act)
+        os.environ.pop(INT8_ACT_ROWS, None)
         tokens = llm.tokenizer.encode(TEXT.read_text())
-        ppl = perplexity(llm, tokens, args.ctx, args.chunks)
+        ppl = perplexity(llm, tokens, args.ctx, args.chunks, step)
         toks = greedy(llm, args.max_tokens)
         ref_tokens = ref_tokens or toks
         same, prefix = agreement(toks, ref_tokens)
-        rows[fmt] = {"ppl": ppl, "greedy_identical": same, "greedy_prefix": prefix}
-        print(f"{fmt}: ppl {ppl:.4f}, greedy identical {same}/{len(PROMPTS)}", flush=True)
+        rows[label] = {"ppl": ppl, "greedy_identical": same, "greedy_prefix": prefix}
+        print(f"{label}: ppl {ppl:.4f}, greedy identical {same}/{len(PROMPTS)}", flush=True)
         path = llm.engine.files.path
         del llm
     ref = None if args.no_llama_cpp else llama_cpp_ppl(path, args.threads, args.ctx, args.chunks)
@@ -154,7 +173,7 @@ def main() -> int:
     )
     print("|---|---|---|---|---|---|")
     for fmt, r in rows.items():
-        bar = {"bf16": "-", "int8": "<= +1 %", "int4": "<= +3 %"}[fmt]
+        bar = BARS[fmt.split(",")[0]]
         print(
             f"| {fmt} | {r['ppl']:.4f} | {100 * (r['ppl'] / base - 1):+.2f} % | {bar} | "
             f"{r['greedy_identical']}/{len(PROMPTS)} | {r['greedy_prefix']:.1f} tokens |"

@@ -87,6 +87,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     weights: str = "auto"  # auto | bf16 | int8 | int4: see model/quant.py
+    int8_activations: str = "off"  # off | on: model/act_quant.py
     enforce_eager: bool = False  # True: no compiled decode step (debugging)
     role: str = "both"
     block_size: int = 16
@@ -121,6 +122,8 @@ class EngineConfig:
             )
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be auto, bf16, int8 or int4, got {self.weights!r}")
+        if self.int8_activations not in ("off", "on"):
+            raise ValueError(f"int8_activations must be off or on, got {self.int8_activations!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.chunk_size is not None and self.chunk_size < 1:

@@ -21,6 +21,7 @@ KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 KERNEL_CACHE_ENTRIES = 64
 MODEL = "PDSERVE_MODEL"
 QUANT_MAX_ROWS = "PDSERVE_QUANT_MAX_ROWS"
+INT8_ACT_ROWS = "PDSERVE_INT8_ACT_ROWS"
 NIXL_LOG_LEVEL = "NIXL_LOG_LEVEL"
 # OpenTelemetry's own variables (read by its SDK too: OTEL_TRACES_SAMPLER, OTEL_BSP_*, ...)
 OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
@@ -56,11 +57,22 @@ def cache_dir() -> Path:
 def quant_max_rows() -> int | None:
     """`PDSERVE_QUANT_MAX_ROWS`: rows up to which every quantized linear uses its quantized
     kernel (unset: measured per machine and shape, model/kernel_rows.py)."""
-    value = os.environ.get(QUANT_MAX_ROWS)
+    return _rows(QUANT_MAX_ROWS)
+
+
+def int8_act_rows() -> int | None:
+    """`PDSERVE_INT8_ACT_ROWS`: rows up to which a quantized linear runs int8 activations above
+    its quantized kernel's rows (model/act_quant.py; unset: measured, or none at all when
+    `PDSERVE_QUANT_MAX_ROWS` fixes the quantized kernel's rows)."""
+    return _rows(INT8_ACT_ROWS)
+
+
+def _rows(name: str) -> int | None:
+    value = os.environ.get(name)
     if not value:
         return None
     if not value.isdigit():
-        raise ValueError(f"{QUANT_MAX_ROWS} must be a whole number of rows, got {value!r}")
+        raise ValueError(f"{name} must be a whole number of rows, got {value!r}")
     return int(value)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from pdserve.config import EngineConfig, ModelConfig
@@ -84,3 +86,10 @@ def run_to_completion(engine, prompts, params: SamplingParams) -> list[list[int]
     while engine.has_work():
         engine.step()
     return [s.output_token_ids for s in seqs]
+
+
+def spin(us: float) -> None:
+    """Busy-wait `us` microseconds: a fake kernel of a known cost for the kernel-choice tests."""
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass

@@ -11,7 +11,7 @@ import torch
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.sampler import token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.model import quant
+from pdserve.model import act_quant, quant
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from pdserve.model.fused import FusedDecode
 from pdserve.model.llama import LlamaModel
@@ -73,6 +73,12 @@ class ModelRunner:
                              for _ in range(mc.num_layers)]  # fmt: skip
             self.rank_caches = [(self.k_caches, self.v_caches)]
         self.kv_caches = list(zip(self.k_caches, self.v_caches, strict=True))
+        if self._wants_int8_activations():  # the many-row steps' kernel: model/act_quant.py
+            ids = act_quant.calibration_ids(files.path, self.model_config.vocab_size)
+            used = act_quant.apply(self, ids, self.kernel_rows)
+            self.activations = f"int8 for big steps ({used} linears)" if used else "dense"
+        else:
+            self.activations = "dense"
         # decode_path says which decode step runs, and why (the worker's ready line)
         self.fused, self.decode_path = self._fused_decode()
 
@@ -133,9 +139,24 @@ class ModelRunner:
             from pdserve.model.kernel_rows import KernelRows
 
             rows = KernelRows(self.dtype)
+        self.kernel_rows = rows
         quant.quantize_model(self.model, fmt, blocks, rows)
         log.info("weights: %s", fmt)
         return fmt
+
+    def _wants_int8_activations(self) -> bool:
+        """`--int8-activations on`: for quantized weights on CPU, one engine process (a
+        tensor-parallel rank holds slices, calibrated nowhere), where torch has int8 GEMMs."""
+        if self.config.int8_activations == "on" and (self.weights == "bf16" or self.tp):
+            log.warning("--int8-activations on applies to int8/int4 weights on one CPU process "
+                        "(not bf16 weights, not tensor-parallel ranks): not used")  # fmt: skip
+        return (
+            self.config.int8_activations == "on"
+            and self.weights != "bf16"
+            and self.device.type == "cpu"
+            and self.tp is None
+            and act_quant.supported()
+        )
 
     @property
     def block_bytes(self) -> int:

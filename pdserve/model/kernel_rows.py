@@ -33,6 +33,9 @@ LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # row counts timed, in order
 MIN_CALLS, MAX_CALLS = 20, 400  # timed calls of each kernel per row count
 BUDGET_S = 0.1  # beyond MIN_CALLS, time spent per row count
 MARGIN = 0.97  # the quantized kernel must be at least 3 % faster to be chosen
+# row counts timed for int8 activations (model/act_quant.py), and "every count" past its top
+A8_LADDER = (*LADDER, 128, 256, 512, 1024)
+ALL_ROWS = 1 << 30
 
 
 def machine_key(dtype: torch.dtype, threads: int) -> str:
@@ -44,14 +47,16 @@ def table_path(dtype: torch.dtype, threads: int) -> Path:
     return envs.cache_dir() / "kernels" / f"{machine_key(dtype, threads)}.json"
 
 
-def _best_pair_us(quantized, dense, x: torch.Tensor) -> tuple[float, float]:
+def _best_pair_us(
+    quantized, dense, x: torch.Tensor, min_calls: int = MIN_CALLS
+) -> tuple[float, float]:
     """The least time of each kernel over calls made in turn (q, d, q, d, ...): a burst of
     load on a shared machine slows both, and noise only ever adds, so the least is the
-    kernel's own time. At least MIN_CALLS of each, then until BUDGET_S has passed."""
+    kernel's own time. At least `min_calls` of each, then until BUDGET_S has passed."""
     quantized(x), dense(x)  # the first calls may pick or build the kernels
     best_q = best_d = float("inf")
     start, calls = time.perf_counter(), 0
-    while calls < MIN_CALLS or (time.perf_counter() - start < BUDGET_S and calls < MAX_CALLS):
+    while calls < min_calls or (time.perf_counter() - start < BUDGET_S and calls < MAX_CALLS):
         t0 = time.perf_counter()
         quantized(x)
         t1 = time.perf_counter()
@@ -78,6 +83,38 @@ def measure(dense, quantized, in_features: int, dtype: torch.dtype) -> int:
     return best
 
 
+def measure_a8(dense, quantized, a8, q_rows: int, in_features: int, dtype) -> tuple[int, int, int]:
+    """(rows of the quantized kernel, first and last rows of int8 activations): the quantized
+    kernel keeps its `q_rows`; above, every count of A8_LADDER is timed (a few rows may favour
+    the dense GEMM, whose fixed cost is lower, and many rows int8), and int8 activations get
+    the longest run of counts where they beat it (to `ALL_ROWS` when the run reaches the
+    ladder's top; (q_rows, 0, 0): none). A timing here runs one weight again and again, from
+    the cache; a model's step streams every layer's weights from memory, where int4's half
+    the bytes of int8 win the few-row steps that int8 wins here (SmolLM2, 1 row, Zen 5:
+    int8 activations 25 vs int4 39 us timed alone, yet decode 141-161 vs 177-203 tok/s), so
+    int8 never takes rows from the quantized kernel."""
+    best_q = q_rows  # not lowered where int8 wins a timing: see the docstring
+    counts = [r for r in A8_LADDER if r > best_q]
+    wins = []
+    for rows in counts:
+        x = torch.randn(rows, in_features).to(dtype)
+        a_us, d_us = _best_pair_us(a8, dense, x, min_calls=3 if rows > 64 else MIN_CALLS)
+        wins.append(a_us < d_us * MARGIN)
+    best, run = (0, 0), None  # (first, last) index into counts of the longest winning run
+    for i, won in enumerate([*wins, False]):
+        if won and run is None:
+            run = i
+        elif not won and run is not None:
+            if i - run > best[1] - best[0]:
+                best = (run, i)
+            run = None
+    if best == (0, 0):
+        return q_rows, 0, 0
+    first = counts[best[0] - 1] + 1 if best[0] > 0 else best_q + 1
+    last = ALL_ROWS if best[1] == len(counts) else counts[best[1] - 1]
+    return best_q, first, last
+
+
 class KernelRows:
     """This machine's table: (format, N, K) -> max rows, measured on first use and saved."""
 
@@ -86,7 +123,7 @@ class KernelRows:
         self.threads = threads or torch.get_num_threads()
         self.path = table_path(dtype, self.threads)
         self.fixed = envs.quant_max_rows()
-        self.table: dict[str, int] = {}
+        self.table: dict[str, int | list[int]] = {}
         if self.path.exists():
             try:
                 self.table = json.loads(self.path.read_text())["max_rows"]
@@ -107,6 +144,28 @@ class KernelRows:
             log.info("%s: quantized kernel up to %d rows on this machine (measured in %.1f s)",
                      name, self.table[name], time.perf_counter() - start)  # fmt: skip
         return self.table[name]
+
+    def a8_rows(self, fmt: str, layer) -> tuple[int, int, int]:
+        """(max_rows, first, last rows of int8 activations) for the quantized linear `layer`
+        with its int8 activations (`layer.a8`): see measure_a8."""
+        fixed_a8 = envs.int8_act_rows()
+        if self.fixed is not None or fixed_a8 is not None:
+            q_rows = self.max_rows(fmt, layer)
+            return (q_rows, q_rows + 1, fixed_a8) if fixed_a8 else (q_rows, 0, 0)
+        n, k = layer.weight.shape
+        name = f"a8:{fmt}:{n}x{k}"
+        if name not in self.table:
+            start = time.perf_counter()
+            q_rows = self.max_rows(fmt, layer)
+            self.table[name] = measure_a8(
+                layer.dense_mm, layer.quantized_mm, layer.a8, q_rows, k, self.dtype
+            )
+            self.measured.append(name)
+            log.info("%s: quantized kernel up to %d rows, int8 activations from %d to %d "
+                     "(measured in %.1f s)", name, *self.table[name],
+                     time.perf_counter() - start)  # fmt: skip
+        q_rows, first, last = self.table[name]
+        return q_rows, first, last
 
     def save(self) -> None:
         """Write the table if this process measured anything (atomically: engines that start
@@ -134,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--remeasure", action="store_true", help="forget the cached tables first")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from pdserve.model import quant
+    from pdserve.model import act_quant, quant
     from pdserve.model.llama import LlamaModel
     from pdserve.model.loader import load_int4_blocks, load_model_files
 
@@ -149,7 +208,15 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(n)
         if args.remeasure:
             table_path(dtype, n).unlink(missing_ok=True)
-        quant.set_kernel_rows(model, KernelRows(dtype, n))
+        rows = KernelRows(dtype, n)
+        quant.set_kernel_rows(model, rows)
+        if act_quant.supported():  # the timings need no calibration: any smoothing will do
+            for lin in [*model.linears(), model.lm_head]:
+                if not isinstance(lin, quant._Quantized):
+                    continue
+                lin.a8 = act_quant.Int8Activations(lin.weight, None)
+                rows.a8_rows(lin.format, lin)
+            rows.save()
         print(f"{fmt}, {n} thread(s): {table_path(dtype, n)}", flush=True)
     torch.set_num_threads(cores)
 

@@ -19,7 +19,8 @@ layers of linears, 2 threads) bf16 / int8 / int4 took, in ms, 9.4 / 4.0 / 2.4 at
 bf16 / int4: 10.4 / 6.0 at 8 rows, 12.1 / 10.9 at 16, 14.0 / 15.8 at 24; the lm_head
 (49,152 x 576), bf16 / int8: 1.81 / 0.58 at 1 row, 2.45 / 3.19 at 16. On a Zen 5 EPYC the
 dense GEMM won from 8-16 rows (the MLP's gate_up at 16 rows: 123 vs 219 us).
-Prefills stay on dense GEMMs.
+Above those rows, int8 activations (model/act_quant.py) take over from the dense copy where
+this machine runs them faster: prefills and big decode batches.
 """
 
 from __future__ import annotations
@@ -72,20 +73,40 @@ class Dense:
         """The quantized kernel's tensors (none for a dense linear)."""
         return ()
 
-    def kernel_spec(self) -> tuple[int, int, list[torch.Tensor]]:
-        """(kind, max_rows, [weight, *packed]) for the fused decode step's `Linear`."""
-        return self.kind, self.max_rows, [self.weight, *self.packed]
+    def kernel_spec(self) -> tuple:
+        """(kind, max_rows, [weight, *packed], first and last rows of int8 activations,
+        [their tensors]) for the fused decode step's `Linear`."""
+        return self.kind, self.max_rows, [self.weight, *self.packed], 0, 0, []
 
 
 class _Quantized(Dense):
-    """A quantized kernel for inputs of up to `max_rows` rows, the dense weight above."""
+    """A quantized kernel for inputs of up to `max_rows` rows; above, int8 activations (`a8`,
+    model/act_quant.py) up to `a8_rows` rows when the model has them, the dense weight beyond."""
+
+    a8 = None  # act_quant.Int8Activations, once calibrated
+    a8_rows = (0, 0)  # the first and last row counts it runs
+    calib_amax = None  # while calibrating: the largest |x| per input channel seen
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
         self.max_rows = MAX_ROWS[self.format]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) if x.shape[0] > self.max_rows else self.quantized_mm(x)
+        rows = x.shape[0]
+        if self.calib_amax is not None:
+            torch.maximum(self.calib_amax, x.detach().abs().amax(0).float(), out=self.calib_amax)
+            return F.linear(x, self.weight)
+        if rows <= self.max_rows:
+            return self.quantized_mm(x)
+        if self.a8_rows[0] <= rows <= self.a8_rows[1]:
+            return self.a8(x)
+        return F.linear(x, self.weight)
+
+    def kernel_spec(self):
+        dense = [self.weight, *self.packed]
+        if self.a8 is None or not self.a8_rows[1]:
+            return self.kind, self.max_rows, dense, 0, 0, []
+        return self.kind, self.max_rows, dense, *self.a8_rows, self.a8.tensors
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -252,6 +252,7 @@ class Worker:
         runner = self.engine.runner
         print(
             f"worker {self.config.worker_id} ({self.role}) ready: weights {runner.weights}, "
+            f"activations {runner.activations}, "
             f"decode {runner.decode_path}",
             flush=True,
         )

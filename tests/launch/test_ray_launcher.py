@@ -99,10 +99,12 @@ class TestOneRayDeployment:
         [(victim, pid)] = killed
         assert (out.kind, out.text) == ("ok", expected.text)
         back = wait_until(
-            lambda: (w := ray_server.health()["workers"].get(victim))
-            and w["pid"] != pid
-            and "prefix_query_tokens" in w  # its first load report has arrived
-            and w,
+            lambda: (
+                (w := ray_server.health()["workers"].get(victim))
+                and w["pid"] != pid
+                and "prefix_query_tokens" in w  # its first load report has arrived
+                and w
+            ),
             120,
             f"Ray to restart {victim}, it to register again and report its load",
         )

@@ -4,36 +4,28 @@ each quantized linear of a model."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-from factories import make_model_config, make_model_files
+from factories import make_model_config, make_model_files, spin
 
 from pdserve.model import kernel_rows, quant
 from pdserve.model.kernel_rows import KernelRows, measure
 from pdserve.model.llama import LlamaModel
 
 
-def _spin(us: float) -> None:
-    end = time.perf_counter() + us / 1e6
-    while time.perf_counter() < end:
-        pass
-
-
 def test_the_crossover_is_the_last_row_count_where_the_quantized_kernel_wins():
     # quantized: 100 us per row; dense: 1,000 us whatever the rows -> wins up to 9 rows
     def quantized(x):
-        _spin(100 * x.shape[0])
+        spin(100 * x.shape[0])
 
     def dense(x):
-        _spin(1000)
+        spin(1000)
 
     assert measure(dense, quantized, 8, torch.float32) == 8  # the ladder's last count below 10
 
 
 def test_a_quantized_kernel_that_never_wins_gets_zero_rows():
-    assert measure(lambda x: None, lambda x: _spin(200), 8, torch.float32) == 0
+    assert measure(lambda x: None, lambda x: spin(200), 8, torch.float32) == 0
 
 
 @pytest.fixture

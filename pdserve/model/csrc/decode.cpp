@@ -28,22 +28,6 @@ using at::Tensor;
 
 namespace {
 
-// One linear layer: kind 0 dense [w]; 1 int4 [w, packed, scales_zeros]; 2 int8 [w, q, scales].
-// The quantized kernels are used up to `max_rows` input rows, the dense weight above.
-struct Linear {
-  int64_t kind;
-  int64_t max_rows;
-  std::vector<Tensor> t;
-
-  Linear(int64_t kind, int64_t max_rows, std::vector<Tensor> t)
-      : kind(kind), max_rows(max_rows), t(std::move(t)) {}
-
-  Tensor operator()(const Tensor& x) const {
-    if (kind == 0 || x.size(0) > max_rows) return at::linear(x, t[0]);
-    if (kind == 1) return at::_weight_int4pack_mm_for_cpu(x, t[1], 32, t[2]);
-    return at::_weight_int8pack_mm(x, t[1], t[2]);
-  }
-};
 
 template <typename T>
 inline T round_to(float v) {
@@ -91,6 +75,7 @@ inline float hsum(f16v v) {  // halving: two vector adds, then four scalars
 }
 #endif
 
+
 // 16 values rounded to T's precision (round to nearest even, as a cast to bf16; scores and
 // probabilities are finite, so no NaN case).
 template <typename T>
@@ -116,6 +101,157 @@ inline void store16(c10::BFloat16* p, f16v v) {
   u16v h = __builtin_convertvector(b >> 16, u16v);
   std::memcpy(p, &h, sizeof h);
 }
+
+// Int8 activations (model/act_quant.py, whose torch code is the reference: the same float
+// operations in the same order, so both give the same bits). quantize_rows: x (M, K) times
+// inv_smooth (K) -> q (M, K) int8 and s (M, 1), per row s = max(max|x * inv| / 127, 1e-12) and
+// q = rint(x * inv / s) (half to even, as torch.round). dequantize_rows: acc (M, N) int32 ->
+// acc * s * scales (N), rounded to T (to nearest even, as a cast to bf16).
+inline float as_float(float v) { return v; }
+inline float as_float(c10::BFloat16 v) {
+  uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void store_as(float* p, float v) { *p = v; }
+inline void store_as(c10::BFloat16* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  p->x = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+typedef int8_t i8v16 __attribute__((vector_size(16)));
+
+// Round to the nearest integer, half to even (as rint in the default rounding mode): adding
+// and taking away 1.5 * 2^23 leaves the integer part for |v| < 2^22 (int8 values here).
+inline f16v rint16(f16v v) {
+  const float magic = 12582912.f;
+  return (v + magic) - magic;
+}
+
+template <typename T>
+void quantize_rows_impl(const T* x, const float* inv, int8_t* q, float* s, int64_t m, int64_t k) {
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(k);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * k;
+      int64_t j = 0;
+      f16v vmax = {};
+      for (; j + 16 <= k; j += 16) {
+        f16v v = load16(xr + j) * load16(inv + j);
+        std::memcpy(row.data() + j, &v, sizeof v);
+        f16v a = v < 0 ? -v : v;
+        vmax = vmax > a ? vmax : a;
+      }
+      float amax = 0.f;
+      for (int i = 0; i < 16; ++i) amax = std::max(amax, vmax[i]);
+      for (; j < k; ++j) {
+        row[j] = as_float(xr[j]) * inv[j];
+        amax = std::max(amax, std::fabs(row[j]));
+      }
+      const float scale = std::max(amax / 127.f, 1e-12f);
+      s[r] = scale;
+      int8_t* qr = q + r * k;
+      j = 0;
+      for (; j + 16 <= k; j += 16) {
+        i32v iv = __builtin_convertvector(rint16(load16(row.data() + j) / scale), i32v);
+        i8v16 b = __builtin_convertvector(iv, i8v16);
+        std::memcpy(qr + j, &b, sizeof b);
+      }
+      for (; j < k; ++j) qr[j] = static_cast<int8_t>(std::rint(row[j] / scale));
+    }
+  });
+}
+
+std::vector<Tensor> quantize_rows(const Tensor& x_in, const Tensor& inv) {
+  const Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  Tensor s = at::empty({m, 1}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kBFloat16) {
+    quantize_rows_impl(x.data_ptr<c10::BFloat16>(), inv.data_ptr<float>(), q.data_ptr<int8_t>(),
+                       s.data_ptr<float>(), m, k);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "quantize_rows: float32 or bf16 rows");
+    quantize_rows_impl(x.data_ptr<float>(), inv.data_ptr<float>(), q.data_ptr<int8_t>(),
+                       s.data_ptr<float>(), m, k);
+  }
+  return {q, s};
+}
+
+template <typename T>
+void dequantize_rows_impl(const int32_t* acc, const float* s, const float* scales, T* out,
+                          int64_t m, int64_t n) {
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* ar = acc + r * n;
+      T* orow = out + r * n;
+      int64_t c = 0;
+      for (; c + 16 <= n; c += 16) {
+        i32v a;
+        std::memcpy(&a, ar + c, sizeof a);
+        store16(orow + c, __builtin_convertvector(a, f16v) * s[r] * load16(scales + c));
+      }
+      for (; c < n; ++c) store_as(orow + c, static_cast<float>(ar[c]) * s[r] * scales[c]);
+    }
+  });
+}
+
+Tensor dequantize_rows(const Tensor& acc_in, const Tensor& s, const Tensor& scales, bool bf16) {
+  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  const Tensor acc = acc_in.contiguous();
+  const int64_t m = acc.size(0), n = acc.size(1);
+  Tensor out = at::empty({m, n}, acc.options().dtype(dtype));
+  if (dtype == at::kBFloat16) {
+    dequantize_rows_impl(acc.data_ptr<int32_t>(), s.data_ptr<float>(), scales.data_ptr<float>(),
+                         out.data_ptr<c10::BFloat16>(), m, n);
+  } else {
+    TORCH_CHECK(dtype == at::kFloat, "dequantize_rows: float32 or bf16 out");
+    dequantize_rows_impl(acc.data_ptr<int32_t>(), s.data_ptr<float>(), scales.data_ptr<float>(),
+                         out.data_ptr<float>(), m, n);
+  }
+  return out;
+}
+
+// One linear layer: kind 0 dense [w]; 1 int4 [w, packed, scales_zeros]; 2 int8 [w, q, scales].
+// The quantized kernels are used up to `max_rows` input rows; from `a8_first` to `a8_last`
+// rows, int8 activations [q (N, K) int8, scales (N,), inv_smooth (K,)] (model/act_quant.py,
+// the same arithmetic); the dense weight otherwise.
+struct Linear {
+  int64_t kind;
+  int64_t max_rows;
+  std::vector<Tensor> t;
+  int64_t a8_first, a8_last;
+  std::vector<Tensor> a8;
+
+  Linear(int64_t kind, int64_t max_rows, std::vector<Tensor> t, int64_t a8_first,
+         int64_t a8_last, std::vector<Tensor> a8)
+      : kind(kind),
+        max_rows(max_rows),
+        t(std::move(t)),
+        a8_first(a8_first),
+        a8_last(a8_last),
+        a8(std::move(a8)) {}
+
+  Tensor operator()(const Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (kind != 0 && rows <= max_rows) {
+      if (kind == 1) return at::_weight_int4pack_mm_for_cpu(x, t[1], 32, t[2]);
+      return at::_weight_int8pack_mm(x, t[1], t[2]);
+    }
+    if (a8_first <= rows && rows <= a8_last) return int8_activations(x);
+    return at::linear(x, t[0]);
+  }
+
+  Tensor int8_activations(const Tensor& x) const {
+    auto qs = quantize_rows(x, a8[2]);
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                "int8 activations: float32 or bf16 rows");
+    return dequantize_rows(at::_int_mm(qs[0], a8[0].t()), qs[1], a8[1],
+                           x.scalar_type() == at::kBFloat16);
+  }
+};
 
 // exp of 16 floats (Cephes' expf polynomial, ~1 ulp), x clamped to [-87.3, 88].
 inline f16v exp_vec(f16v x) {
@@ -456,8 +592,11 @@ class DecodeModel {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_rows", &quantize_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
-      .def(py::init<int64_t, int64_t, std::vector<Tensor>>());
+      .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,
+                    std::vector<Tensor>>());
   py::class_<AttnParts>(m, "AttnParts")
       .def(py::init<std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
                     double>());

@@ -252,8 +252,8 @@ class Worker:
         runner = self.engine.runner
         print(
             f"worker {self.config.worker_id} ({self.role}) ready: weights {runner.weights}, "
-            f"activations {runner.activations}, "
-            f"decode {runner.decode_path}",
+            f"decode {runner.decode_path}"
+            + (f", activations {runner.activations}" if runner.activations != "dense" else ""),
             flush=True,
         )
         next_beat = next_trim = 0.0

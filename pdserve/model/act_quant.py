@@ -152,8 +152,7 @@ def apply(runner, tokenizer_ids: list[int], rows) -> int:
     it runs (`rows`: kernel_rows.KernelRows); returns how many linears use it."""
     from pdserve.model import quant
 
-    model = runner.model
-    linears = [x for x in [*model.linears(), model.lm_head] if isinstance(x, quant._Quantized)]
+    linears = quant.quantized_linears(runner.model)
     start = time.perf_counter()
     amax = calibrate(runner, tokenizer_ids, linears)
     used = 0
@@ -164,7 +163,7 @@ def apply(runner, tokenizer_ids: list[int], rows) -> int:
     calibrated = time.perf_counter() - start
     for lin in linears:
         if lin.a8 is not None and rows is not None:
-            lin.max_rows, *lin.a8_rows = rows.a8_rows(lin.format, lin)
+            lin.a8_rows = rows.a8_rows(lin.format, lin)
         used += lin.a8 is not None and lin.a8_rows[1] > 0
     if rows is not None:
         rows.save()

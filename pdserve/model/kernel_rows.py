@@ -83,18 +83,17 @@ def measure(dense, quantized, in_features: int, dtype: torch.dtype) -> int:
     return best
 
 
-def measure_a8(dense, quantized, a8, q_rows: int, in_features: int, dtype) -> tuple[int, int, int]:
-    """(rows of the quantized kernel, first and last rows of int8 activations): the quantized
-    kernel keeps its `q_rows`; above, every count of A8_LADDER is timed (a few rows may favour
+def measure_a8(dense, a8, q_rows: int, in_features: int, dtype) -> tuple[int, int]:
+    """(first, last rows of int8 activations) above the quantized kernel's `q_rows`: every
+    count of A8_LADDER above them is timed (a few rows may favour
     the dense GEMM, whose fixed cost is lower, and many rows int8), and int8 activations get
     the longest run of counts where they beat it (to `ALL_ROWS` when the run reaches the
-    ladder's top; (q_rows, 0, 0): none). A timing here runs one weight again and again, from
+    ladder's top; (0, 0): none). A timing here runs one weight again and again, from
     the cache; a model's step streams every layer's weights from memory, where int4's half
     the bytes of int8 win the few-row steps that int8 wins here (SmolLM2, 1 row, Zen 5:
     int8 activations 25 vs int4 39 us timed alone, yet decode 141-161 vs 177-203 tok/s), so
     int8 never takes rows from the quantized kernel."""
-    best_q = q_rows  # not lowered where int8 wins a timing: see the docstring
-    counts = [r for r in A8_LADDER if r > best_q]
+    counts = [r for r in A8_LADDER if r > q_rows]  # never below them: see the docstring
     wins = []
     for rows in counts:
         x = torch.randn(rows, in_features).to(dtype)
@@ -109,10 +108,10 @@ def measure_a8(dense, quantized, a8, q_rows: int, in_features: int, dtype) -> tu
                 best = (run, i)
             run = None
     if best == (0, 0):
-        return q_rows, 0, 0
-    first = counts[best[0] - 1] + 1 if best[0] > 0 else best_q + 1
+        return 0, 0
+    first = counts[best[0] - 1] + 1 if best[0] > 0 else q_rows + 1
     last = ALL_ROWS if best[1] == len(counts) else counts[best[1] - 1]
-    return best_q, first, last
+    return first, last
 
 
 class KernelRows:
@@ -145,27 +144,23 @@ class KernelRows:
                      name, self.table[name], time.perf_counter() - start)  # fmt: skip
         return self.table[name]
 
-    def a8_rows(self, fmt: str, layer) -> tuple[int, int, int]:
-        """(max_rows, first, last rows of int8 activations) for the quantized linear `layer`
-        with its int8 activations (`layer.a8`): see measure_a8."""
+    def a8_rows(self, fmt: str, layer) -> tuple[int, int]:
+        """(first, last rows of int8 activations) for the quantized linear `layer` with its
+        int8 activations (`layer.a8`), above its quantized kernel's rows: see measure_a8."""
+        q_rows = self.max_rows(fmt, layer)
         fixed_a8 = envs.int8_act_rows()
         if self.fixed is not None or fixed_a8 is not None:
-            q_rows = self.max_rows(fmt, layer)
-            return (q_rows, q_rows + 1, fixed_a8) if fixed_a8 else (q_rows, 0, 0)
+            return (q_rows + 1, fixed_a8) if fixed_a8 else (0, 0)
         n, k = layer.weight.shape
-        name = f"a8:{fmt}:{n}x{k}"
+        name = f"int8act:{fmt}:{n}x{k}"
         if name not in self.table:
             start = time.perf_counter()
-            q_rows = self.max_rows(fmt, layer)
-            self.table[name] = measure_a8(
-                layer.dense_mm, layer.quantized_mm, layer.a8, q_rows, k, self.dtype
-            )
+            self.table[name] = measure_a8(layer.dense_mm, layer.a8, q_rows, k, self.dtype)
             self.measured.append(name)
-            log.info("%s: quantized kernel up to %d rows, int8 activations from %d to %d "
-                     "(measured in %.1f s)", name, *self.table[name],
-                     time.perf_counter() - start)  # fmt: skip
-        q_rows, first, last = self.table[name]
-        return q_rows, first, last
+            log.info("%s: int8 activations from %d to %d rows (measured in %.1f s)",
+                     name, *self.table[name], time.perf_counter() - start)  # fmt: skip
+        first, last = self.table[name]
+        return first, last
 
     def save(self) -> None:
         """Write the table if this process measured anything (atomically: engines that start
@@ -211,9 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = KernelRows(dtype, n)
         quant.set_kernel_rows(model, rows)
         if act_quant.supported():  # the timings need no calibration: any smoothing will do
-            for lin in [*model.linears(), model.lm_head]:
-                if not isinstance(lin, quant._Quantized):
-                    continue
+            for lin in quant.quantized_linears(model):
                 lin.a8 = act_quant.Int8Activations(lin.weight, None)
                 rows.a8_rows(lin.format, lin)
             rows.save()

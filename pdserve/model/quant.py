@@ -19,8 +19,8 @@ layers of linears, 2 threads) bf16 / int8 / int4 took, in ms, 9.4 / 4.0 / 2.4 at
 bf16 / int4: 10.4 / 6.0 at 8 rows, 12.1 / 10.9 at 16, 14.0 / 15.8 at 24; the lm_head
 (49,152 x 576), bf16 / int8: 1.81 / 0.58 at 1 row, 2.45 / 3.19 at 16. On a Zen 5 EPYC the
 dense GEMM won from 8-16 rows (the MLP's gate_up at 16 rows: 123 vs 219 us).
-Above those rows, int8 activations (model/act_quant.py) take over from the dense copy where
-this machine runs them faster: prefills and big decode batches.
+Above those rows, `--int8-activations on` (model/act_quant.py) runs int8 GEMMs instead of the
+dense copy where this machine runs them faster: prefills and big decode batches.
 """
 
 from __future__ import annotations
@@ -219,10 +219,14 @@ def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks], rows=Non
         set_kernel_rows(model, rows)
 
 
+def quantized_linears(model) -> list[_Quantized]:
+    """Every quantized linear of `model`, the lm_head included."""
+    return [x for x in [*model.linears(), model.lm_head] if isinstance(x, _Quantized)]
+
+
 def set_kernel_rows(model, rows) -> None:
     """Give each quantized linear of `model` its shape's max_rows from `rows` (measuring the
     shapes it lacks, then saving it)."""
-    for linear in [*model.linears(), model.lm_head]:
-        if isinstance(linear, _Quantized):
-            linear.max_rows = rows.max_rows(linear.format, linear)
+    for linear in quantized_linears(model):
+        linear.max_rows = rows.max_rows(linear.format, linear)
     rows.save()

@@ -271,7 +271,8 @@ def run(args) -> dict:
 
 def profile(args) -> None:
     """Where our engine's time goes: torch.profiler ops and cProfile Python functions, for
-    steady decode at batch 16 and a prefill of 2048 tokens, with the first of --dtypes."""
+    steady decode at the largest of --batches and a prefill of the longest of --prefill, with the
+    first of --dtypes."""
     import cProfile
     import pstats
 
@@ -281,10 +282,11 @@ def profile(args) -> None:
     ours = Ours(args.dtypes[0], args.threads, args.kv_cache_gb, weights=args.weights,
                 enforce_eager=args.enforce_eager)  # fmt: skip
     prompts, eng = Prompts(ours.llm.model_config.vocab_size), ours.llm.engine
-    ours.start_decode([prompts.make(args.context) for _ in range(16)], 40)
-    work = {  # decode: only steady steps of the 16 sequences started above (40 tokens each)
-        "decode b=16": lambda: [eng.step() for _ in range(8)],
-        "prefill 2048": lambda: ours.prefill(prompts.make(2048)),
+    batch, tokens = max(args.batches), max(args.prefill)
+    ours.start_decode([prompts.make(args.context) for _ in range(batch)], 40)
+    work = {  # decode: only steady steps of the sequences started above (40 tokens each)
+        f"decode b={batch}": lambda: [eng.step() for _ in range(8)],
+        f"prefill {tokens}": lambda: ours.prefill(prompts.make(tokens)),
     }
     for name, fn in work.items():
         if name.startswith("prefill"):
@@ -336,8 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="our KV cache size (default: the engine's own default)")
     add("--out", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
     add("--profile", action="store_true",
-        help="instead of comparing: profile our engine (first of --dtypes) at decode b=16 and "
-        "prefill 2048 with torch.profiler and cProfile")
+        help="instead of comparing: profile our engine (first of --dtypes) at decode of the "
+        "largest of --batches and prefill of the longest of --prefill, with torch.profiler and "
+        "cProfile")
     # fmt: on
     if "--quick" in (argv if argv is not None else sys.argv[1:]):  # explicit flags still win
         p.set_defaults(repeats=1, decode_steps=8, batches=[1, 16], dtypes=["auto"],

@@ -1,6 +1,6 @@
 """A prefill worker's prompt in one step against in chunks: time to compute a long prompt.
 
-A prefill worker computes prompts in chunks (`PREFILL_CHUNK_TOKENS`) so that an Abort read
+A prefill worker computes prompts in chunks (`config.WORKER_CHUNK_SIZE`) so that an Abort read
 between two chunks stops a prompt whose client left; this measures what the chunks cost. One
 engine per chunk size (role prefill, the bundled model, one thread as `serve` gives a prefill
 worker), fresh prompts, rounds interleaved, medians.

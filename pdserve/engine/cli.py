@@ -47,9 +47,10 @@ ENGINE_FLAGS = (
     ),
     Flag.of(EngineConfig, "block_size", f"tokens per KV block (default {EngineConfig.block_size})"),
     Flag.of(
-        EngineConfig, "chunk_size", "chunked prefill: per-step token budget (default: off, whole "
-        "prompts; on a prefill worker 1024, so that an abort stops a long prompt between "
-        "chunks)", type=int,
+        EngineConfig, "chunk_size", "chunked prefill: tokens per step, running streams' "
+        "included (default: a co-located or prefill worker 1024, so that prompts waiting under "
+        "load get their first token after a bounded step and an abort stops a long prompt "
+        "between chunks; `generate` whole prompts; 0 = whole prompts in one step)", type=int,
     ),
     Flag.of(EngineConfig, "max_num_seqs", "max sequences in a batch"),
     Flag.of(EngineConfig, "max_model_len", "context window (default: the model's)", type=int),
@@ -94,11 +95,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
-    return EngineConfig(
-        **config_values(args, ENGINE_FLAGS),
-        enable_prefix_caching=not args.no_prefix_caching,
-        **overrides,
-    )
+    values = {**config_values(args, ENGINE_FLAGS), **overrides}
+    return EngineConfig(enable_prefix_caching=not args.no_prefix_caching, **values)
 
 
 def _generate(args: argparse.Namespace) -> int:

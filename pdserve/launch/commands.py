@@ -144,7 +144,7 @@ def pool_worker_argv(
     if device:  # given last, it overrides the --device of base_argv
         argv += ["--device", device]
     chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
-    if chunk:
+    if chunk is not None:  # 0 too: whole prompts (a worker's default is WORKER_CHUNK_SIZE)
         argv += ["--chunk-size", str(chunk)]
     return [*argv, "--tensor-parallel-size", str(tp), "--expert-parallel-size", str(ep),
             *pool_argv]  # fmt: skip

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve import envs
+from pdserve.config import WORKER_CHUNK_SIZE
 from pdserve.subprocs import EXIT_CONFIG, WorkerRefused, cannot_restart, split_cores
 
 log = logging.getLogger("pdserve.serve")
@@ -37,13 +38,10 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
     from pdserve.engine.cli import engine_config_from_args
     from pdserve.serving.worker_config import WorkerConfig
 
-    engine = engine_config_from_args(args, role=args.role)
+    chunk = WORKER_CHUNK_SIZE.get(args.role) if args.chunk_size is None else args.chunk_size
+    engine = engine_config_from_args(args, role=args.role, chunk_size=chunk or None)
     if threads or args.threads:
         engine = replace(engine, num_threads=threads or args.threads)
-    if args.role == "prefill":  # in chunks: an abort (its client left) stops between them
-        from pdserve.serving.prefill_side import PREFILL_CHUNK_TOKENS
-
-        engine = replace(engine, chunk_size=engine.chunk_size or PREFILL_CHUNK_TOKENS)
     return WorkerConfig(
         kv_store=args.kv_store,
         engine=engine,

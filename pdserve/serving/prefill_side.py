@@ -2,7 +2,7 @@
 into the decode worker's blocks as soon as that layer's forward pass ends.
 
 It is the engine's KV connector: `after_layer` queues the layer's blocks of every prompt that
-completes in the step (a long prompt is computed in chunks, PREFILL_CHUNK_TOKENS by default,
+completes in the step (a long prompt is computed in chunks, `config.WORKER_CHUNK_SIZE` by default,
 and an Abort read between them stops it), and `request_finished` keeps a finished prompt's
 blocks held until the push is acknowledged (`settle`), when the router gets PrefillDone with
 the first token. Pushes are awaited without blocking the loop: a decode worker that stops
@@ -26,11 +26,10 @@ from pdserve.serving.decode_side import prompt_logprobs, to_sampling
 from pdserve.serving.kv_staging import HostStaging
 
 PUSH_GRACE_S = 0.2  # how long a step's end waits for its pushes before the next step
-# A prefill worker's default --chunk-size: the loop reads the routers between chunks, so a
-# prompt whose client left is aborted within one chunk instead of computed to its end; on the
-# bundled model a 4,311-token prompt in chunks of 1,024 is no slower than in one step
-# (docs/serving.md#prefill-chunks).
-PREFILL_CHUNK_TOKENS = 1024
+# A prefill worker's default --chunk-size (`config.WORKER_CHUNK_SIZE`): the loop reads the
+# routers between chunks, so a prompt whose client left is aborted within one chunk instead of
+# computed to its end; on the bundled model a 4,311-token prompt in chunks of 1,024 is no slower
+# than in one step (docs/serving.md#prefill-chunks).
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from pdserve.config import DECODE_CHUNK_SIZE, EngineConfig
+from pdserve.config import DECODE_CHUNK_SIZE, WORKER_CHUNK_SIZE, EngineConfig
 from pdserve.router.config import RouterConfig
 from pdserve.sim.hardware import Accelerator, Link
 from pdserve.sim.kvmath import dtype_bits, kv_bytes
@@ -156,18 +156,18 @@ class Deployment:
     @classmethod
     def served(cls, mode: str, replicas: int = 1) -> Deployment:
         """What `pdserve serve --mode MODE` runs with its defaults: `replicas` workers
-        co-located (--colocated-workers), or one prefill and one decode worker with the
-        router's conditional disaggregation (short prompts on the decode worker while the
-        prefill pool is busy; an idle pool takes them) and the decode worker's own prefills in
-        steps of `DECODE_CHUNK_SIZE` tokens (--decode-chunk-size). The engine's defaults:
-        `EngineConfig.max_num_seqs` sequences; whole prompts up to the bundled model's 8k
-        context (`SERVED_STEP_TOKENS`)."""
+        co-located (--colocated-workers; steps of `WORKER_CHUNK_SIZE` tokens), or one prefill
+        and one decode worker with the router's conditional disaggregation (short prompts on
+        the decode worker while the prefill pool is busy; an idle pool takes them) and the
+        decode worker's own prefills in steps of `DECODE_CHUNK_SIZE` tokens
+        (--decode-chunk-size). The engine's defaults: `EngineConfig.max_num_seqs` sequences;
+        unchunked, whole prompts up to the bundled model's 8k context (`SERVED_STEP_TOKENS`)."""
         engine = {
             "max_num_seqs": EngineConfig.max_num_seqs,
             "max_batched_tokens": SERVED_STEP_TOKENS,
         }
         if mode != "disagg":
-            return cls(mode, replicas=replicas, **engine)
+            return cls(mode, replicas=replicas, chunk=WORKER_CHUNK_SIZE["both"], **engine)
         router = {
             "local_prefill_threshold": RouterConfig.local_prefill_threshold,
             "short_prefills_to_idle_pool": RouterConfig.short_prefills_to_idle_pool,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cli import build_parser
+from pdserve.config import WORKER_CHUNK_SIZE
 from pdserve.launch.local import worker_config
-from pdserve.serving.prefill_side import PREFILL_CHUNK_TOKENS
 
 
 def _config(*flags: str):
@@ -16,13 +16,20 @@ def _config(*flags: str):
 
 
 def test_a_prefill_worker_computes_prompts_in_chunks_so_an_abort_stops_it_between_them():
-    assert _config("--role", "prefill").engine.chunk_size == PREFILL_CHUNK_TOKENS
+    assert _config("--role", "prefill").engine.chunk_size == WORKER_CHUNK_SIZE["prefill"] > 0
     assert _config("--role", "prefill", "--chunk-size", "256").engine.chunk_size == 256
 
 
-def test_a_decode_or_colocated_worker_keeps_its_chunk_size():
-    assert _config("--role", "decode").engine.chunk_size is None
+def test_a_colocated_worker_chunks_by_default_so_a_step_under_load_stays_bounded():
+    assert _config("--role", "both").engine.chunk_size == WORKER_CHUNK_SIZE["both"] > 0
     assert _config("--role", "both", "--chunk-size", "512").engine.chunk_size == 512
+
+
+def test_chunk_size_zero_means_whole_prompts_and_a_decode_worker_keeps_what_it_is_given():
+    assert _config("--role", "both", "--chunk-size", "0").engine.chunk_size is None
+    assert _config("--role", "prefill", "--chunk-size", "0").engine.chunk_size is None
+    assert _config("--role", "decode").engine.chunk_size is None
+    assert _config("--role", "decode", "--chunk-size", "64").engine.chunk_size == 64
 
 
 @pytest.mark.parametrize(

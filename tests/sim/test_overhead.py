@@ -160,6 +160,7 @@ def test_served_deployment_follows_the_real_defaults():
 
     from pdserve.config import EngineConfig
     from pdserve.launch.cli import register
+    from pdserve.launch.local import worker_config
     from pdserve.router.config import RouterConfig
 
     parser = argparse.ArgumentParser()
@@ -171,7 +172,9 @@ def test_served_deployment_follows_the_real_defaults():
     assert dep.decode_chunk == serve.decode_chunk_size
     for d in (dep, Deployment.served("colocated")):
         assert d.max_num_seqs == EngineConfig.max_num_seqs
-        assert d.chunk == serve.chunk_size  # None: whole prompts
+    assert serve.chunk_size is None  # each worker takes its role's default
+    both = parser.parse_args(["worker", "--router", "127.0.0.1:1", "--role", "both"])
+    assert Deployment.served("colocated").chunk == worker_config(both).engine.chunk_size
     assert Deployment.served("colocated").replicas == serve.colocated_workers
     two = Deployment.served("colocated", 2)  # --colocated-workers 2
     assert (two.replicas, two.num_gpus, two.max_num_seqs) == (2, 2, EngineConfig.max_num_seqs)

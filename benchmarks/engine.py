@@ -92,6 +92,7 @@ class Ours:
         from pdserve import SamplingParams
 
         eng = self.llm.engine
+        # Headroom for the steps that admit the batch, in which the first admitted decode.
         params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0)
         seqs = [eng.add_request(p, params) for p in prompts]
         while any(s.num_output_tokens == 0 for s in seqs):

@@ -11,14 +11,13 @@ WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")  # see model/quant.py
 # worker's own prefills (`EngineConfig.chunk_size` of its engine); sim's `Deployment.served`
 # models the same.
 DECODE_CHUNK_SIZE = 64
-# A worker's token budget per step (`EngineConfig.chunk_size`) unless `--chunk-size` says: a
-# prefill worker computes long prompts in chunks so that an abort stops one between two; a
-# co-located worker chunks as vLLM's scheduler does, so that a step holds at most this many
-# tokens, its running streams' included: under load the prompts that wait get their first
-# token after a bounded step, not after a step of every waiting prompt (256-token prompts, 128
-# out, 2 cores: c=16 TTFT p50 1.88 -> 0.73 s, c=64 5.09 -> 1.40 s at the same tokens/s; 512
-# lost 13 % of the tokens/s at c=64). A decode worker's is `--decode-chunk-size`. 0 given on
-# the command line: whole prompts in one step. The offline engine (`LLM`) keeps whole prompts.
+# A worker's token budget per step (`EngineConfig.chunk_size`) unless `--chunk-size` says (0:
+# whole prompts). A prefill worker reads the routers between chunks, so a prompt whose client
+# left stops within one (a 4,311-token prompt in chunks is no slower:
+# docs/serving.md#prefill-chunks). A co-located worker chunks as vLLM's scheduler does: a step
+# holds at most this many tokens, its running streams' included, so under load a waiting
+# prompt's first token comes after a bounded step (TTFT figures: docs/results.md). A decode
+# worker's is `--decode-chunk-size`; the offline engine (`LLM`) keeps whole prompts.
 WORKER_CHUNK_SIZE = {"prefill": 1024, "both": 1024}
 
 

@@ -42,15 +42,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def build(family: str, folder: Path, seed: int = 0):
+def build(family: str, folder: Path, seed: int = 0, **fields):
     """The HF model of `family` with random weights (biases and norms too: transformers
-    initialises them to 0 and 1, which would hide a missing one), saved in `folder`."""
+    initialises them to 0 and 1, which would hide a missing one), saved in `folder`; `fields`
+    override BASE's (e.g. a real tokenizer's vocab_size)."""
     import torch
     import transformers
 
     config_cls, model_cls, own = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**BASE, **own)
+    config = getattr(transformers, config_cls)(**{**BASE, **fields}, **own)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

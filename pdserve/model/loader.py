@@ -68,6 +68,20 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+def _hf_eos_ids(path: Path, raw: dict) -> tuple[int, ...]:
+    """The end-of-sequence ids as transformers finds them: config.json's `eos_token_id`, else
+    generation_config.json's, else the tokenizer's `eos_token` (a folder whose config.json
+    names none still stops, and guided outputs can end)."""
+    gen = path / "generation_config.json"
+    gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+    for eos in (raw.get("eos_token_id"), gen_eos):
+        if eos is not None and eos != []:
+            return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    if (path / "tokenizer.json").exists() and (eos := Tokenizer(path).eos_token_id) is not None:
+        return (eos,)
+    return ()
+
+
 def _hf_config(path: Path) -> ModelConfig:
     """The shared fields of config.json, and the family's own (`registry.py`): the family comes
     from `architectures` / `model_type`, never from the folder's name."""
@@ -75,7 +89,6 @@ def _hf_config(path: Path) -> ModelConfig:
     name = registry.family_for_hf(raw, str(path))
     rope = raw.get("rope_parameters") or {}  # transformers >= 5; before, top-level fields
     try:
-        eos = raw.get("eos_token_id")
         heads = int(raw["num_attention_heads"])
         return ModelConfig(
             num_layers=int(raw["num_hidden_layers"]),
@@ -91,7 +104,7 @@ def _hf_config(path: Path) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             head_dim_override=raw.get("head_dim"),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos else ()),
+            eos_token_ids=_hf_eos_ids(path, raw),
             architecture=name,
             **registry.family(name).hf_fields(raw),
         )

@@ -300,3 +300,22 @@ def test_speculative_rows_through_the_fused_step_keep_mistrals_window(checkpoint
     assert engine.runner.fused is not None
     assert run_to_completion(engine, PROMPTS, GREEDY) == references["mistral"][0]
     assert engine.stats()["spec_verify_steps"] > 0
+
+
+def test_the_eos_ids_come_from_config_then_generation_config_then_the_tokenizer(tmp_path):
+    """As transformers finds them: a folder whose config.json names no eos still stops."""
+    import shutil
+
+    from pdserve.model.loader import load_tokenizer
+
+    build("qwen3", tmp_path)  # config.json: eos_token_id null
+    for f in load_tokenizer().path.parent.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    im_end = load_tokenizer().eos_token_id
+    assert load_model_config(str(tmp_path))[1].eos_token_ids == (im_end,)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [7, 9]}))
+    assert load_model_config(str(tmp_path))[1].eos_token_ids == (7, 9)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": 5}))
+    assert load_model_config(str(tmp_path))[1].eos_token_ids == (5,)

@@ -1,7 +1,8 @@
 """Disaggregated serving of other families: a prefill worker pushes the prompt's KV over tcp
 and nixl into a decode worker (the sides driven in-process, as
 tests/serving/test_tp_disaggregated.py does), which then gives a co-located engine's greedy
-tokens; for Mistral the prompt runs past its sliding window; Qwen3-MoE goes from a prefill
+tokens; for Mistral the prompt runs past its sliding window; Qwen2 (q/k/v biases split by
+head) goes from TP 2 into TP 1, Qwen3 (per-head q/k norms) from TP 1 into TP 2; Qwen3-MoE goes from a prefill
 worker of TP 1 / EP 1 into a decode worker of TP 2 / EP 2 (2 ranks, each holding half of the
 heads and 2 of the 4 experts whole)."""
 
@@ -20,8 +21,10 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 @pytest.mark.parametrize("backend", ["tcp", pytest.param("nixl", marks=NO_NIXL)])
 @pytest.mark.parametrize(
-    ("family", "p", "d", "ep"), [("mistral", 1, 1, (1, 1)), ("qwen3_moe", 1, 2, (1, 2))]
-)
+    ("family", "p", "d", "ep"),
+    [("mistral", 1, 1, (1, 1)), ("qwen2", 2, 1, (1, 1)), ("qwen3", 1, 2, (1, 1)),
+     ("qwen3_moe", 1, 2, (1, 2))],
+)  # fmt: skip
 def test_kv_pushed_gives_the_colocated_tokens(tmp_path, family, p, d, ep, backend):
     build(family, tmp_path)
     files = load_model_files(str(tmp_path))

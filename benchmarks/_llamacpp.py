@@ -42,3 +42,13 @@ def find_bin(build: bool = True) -> Path | None:
     if out.returncode != 0:
         raise SystemExit(f"building llama.cpp failed:\n{out.stderr[-3000:]}")
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def no_repack(tool: str) -> tuple[str, ...]:
+    """The flag that keeps `tool` off llama.cpp's AMX kernels on a CPU with AMX, where this
+    commit's `ggml_backend_amx_mul_mat` segfaults (the weights stay in the GGUF's layout, as on
+    a CPU without AMX); nothing elsewhere."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or "amx_int8" not in cpuinfo.read_text():
+        return ()
+    return ("--repack", "0") if tool == "llama-bench" else ("--no-repack",)

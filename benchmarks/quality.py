@@ -113,11 +113,12 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[int, float]:
 
 
 def llama_cpp_ppl(model: Path, threads: int, ctx: int, chunks: int) -> float | None:
-    from _llamacpp import find_bin
+    from _llamacpp import find_bin, no_repack
 
     binary = find_bin() / "llama-perplexity"
     cmd = [
         str(binary),
+        *no_repack("llama-perplexity"),
         "-m",
         str(model),
         "-t",

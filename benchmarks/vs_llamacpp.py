@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _llamacpp import find_bin  # noqa: E402
+from _llamacpp import find_bin, no_repack  # noqa: E402
 from _servers import closed_loop  # noqa: E402
 
 SERVED = {"concurrency": (1, 16), "requests": {1: 16, 16: 64}, "prompt": 256, "output": 128}
@@ -48,6 +48,7 @@ def llama_bench(binary: Path, model: Path, threads: int, repeats: int) -> dict[s
         str(repeats),
         "-o",
         "json",
+        *no_repack("llama-bench"),
     ]
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     out = {}
@@ -117,7 +118,8 @@ def bench(url: str, concurrency: int, out_dir: Path) -> dict:
 def served(binary: Path, model: Path, threads: int, tmp: Path) -> dict[str, dict]:
     from pdserve.bench.compare import CommandSpec, ServerProcess, ServerSpec, default_serve_cmd
 
-    llama = (str(binary / "llama-server"), "-m", str(model), "-t", str(threads), "-c", "32768")
+    llama = (str(binary / "llama-server"), "-m", str(model), "-t", str(threads), "-c", "32768",
+             *no_repack("llama-server"))  # fmt: skip
     before = ("--weights", "bf16", "--enforce-eager")
     systems = {
         "llama-server -np 16": CommandSpec((*llama, "-np", "16")),

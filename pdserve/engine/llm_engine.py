@@ -88,7 +88,7 @@ class LLMEngine:
         self.guides = EngineGuides(self._tokenizer_file, mc.vocab_size, self.eos_ids)
         self.speculator = None  # speculative decoding (engine/spec_decode.py), not on prefill
         if self.spec is not None and config.role != "prefill":
-            self.speculator = Speculator(self.spec, mc.vocab_size, self.max_model_len)
+            self.speculator = Speculator(self.spec, mc.vocab_size, self.max_model_len, self)
 
     def connect(self, connector: KVConnector) -> None:
         """Move KV through `connector` from now on (see KVConnector for when it is called).

@@ -3,14 +3,17 @@ of the target model scores all k+1 positions, and the longest prefix the target 
 kept (plus one token of the target's own), so an accepted guess is a token without a step.
 
 `--speculative-config` takes vLLM's JSON fields (method, num_speculative_tokens,
-prompt_lookup_min/max, model, disable_by_batch_size). Proposers are a registry (`PROPOSERS`);
-`ngram` (prompt lookup, as vLLM's NgramProposer) is the one built. Verification (`verify`):
+prompt_lookup_min/max, model, disable_by_batch_size). Proposers are a registry (`PROPOSERS`):
+`ngram` (prompt lookup, as vLLM's NgramProposer) and `draft` (a smaller model of the same
+vocabulary, `model`: its GGUF file or HF folder, run by the same worker with a KV cache of its
+own, proposing its greedy tokens). Verification (`verify`):
 greedy keeps the longest prefix equal to the target's argmax; sampling is rejection sampling
 (Leviathan et al., vLLM's RejectionSampler): a draft token d with draft probability q(d) is
 accepted with min(1, p(d)/q(d)); the first rejected position samples from the residual
 max(0, p - q) normalized; if every draft is accepted a bonus token is sampled from p at the
-last position. For prompt lookup q is a point mass at d, so acceptance is p(d) and the residual
-is p with d removed. The output's distribution is the target's.
+last position. Both proposers propose deterministically (prompt lookup; the draft model's
+argmax), so q is a point mass at d: acceptance is p(d) and the residual is p with d removed.
+The output's distribution is the target's.
 
 Sequences with penalties (they depend on each earlier emitted token) or a grammar (its mask
 would have to advance over unverified tokens) decode without speculation, one token a step.
@@ -85,7 +88,7 @@ class NgramProposer:
     that also occurs earlier in it (prompt or output); proposes the k tokens that followed its
     earliest occurrence (as vLLM's NgramProposer)."""
 
-    def __init__(self, cfg: SpeculativeConfig, vocab_size: int):
+    def __init__(self, cfg: SpeculativeConfig, vocab_size: int, engine=None):
         lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
         self.min_n, self.max_n = (lo or hi or 5), (hi or lo or 5)
         self.k = cfg.num_speculative_tokens
@@ -115,20 +118,93 @@ class NgramProposer:
 
 
 class DraftModelProposer:
-    """`draft`: a smaller model of the same vocabulary. Not built yet: refused at start-up."""
+    """`draft`: a smaller model of the target's vocabulary (`model`), with a KV cache of its
+    own (DRAFT_KV_SHARE of the target's bytes) and one draft sequence per speculating request,
+    kept between steps: a proposal computes only what the draft has not seen of the target's
+    tokens (its tokens past the longest common prefix are recomputed: that is the rollback of
+    rejected proposals), then its k greedy tokens, one single-token step each. A request's
+    draft blocks are freed at the first proposal round it is no longer running in."""
+
+    def __init__(self, cfg: SpeculativeConfig, vocab_size: int, engine=None):
+        import dataclasses
+
+        from pdserve.engine.block_manager import BlockManager
+        from pdserve.engine.model_runner import ModelRunner
+        from pdserve.model.loader import load_model_files
+
+        files = load_model_files(cfg.model)
+        if files.config.vocab_size != vocab_size:
+            raise ValueError(
+                f"--speculative-config: the draft model {cfg.model} has a vocabulary of "
+                f"{files.config.vocab_size} tokens, the target {vocab_size}; a draft must share "
+                "the target's tokenizer"
+            )
+        target = engine.config
+        kv_gb = DRAFT_KV_SHARE * engine.runner.num_blocks * engine.runner.block_bytes / (1 << 30)
+        config = dataclasses.replace(
+            target, model=cfg.model, kv_cache_gb=kv_gb, speculative_config=None,
+            tensor_parallel_size=1, expert_parallel_size=1, enable_prefix_caching=False,
+        )  # fmt: skip
+        self.runner = ModelRunner(config, files, engine.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, False)
+        self.drafts: dict[str, Sequence] = {}
 
     @staticmethod
     def check(cfg: SpeculativeConfig) -> None:
-        raise ValueError(
-            "--speculative-config: method 'draft' is not supported by this build yet; use 'ngram'"
-        )
+        if not cfg.model:
+            raise ValueError(
+                "--speculative-config: method 'draft' needs 'model', the draft's GGUF file "
+                "or Hugging Face folder"
+            )
+        if cfg.prompt_lookup_min is not None or cfg.prompt_lookup_max is not None:
+            raise ValueError("--speculative-config: prompt_lookup_min/max are for 'ngram' only")
+        from pdserve.model.loader import load_model_config
+
+        try:  # a missing path or an unknown architecture, by name, before any model loads
+            load_model_config(cfg.model)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--speculative-config: the draft model: {exc}") from None
+
+    def retain(self, running) -> None:
+        """Free the drafts of requests that are no longer running."""
+        live = {seq.request_id for seq in running}
+        for rid in [r for r in self.drafts if r not in live]:
+            self.blocks.free(self.drafts.pop(rid))
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.engine.sequence import ScheduledBatch
+
+        tokens = seq.token_ids
+        draft = self.drafts.get(seq.request_id)
+        if draft is None:
+            draft = Sequence(seq.request_id, list(tokens), SamplingParams(max_tokens=1))
+            self.drafts[seq.request_id] = draft
+        else:
+            same = 0
+            limit = min(draft.num_computed_tokens, len(tokens))
+            while same < limit and draft.token_ids[same] == tokens[same]:
+                same += 1
+            draft.num_computed_tokens = same
+            draft.token_ids = list(tokens)
+        if not self.blocks.append_slots(draft, len(tokens) + k - 1):
+            return []  # the draft's cache is full: this request does not speculate this step
+        out = []
+        for _ in range(k):
+            n = draft.num_tokens - draft.num_computed_tokens
+            _, logits = self.runner.run(ScheduledBatch([draft], [n]))
+            draft.num_computed_tokens += n
+            out.append(int(logits[-1].argmax()))
+            draft.token_ids.append(out[-1])
+        return out
 
 
+DRAFT_KV_SHARE = 0.25  # of the target's KV cache bytes: a draft is smaller and its sequences few
 PROPOSERS = {"ngram": NgramProposer, "draft": DraftModelProposer}
 
 
-def make_proposer(cfg: SpeculativeConfig, vocab_size: int):
-    return PROPOSERS[cfg.method](cfg, vocab_size)
+def make_proposer(cfg: SpeculativeConfig, vocab_size: int, engine=None):
+    return PROPOSERS[cfg.method](cfg, vocab_size, engine)
 
 
 class Speculator:
@@ -136,9 +212,13 @@ class Speculator:
     step is scheduled (`propose`), the tokens each keeps after it (`accept`), and the counters
     `LLMEngine.stats` reports. Holds no sequence between steps."""
 
-    def __init__(self, cfg: SpeculativeConfig, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, cfg: SpeculativeConfig, vocab_size: int, max_model_len: int, engine=None
+    ) -> None:
+        """`engine`: the target's LLMEngine (a draft model takes its config and a share of its
+        KV cache)."""
         self.cfg = cfg
-        self.proposer = make_proposer(cfg, vocab_size)
+        self.proposer = make_proposer(cfg, vocab_size, engine)
         self.max_model_len = max_model_len
         self.proposed = self.accepted = self.verifies = 0
 
@@ -151,6 +231,8 @@ class Speculator:
             seq.spec_token_ids = []
             if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0:
                 decoding.append(seq)
+        if hasattr(self.proposer, "retain"):
+            self.proposer.retain(running)
         if len(decoding) > self.cfg.disable_by_batch_size:
             return
         for seq in decoding:

@@ -1,7 +1,8 @@
 """Speculative decoding (engine/spec_decode.py) on a tiny random model: greedy outputs identical
 with and without prompt-lookup speculation (fused and eager steps, batched with sequences that
-do not speculate), rejection sampling preserves the target distribution (chi-square), block
-accounting exact after rejections, preemption and aborts, bad configs refused."""
+do not speculate) and with a draft model (the target itself, or another of its vocabulary),
+rejection sampling preserves the target distribution (chi-square), block accounting exact after
+rejections, preemption and aborts, bad configs refused."""
 
 from __future__ import annotations
 
@@ -167,7 +168,11 @@ def test_rejection_sampling_preserves_the_distribution(one_thread):
             '"prompt_lookup_max": 2}',
             "prompt_lookup_min <= prompt_lookup_max",
         ),  # fmt: skip
-        ('{"method": "draft", "num_speculative_tokens": 2, "model": "x"}', "'draft' is not"),
+        (
+            '{"method": "draft", "num_speculative_tokens": 2, "model": "/no/such"}',
+            "the draft model: model path /no/such does not exist",
+        ),
+        ('{"method": "draft", "num_speculative_tokens": 2}', "'draft' needs 'model'"),
         ("{nope", "not valid JSON"),
     ],
 )
@@ -182,3 +187,48 @@ def test_engine_refuses_bad_config_before_loading_the_model():
     bad = '{"method": "nope", "num_speculative_tokens": 2}'
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         make_engine(files=object(), speculative_config=bad)  # never reaches the files
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """HF folders of tiny Qwen3 models: the target, another draft of its vocabulary, and one
+    of a wider vocabulary."""
+    from family_models import build
+
+    out = {name: tmp_path_factory.mktemp(name) for name in ("target", "other", "wide")}
+    build("qwen3", out["target"], seed=0)
+    build("qwen3", out["other"], seed=1)
+    build("qwen3", out["wide"], vocab_size=320)
+    return out
+
+
+@pytest.mark.parametrize("draft", ["target", "other"])
+def test_a_draft_model_gives_the_plain_greedy_tokens_and_frees_its_blocks(folders, draft,
+                                                                         one_thread):  # fmt: skip
+    from pdserve.model.loader import load_model_files
+
+    files = load_model_files(str(folders["target"]))
+    spec = json.dumps({"method": "draft", "num_speculative_tokens": 3,
+                       "model": str(folders[draft])})  # fmt: skip
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=0.5)
+    params = [greedy, greedy, penalized]  # the last does not speculate (see spec_decode.py)
+    plain = run(make_engine(files), PROMPTS, params)
+    engine = make_engine(files, speculative_config=spec)
+    assert run(engine, PROMPTS, params) == plain
+    stats, proposer = engine.stats(), engine.speculator.proposer
+    assert stats["spec_proposed_tokens"] > 0
+    if draft == "target":  # the same weights propose what the target then picks
+        assert stats["spec_acceptance_rate"] > 0.9, stats
+    assert_clean(engine)
+    proposer.retain([])  # a proposal round with none of them running frees what is left
+    assert not proposer.drafts and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_start_up(folders):
+    from pdserve.model.loader import load_model_files
+
+    spec = json.dumps({"method": "draft", "num_speculative_tokens": 2,
+                       "model": str(folders["wide"])})  # fmt: skip
+    with pytest.raises(ValueError, match="has a vocabulary of 320 tokens, the target 256"):
+        make_engine(load_model_files(str(folders["target"])), speculative_config=spec)

@@ -1,10 +1,10 @@
-"""Disaggregated serving of other families: a prefill worker pushes the prompt's KV over tcp
-and nixl into a decode worker (the sides driven in-process, as
+"""Disaggregated serving of other families: a prefill worker pushes the prompt's KV over tcp and
+nixl into a decode worker (the sides driven in-process, as
 tests/serving/test_tp_disaggregated.py does), which then gives a co-located engine's greedy
-tokens; for Mistral the prompt runs past its sliding window; Qwen2 (q/k/v biases split by
-head) goes from TP 2 into TP 1, Qwen3 (per-head q/k norms) from TP 1 into TP 2; Qwen3-MoE goes from a prefill
-worker of TP 1 / EP 1 into a decode worker of TP 2 / EP 2 (2 ranks, each holding half of the
-heads and 2 of the 4 experts whole)."""
+tokens; for Mistral the prompt runs past its sliding window; Qwen2 (q/k/v biases split by head)
+goes from TP 2 into TP 1, Qwen3 (per-head q/k norms) from TP 1 into TP 2; Qwen3-MoE goes from a
+prefill worker of TP 1 / EP 1 into a decode worker of TP 2 / EP 2 (2 ranks, each holding half of
+the heads and 2 of the 4 experts whole)."""
 
 from __future__ import annotations
 

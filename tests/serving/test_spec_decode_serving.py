@@ -1,6 +1,7 @@
 """Speculative decoding served: a disaggregated server whose decode pool speculates
-(`--decode-args "--speculative-config ..."`) answers greedy requests with the tokens of the
-plain engine, and reports proposed / accepted tokens in /health and /metrics."""
+(`--decode-args "--speculative-config ..."`: prompt lookup, or a draft model, here the bundled
+model as its own draft) answers greedy requests with the tokens of the plain engine, and
+reports proposed / accepted tokens in /health and /metrics."""
 
 from __future__ import annotations
 
@@ -14,16 +15,24 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from tests.servers import Server, metric_sum
 
-SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                   "prompt_lookup_min": 1})  # fmt: skip
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+              "prompt_lookup_min": 1},
+    "draft": {"method": "draft", "num_speculative_tokens": 3},  # "model": the bundled one
+}  # fmt: skip
 FLAGS = ("--weights", "bf16", "--dtype", "float32")  # batch-invariant: tokens comparable
 PROMPT = "one two three four five one two three four five one two three four five one two"
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=list(SPECS))
+def server(request):
+    from pdserve.model.loader import load_model_config
+
+    spec = SPECS[request.param]
+    if spec["method"] == "draft":
+        spec = {**spec, "model": str(load_model_config(None)[0])}
     with Server("--mode", "disagg", *FLAGS, "--decode-args",
-                f"--speculative-config '{SPEC}'") as s:  # fmt: skip
+                f"--speculative-config '{json.dumps(spec)}'") as s:  # fmt: skip
         yield s
 
 

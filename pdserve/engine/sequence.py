@@ -55,6 +55,8 @@ class Sequence:
     # proposed tokens this step verifies (engine/spec_decode.py): never in token_ids, never
     # hashed into the prefix cache; empty outside a step
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_misses: int = 0  # verify steps in a row that accepted no proposal (spec_decode.py)
+    spec_skip: int = 0  # decode steps left before this sequence is proposed for again
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -34,6 +34,7 @@ from pdserve.engine.sequence import Sequence
 # verification costs more than it gains: measured on this machine with benchmarks/spec_decode.py
 # (docs/serving.md); `disable_by_batch_size` overrides it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+MAX_BACKOFF = 16  # decode steps a sequence whose proposals keep failing goes without
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,11 @@ def make_proposer(cfg: SpeculativeConfig, vocab_size: int, engine=None):
 class Speculator:
     """The engine's side of speculative decoding: proposals for the decoding sequences before a
     step is scheduled (`propose`), the tokens each keeps after it (`accept`), and the counters
-    `LLMEngine.stats` reports. Holds no sequence between steps."""
+    `LLMEngine.stats` reports. A sequence whose proposals are all rejected backs off: after
+    m such verify steps in a row it is not proposed for in the next min(2^m, MAX_BACKOFF)
+    steps (a verify step costs more than a plain one; free chat rarely repeats its context),
+    and one accepted proposal resets it. Whether to speculate depends only on the past, so
+    sampled outputs keep the target's distribution."""
 
     def __init__(
         self, cfg: SpeculativeConfig, vocab_size: int, max_model_len: int, engine=None
@@ -239,7 +244,9 @@ class Speculator:
             k = min(self.cfg.num_speculative_tokens,
                     seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)  # fmt: skip
-            if k >= 1 and speculates(seq):
+            if seq.spec_skip > 0:
+                seq.spec_skip -= 1
+            elif k >= 1 and speculates(seq):
                 seq.spec_token_ids = self.proposer.propose(seq, k)
 
     def accept(self, seq: Sequence, logits: torch.Tensor) -> list[tuple[int, TokenLogprobs | None]]:
@@ -250,6 +257,11 @@ class Speculator:
         self.verifies += 1
         self.proposed += len(draft)
         self.accepted += len(tokens) - 1
+        if draft and len(tokens) == 1:
+            seq.spec_misses += 1
+            seq.spec_skip = min(1 << seq.spec_misses, MAX_BACKOFF)
+        elif draft:
+            seq.spec_misses = 0
         lps: list = [None] * len(tokens)
         if seq.params.logprobs is not None:
             k = [seq.params.logprobs] * len(tokens)

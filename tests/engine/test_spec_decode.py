@@ -232,3 +232,28 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start_up(folders):
                        "model": str(folders["wide"])})  # fmt: skip
     with pytest.raises(ValueError, match="has a vocabulary of 320 tokens, the target 256"):
         make_engine(load_model_files(str(folders["target"])), speculative_config=spec)
+
+
+def test_a_sequence_whose_proposals_fail_backs_off_and_an_accepted_one_resets_it():
+    from pdserve.engine.spec_decode import Speculator
+
+    spec = Speculator(parse_speculative_config(SPEC), 100, 1000)
+    seq = make_sequence([1, 2, 3, 1, 2, 3, 1, 2], max_tokens=50, ignore_eos=True)
+    seq.token_ids.append(3)  # an output token: the sequence decodes
+    seq.num_computed_tokens = seq.num_tokens - 1
+
+    def verify_step(argmax: int) -> list[int]:
+        spec.propose([seq])
+        if not seq.spec_token_ids:
+            return []
+        logits = torch.full((len(seq.spec_token_ids) + 1, 100), -10.0)
+        logits[:, argmax] = 10.0
+        return [t for t, _ in spec.accept(seq, logits)]
+
+    assert verify_step(argmax=7) == [7]  # proposed [1, 2, 3] after "... 2, 3": all rejected
+    assert (seq.spec_misses, seq.spec_skip) == (1, 2)
+    assert verify_step(7) == [] and verify_step(7) == []  # two steps without proposals
+    assert verify_step(7) == [7] and (seq.spec_misses, seq.spec_skip) == (2, 4)
+    for _ in range(4):
+        assert verify_step(7) == []
+    assert verify_step(argmax=1) == [1, 1] and (seq.spec_misses, seq.spec_skip) == (0, 0)

@@ -98,7 +98,8 @@ def build_app(frontend: Frontend) -> FastAPI:
         """Readiness: 200 once every worker the launcher started has registered and while a
         decode-capable worker is up (`RouterCore.ready`), else 503; each worker's last load
         report (block counts, queues, integrity; `load_age_s`: how old it is) so operators and tests
-        see nothing leaked; the
+        see nothing leaked, and `inflight`, the requests the router has placed on it (current,
+        unlike the report); the
         workers whose registration was refused, and why (`refused`)."""
         alive, now = frontend.core.alive(), time.monotonic()
         workers = {
@@ -107,6 +108,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                 "pid": w.pid,
                 "kv_compression": w.kv_compression,
                 "draining": w.draining,
+                "inflight": len(w.inflight),  # requests the router placed here, now
                 **w.placement,
                 **(msgspec.structs.asdict(w.load) if w.load else {}),
                 **({"load_age_s": round(now - w.load_at, 3)} if w.load else {}),

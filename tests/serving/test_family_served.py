@@ -1,6 +1,6 @@
 """`pdserve serve --model DIR` on a user's Hugging Face folder of another family: tiny random
-checkpoints built with transformers' own classes (Mistral with a sliding window and Qwen2 with
-biases through the fused decode step; Qwen3-MoE and Mixtral, experts, eagerly), saved with the
+checkpoints built with transformers' own classes (Mistral with a sliding window, through the
+fused decode step; Qwen3-MoE, experts, eagerly), saved with the
 bundled model's tokenizer. Disaggregated (1 prefill + 2 decode workers, a KV store) and driven
 through the real `openai` client: greedy tokens equal transformers' `generate`, their logprobs
 its log-softmax, a json_schema answer parses and validates, a decode worker killed mid-stream
@@ -44,7 +44,7 @@ class Served:
         return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2", "qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["mistral", "qwen3_moe"])
 def served(request, tmp_path_factory):
     """One server per family, on a folder with the bundled model's tokenizer (its vocabulary
     sizes the tiny model's embeddings)."""
@@ -53,7 +53,7 @@ def served(request, tmp_path_factory):
     for f in tokenizer.path.parent.iterdir():
         shutil.copy(f, folder / f.name)
     model = build(
-        request.param, folder, vocab_size=tokenizer.vocab_size, max_position_embeddings=1024
+        request.param, folder, vocab_size=tokenizer.vocab_size, max_position_embeddings=2100
     )
     server = Server(
         "--model", str(folder), "--model-name", "tiny",
@@ -128,15 +128,17 @@ def test_a_prefix_whose_decode_worker_died_comes_back_from_the_store(served, cli
 
 
 def test_a_decode_worker_killed_mid_stream_migrates_with_the_same_tokens(served, client):
-    cluster, n = served.cluster, 400
+    cluster, n = served.cluster, 2000  # long: the kill must land before its end
     cluster.wait_decoders_idle()
     migrations = metric(served.url, "pdserve_migrations_total")
     victim = []
 
     def on_chunk(i: int) -> None:
-        if i == 4:
-            victim.append(cluster.busy_decode_worker())
-            cluster.kill(victim[0])
+        if i == 1:  # the router's own count names the worker at once (load reports lag)
+            [busy] = [w for w, h in cluster.health().items() if h["role"] == "decode"
+                      and h["inflight"]]  # fmt: skip
+            victim.append(busy)
+            cluster.kill(busy)
 
     body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True}
     out = stream(served.url, body, on_chunk=on_chunk, timeout_s=120)

@@ -102,11 +102,11 @@ def _hf_config(path: Path) -> ModelConfig:
             rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
             rope_scaling=scaling_from_hf(raw.get("rope_scaling") or rope),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            head_dim_override=raw.get("head_dim"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_hf_eos_ids(path, raw),
             architecture=name,
-            **registry.family(name).hf_fields(raw),
+            # a family may set head_dim (DeepSeek: its RoPE part's width)
+            **({"head_dim_override": raw.get("head_dim")} | registry.family(name).hf_fields(raw)),
         )
     except KeyError as exc:
         raise ValueError(f"{path}/config.json lacks the field {exc}") from None

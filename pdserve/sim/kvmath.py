@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from pdserve.model.kv_shape import kv_shape
 from pdserve.sim.hardware import Link
 from pdserve.sim.models import ModelSpec
 
@@ -36,12 +37,11 @@ def kv_dtype_of(weight_dtype: str) -> str:
 
 
 def kv_elements_per_token(model: ModelSpec) -> int:
-    """Cached elements per token over all layers (K and V, or MLA's latent + RoPE key)."""
-    if model.kv_lora_rank is not None:
-        per_layer = model.kv_lora_rank + (model.qk_rope_head_dim or 0)
-    else:
-        per_layer = 2 * model.num_kv_heads * model.head_dim
-    return model.num_layers * per_layer
+    """Cached elements per token over all layers (K and V, or MLA's latent + RoPE key): the
+    engine's own arithmetic (`model/kv_shape.py`, which sizes its cache tensors)."""
+    shape = kv_shape(model.num_kv_heads, model.head_dim, model.kv_lora_rank or 0,
+                     model.qk_rope_head_dim or 0)  # fmt: skip
+    return model.num_layers * shape.elements
 
 
 def kv_bytes_per_token(model: ModelSpec, dtype: str = "fp16") -> int:

@@ -309,13 +309,17 @@ def _spec_from_config(cfg: dict, path: Path, **dims: int) -> ModelSpec:
 
 
 def from_engine_config(cfg: object, name: str = "engine-model") -> ModelSpec:
-    """A ModelSpec from the engine's `llm.model_config` (attributes named as in the engine)."""
+    """A ModelSpec from the engine's `llm.model_config` (attributes named as in the engine;
+    for MLA, the engine's head_dim is the RoPE part's)."""
+    mla = getattr(cfg, "kv_lora_rank", 0)
     spec = ModelSpec(
         name=name,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.qk_nope_head_dim + cfg.head_dim if mla else cfg.head_dim,
         intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, num_params=1,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
+        kv_lora_rank=mla or None, qk_rope_head_dim=cfg.head_dim if mla else None,
     )  # fmt: skip
     total, _ = estimate_params(spec)
     return _replace_params(spec, total, None)

@@ -332,6 +332,11 @@ class MooncakeStoreClient(BlockStoreClient):
 
 def open_store_client(endpoint: str, layout: KVLayout, k_caches, v_caches):
     """The client for `endpoint`: a `pdserve store` (tcp://, nixl://) or a Mooncake pool."""
+    if layout.cache != "heads":
+        raise ValueError(
+            f"--kv-store {endpoint}: the KV store holds per-head K/V blocks, not this model's "
+            f"{layout.cache} cache (multi-head latent attention); run it without --kv-store"
+        )
     if endpoint.startswith(SCHEME):
         return MooncakeStoreClient(endpoint, layout, k_caches, v_caches)
     from pdserve.kv_store.client import StoreClient

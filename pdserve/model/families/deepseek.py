@@ -91,9 +91,6 @@ class DeepseekV2(Llama):
     def eager_reason(self, cfg, layers):
         return "the fused step has no multi-head latent attention"
 
-    def tp_refusal(self, cfg):
-        return "multi-head latent attention is not split over ranks yet"
-
 
 class DeepseekV3(DeepseekV2):
     name = "deepseek_v3"

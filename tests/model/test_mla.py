@@ -74,7 +74,10 @@ def test_kv_size_and_the_planner_use_the_engines_latent_arithmetic(deepseek):
     """`pdserve kv-size` / `plan` (sim/kvmath.py) and the engine's cache (model/kv_shape.py) are
     one function: the tiny model's 2 layers x (32 + 8) float32 values, DeepSeek-V3's 61 x
     (512 + 64) bf16 values per token."""
+    from pdserve.sim.hardware import get_gpu
     from pdserve.sim.kvmath import kv_bytes_per_token
+    from pdserve.sim.kvsize import kv_size_report
+    from pdserve.sim.latency import LatencyModel
     from pdserve.sim.models import from_engine_config, get_model, load_hf_config
 
     files = deepseek["deepseek_v3"][1]
@@ -83,4 +86,9 @@ def test_kv_size_and_the_planner_use_the_engines_latent_arithmetic(deepseek):
     assert per_token == 2 * (32 + 8) * 4 == 320
     for spec in (load_hf_config(files.path / "config.json"), from_engine_config(files.config)):
         assert spec.attention == "MLA" and kv_bytes_per_token(spec, "fp32") == per_token
+    report = kv_size_report(spec, 21, "fp32", [])  # `pdserve kv-size --model DIR --dtype fp32`
+    assert "MLA: 2 layers x (latent 32 + RoPE key 8) x fp32" in report
+    assert "per token   320 B" in report and "21 tokens -> 6,720 B" in report
+    planned = LatencyModel(spec, get_gpu("h100"), tp=2, kv_dtype="fp32")  # `pdserve plan`'s
+    assert planned.kv_bytes_per_token_gpu == per_token  # every TP rank holds the whole latent
     assert kv_bytes_per_token(get_model("deepseek-v3"), "bf16") == 61 * (512 + 64) * 2 == 70_272

@@ -332,10 +332,11 @@ class MooncakeStoreClient(BlockStoreClient):
 
 def open_store_client(endpoint: str, layout: KVLayout, k_caches, v_caches):
     """The client for `endpoint`: a `pdserve store` (tcp://, nixl://) or a Mooncake pool."""
-    if layout.cache != "heads":
+    if endpoint.startswith(SCHEME) and layout.cache != "heads":
         raise ValueError(
-            f"--kv-store {endpoint}: the KV store holds per-head K/V blocks, not this model's "
-            f"{layout.cache} cache (multi-head latent attention); run it without --kv-store"
+            f"--kv-store {endpoint}: a Mooncake pool holds per-head K/V blocks here, not this "
+            f"model's {layout.cache} cache (multi-head latent attention); use pdserve's own "
+            "store (--kv-store, or tcp:// / nixl:// of `pdserve store`)"
         )
     if endpoint.startswith(SCHEME):
         return MooncakeStoreClient(endpoint, layout, k_caches, v_caches)

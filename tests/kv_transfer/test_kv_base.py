@@ -106,5 +106,5 @@ def test_a_latent_layout_is_one_tensor_per_layer_whole_on_every_rank():
         check_caches(layout, k, k)
     with pytest.raises(ValueError, match="a latent KV cache has one head, not 2"):
         KVLayout("m", "float32", 1, 4, 2, 8, cache="latent")
-    with pytest.raises(ValueError, match="not this model's latent cache"):
-        open_store_client("tcp://127.0.0.1:1", layout, k, v)
+    with pytest.raises(ValueError, match="a Mooncake pool holds per-head K/V blocks here"):
+        open_store_client("mooncake://127.0.0.1:1", layout, k, v)

@@ -42,7 +42,7 @@ FAMILIES = {
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
                     dict(MLA, q_lora_rank=None, topk_method="group_limited_greedy")),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    dict(MLA, q_lora_rank=24, rope_interleave=False, rope_parameters=YARN)),
+                    dict(MLA, q_lora_rank=16, rope_interleave=False, rope_parameters=YARN)),
 }  # fmt: skip
 
 

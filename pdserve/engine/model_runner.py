@@ -126,17 +126,16 @@ class ModelRunner:
 
     def _quantize(self, files: ModelFiles) -> str:
         """Apply `config.weights` to the model; returns the format chosen (auto resolved)."""
-        fmt, mc = self.config.weights, self.model_config
-        widths = (
-            mc.intermediate_size,
-            mc.moe_intermediate_size,
-            mc.shared_expert_intermediate_size,
-        )
-        quant.check_format(fmt, self.device, math.gcd(mc.hidden_size, *widths))
+        fmt = self.config.weights
+        # every linear's input size as this rank holds it (MLA's q_lora_rank, a TP slice, ...)
+        in_features = math.gcd(*(lin.weight.shape[1] for lin in self.model.linears()))
+        quant.check_format(fmt, self.device, in_features)
         # a tensor-parallel rank holds slices: the file's whole-weight blocks do not apply
         wants_blocks = fmt in ("auto", "int4") and self.device.type == "cpu" and not self.tp
         blocks = load_int4_blocks(files) if wants_blocks else {}
         fmt = quant.resolve_format(fmt, self.device, blocks, self.dtype)
+        if fmt == "int8" and in_features % quant.INT8_MULTIPLE:  # auto: the kernel cannot run
+            fmt = "bf16"
         if fmt != "bf16" and self.dtype == torch.float32:
             log.warning(
                 "--weights %s with --dtype float32: torch's %s kernel is 3-50x slower in "

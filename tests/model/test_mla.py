@@ -11,6 +11,7 @@ import torch
 from factories import make_engine, run_to_completion
 from family_models import build, one_thread
 
+from model.test_families import last_logits
 from model.test_fused_decode import PROMPTS as CONTEXTS
 from model.test_fused_decode import decode_batch
 from pdserve.engine.sampling_params import SamplingParams
@@ -92,3 +93,24 @@ def test_kv_size_and_the_planner_use_the_engines_latent_arithmetic(deepseek):
     planned = LatencyModel(spec, get_gpu("h100"), tp=2, kv_dtype="fp32")  # `pdserve plan`'s
     assert planned.kv_bytes_per_token_gpu == per_token  # every TP rank holds the whole latent
     assert kv_bytes_per_token(get_model("deepseek-v3"), "bf16") == 61 * (512 + 64) * 2 == 70_272
+
+
+def test_int8_applies_to_the_latent_projections_and_every_expert(deepseek):
+    """--weights int8 on DeepSeek-V3: MLA's down-projection, q_b_proj and o_proj (kv_b_proj
+    stays dense: decode absorbs its halves), the dense MLP, every routed and shared expert."""
+    from pdserve.model.quant import check_format
+
+    model, files = deepseek["deepseek_v3"]
+    engine = make_engine(files, weights="int8", enable_prefix_caching=False)
+    layers = engine.runner.model.layers
+    attn, moe = layers[0].attn, layers[1].mlp
+    assert {lin.format for lin in (attn.down, attn.q_up, attn.o)} == {"int8"}
+    experts = [*moe.experts, moe.shared]
+    assert {lin.format for e in experts for lin in (e.gate_up, e.down)} == {"int8"}
+    prompt = list(range(1, 20))
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, -1]
+    got = last_logits(engine, prompt)
+    assert torch.nn.functional.cosine_similarity(got, ref, 0) > 0.99
+    with pytest.raises(ValueError, match="int8 needs every linear's input size divisible by 16"):
+        check_format("int8", torch.device("cpu"), 24)  # a q_lora_rank of 24 would crash torch

@@ -45,10 +45,24 @@ def deinterleave_rope_rows(w: torch.Tensor, groups: int, dr: int) -> torch.Tenso
     interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's checkpoints): those rows reordered to
     (x0, x2, ..., x1, x3, ...), the rotate-half layout `apply_rope` takes. Applied to q's and
     k_pe's rows alike, so every q . k is unchanged."""
-    perm = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])
+    perm = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)]).to(w.device)
     g = w.view(groups, -1, w.shape[-1]).clone()  # (groups, rows, K)
     g[:, -dr:] = g[:, -dr:][:, perm]
     return g.view(w.shape)
+
+
+def _projections(w, a: str, q_name: str, heads: int, dr: int, interleaved: bool) -> tuple:
+    """(q_proj or q_a_proj, kv_a_proj_with_mqa, q_b_proj or None) weights of attention `a`,
+    their RoPE rows in rotate-half order (`deinterleave_rope_rows`) if `interleaved`."""
+    q, kv_a = w[f"{a}{q_name}.weight"], w[a + "kv_a_proj_with_mqa.weight"]
+    q_b = w.get(a + "q_b_proj.weight") if q_name == "q_a_proj" else None  # (H*(dn+dr), q_lora)
+    if interleaved:
+        kv_a = deinterleave_rope_rows(kv_a, 1, dr)  # its last dr rows: k_pe
+        if q_b is None:
+            q = deinterleave_rope_rows(q, heads, dr)
+        else:
+            q_b = deinterleave_rope_rows(q_b, heads, dr)
+    return q, kv_a, q_b
 
 
 class MLA:
@@ -72,15 +86,7 @@ class MLA:
         kv_b = w[a + "kv_b_proj.weight"]  # (H * (dn + dv), r)
         self.heads = kv_b.shape[0] // (self.dn + self.dv)
         q_name = "q_a_proj" if cfg.q_lora_rank else "q_proj"
-        q, kv_a, q_b = w[f"{a}{q_name}.weight"], w[a + "kv_a_proj_with_mqa.weight"], None
-        if cfg.q_lora_rank:
-            q_b = w[a + "q_b_proj.weight"]  # (H * (dn + dr), q_lora_rank)
-        if interleaved:
-            kv_a = deinterleave_rope_rows(kv_a, 1, self.dr)
-            if q_b is None:
-                q = deinterleave_rope_rows(q, self.heads, self.dr)
-            else:
-                q_b = deinterleave_rope_rows(q_b, self.heads, self.dr)
+        q, kv_a, q_b = _projections(w, a, q_name, self.heads, self.dr, interleaved)
         # x -> (q_a or q, c, k_pe) in one matmul: both projections read the same x
         self.down = Dense(torch.cat([q, kv_a]))
         self.q_up = Dense(q_b) if q_b is not None else None

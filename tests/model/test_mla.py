@@ -114,3 +114,22 @@ def test_int8_applies_to_the_latent_projections_and_every_expert(deepseek):
     assert torch.nn.functional.cosine_similarity(got, ref, 0) > 0.99
     with pytest.raises(ValueError, match="int8 needs every linear's input size divisible by 16"):
         check_format("int8", torch.device("cpu"), 24)  # a q_lora_rank of 24 would crash torch
+
+
+def test_tensor_and_expert_parallel_ranks_give_the_tokens_of_one(deepseek):
+    """DeepSeek-V3 co-located on 2 ranks, experts over 2 groups: each rank holds half of the
+    heads (q_b_proj and kv_b_proj rows, o_proj columns), the whole latent, 2 of the 4 experts
+    whole and half of the shared one; the tokens are one rank's."""
+    files = deepseek["deepseek_v3"][1]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = run_to_completion(make_engine(files), CONTEXTS, params)
+    engine = make_engine(files, tensor_parallel_size=2, expert_parallel_size=2)
+    try:
+        runner = engine.runner
+        attn, moe = runner.model.layers[1].attn, runner.model.layers[1].mlp
+        assert attn.heads == 2 and runner.kv_shape == KVShape(1, 1, 40)
+        assert [e is not None for e in moe.experts] == [True, True, False, False]
+        assert moe.shared.down.weight.shape == (64, 16)  # the shared expert split by width
+        assert run_to_completion(engine, CONTEXTS, params) == want
+    finally:
+        engine.close()

@@ -87,6 +87,13 @@ def _hf_config(path: Path) -> ModelConfig:
     from `architectures` / `model_type`, never from the folder's name."""
     raw = json.loads((path / "config.json").read_text())
     name = registry.family_for_hf(raw, str(path))
+    if quantized := raw.get("quantization_config"):  # e.g. DeepSeek-V3's own FP8 blocks
+        raise ValueError(
+            f"{path}: quantized weights (config.json quantization_config, "
+            f"{quantized.get('quant_method', 'unknown method')}) are not supported: pdserve loads "
+            "float weights (bf16/fp16/fp32 safetensors) and quantizes them itself (--weights); "
+            "use a bf16 copy of the checkpoint"
+        )
     rope = raw.get("rope_parameters") or {}  # transformers >= 5; before, top-level fields
     try:
         heads = int(raw["num_attention_heads"])

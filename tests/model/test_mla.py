@@ -133,3 +133,26 @@ def test_tensor_and_expert_parallel_ranks_give_the_tokens_of_one(deepseek):
         assert run_to_completion(engine, CONTEXTS, params) == want
     finally:
         engine.close()
+
+
+def test_a_deepseek_v3_config_as_published_loads_and_fp8_weights_are_refused(deepseek, tmp_path):
+    """DeepSeek-V3's own config.json names its routing topk_method "noaux_tc" and scoring_func
+    "sigmoid" (what V3 always does) and ships FP8 weights with quantization_config."""
+    import json
+    import shutil
+
+    from pdserve.model.loader import load_model_config
+
+    src = deepseek["deepseek_v3"][1].path
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw |= {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = load_model_config(str(tmp_path))[1]
+    assert (cfg.router_scoring, cfg.expert_groups, cfg.topk_groups) == ("sigmoid", 2, 1)
+    raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"quantized weights \(config.json quantization_config, "
+                       "fp8\\) are not supported"):  # fmt: skip
+        load_model_config(str(tmp_path))

@@ -53,7 +53,6 @@ def _groups(raw: dict) -> dict:
 class DeepseekV2(Llama):
     name = "deepseek_v2"
     gguf_permuted_qk = False
-    scoring = "softmax"
 
     def hf_fields(self, raw: dict) -> dict:
         method = raw.get("topk_method") or "greedy"
@@ -66,7 +65,7 @@ class DeepseekV2(Llama):
         # V2's RoPE rotates adjacent pairs of dimensions (a complex multiplication); its top-k
         # weights are not renormalised (transformers' DeepseekV2 ignores norm_topk_prob)
         return _mla_fields(raw) | _moe_fields(raw) | grouped | {
-            "rope_interleave": True, "norm_topk_prob": False, "router_scoring": self.scoring
+            "rope_interleave": True, "norm_topk_prob": False, "router_scoring": "softmax"
         }  # fmt: skip
 
     def attention(self, cfg, w, p):
@@ -94,12 +93,12 @@ class DeepseekV2(Llama):
 
 class DeepseekV3(DeepseekV2):
     name = "deepseek_v3"
-    scoring = "sigmoid"
 
     def hf_fields(self, raw: dict) -> dict:
         # rope_interleave (default true): pairs, as V2; false: rotate-half halves, as Llama.
-        # V3 routes over groups always (its "noaux_tc"), renormalising as norm_topk_prob says.
-        return super().hf_fields(raw) | _groups(raw) | {
+        # V3 routes with sigmoid scores over groups always (its topk_method "noaux_tc"),
+        # renormalising as norm_topk_prob says.
+        return _mla_fields(raw) | _moe_fields(raw) | _groups(raw) | {
             "rope_interleave": bool(raw.get("rope_interleave", True)),
-            "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", True)), "router_scoring": "sigmoid",
         }  # fmt: skip

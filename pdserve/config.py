@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.model.kv_shape import KVShape, kv_shape
+
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")  # see model/quant.py
@@ -65,9 +67,24 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # one expert's MLP width
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's, DeepSeek's always-on expert
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP instead
+    # DeepSeek's routing (`parts.GroupedTopK`): "softmax" (V2) or "sigmoid" (V3) scores, the
+    # experts in expert_groups groups of which topk_groups are eligible, the chosen experts'
+    # weights times routed_scaling_factor
+    router_scoring: str = "softmax"
+    expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek-V2/V3, `model/mla.py`), 0 elsewhere: the cached
+    # latent's width, the query's low rank (0: a full-rank q_proj), each head's q/k part
+    # without RoPE and its value width. `head_dim` is then the RoPE part's (qk_rope_head_dim).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE over adjacent pairs of dimensions (DeepSeek's)
 
     @property
     def is_moe(self) -> bool:
@@ -85,6 +102,17 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden_size // self.num_heads
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def kv_shape(self, kv_heads: int | None = None) -> KVShape:
+        """What the cache holds per token and layer, for a rank of `kv_heads` KV heads (None:
+        all of them): K and V per head, or MLA's latent (every rank holds it whole)."""
+        heads = self.num_kv_heads if kv_heads is None else kv_heads
+        rope = self.head_dim if self.is_mla else 0
+        return kv_shape(heads, self.head_dim, self.kv_lora_rank, rope)
 
 
 @dataclass(frozen=True)

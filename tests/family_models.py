@@ -14,6 +14,15 @@ BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             eos_token_id=None, bos_token_id=1, pad_token_id=0)  # fmt: skip
 WINDOW = 8  # Mistral's sliding window: the prompts run past it
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
+# multi-head latent attention: the cached latent is 32 + 8 values per token and layer
+# (head_dim: transformers' DeepSeek classes take it as the RoPE part's width). Layer 0 dense,
+# layer 1 DeepSeek's experts: 4 routed in 2 groups (1 eligible), top-2, one shared expert.
+MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+           num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=4,
+           num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+           routed_scaling_factor=2.5, n_group=2, topk_group=1)  # fmt: skip
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+            mscale=1.0, mscale_all_dim=0.8)  # fmt: skip
 # family: (config class, model class, the family's own fields)
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
@@ -27,6 +36,13 @@ FAMILIES = {
                   dict(EXPERTS, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                        mlp_only_layers=[1])),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(EXPERTS)),
+    # V2 with a full-rank q_proj, interleaved RoPE and softmax routing limited to the best group;
+    # V3 with a low-rank query, rotate-half RoPE, YaRN (mscale on cos and sin, mscale_all_dim
+    # on the softmax scale) and sigmoid routing with e_score_correction_bias
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(MLA, q_lora_rank=None, topk_method="group_limited_greedy")),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(MLA, q_lora_rank=16, rope_interleave=False, rope_parameters=YARN)),
 }  # fmt: skip
 
 
@@ -51,7 +67,7 @@ def build(family: str, folder: Path, seed: int = 0, **fields):
 
     config_cls, model_cls, own = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**{**BASE, **fields}, **own)
+    config = getattr(transformers, config_cls)(**{**BASE, **own, **fields})
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -59,6 +75,9 @@ def build(family: str, folder: Path, seed: int = 0, **fields):
                 p.uniform_(0.5, 1.5)
             elif "bias" in name:
                 p.normal_(0, 0.5)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias is a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     model.save_pretrained(str(folder))
     return model
 

@@ -57,22 +57,32 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.model = LlamaModel(files.config, files.weights, self.dtype, self.device, self.tp)
-        self.num_kv_heads = self.model.n_kv  # this rank's
+        # this rank's: K and V per KV head, or MLA's latent (one "head", whole on every rank)
+        self.kv_shape = files.config.kv_shape(self.model.n_kv)
         self.weights = self._quantize(files)
         self.num_blocks = self._num_blocks()
-        mc = self.model_config
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
-        # Per layer, (num_blocks, block_size, n_kv, d): one layer's block is one contiguous span.
+        mc, kv = self.model_config, self.kv_shape
+        shape = (self.num_blocks, self.block_size, kv.heads, kv.dim)
+        # Per layer, (num_blocks, block_size, heads, dim): one layer's block is one contiguous
+        # span. k_caches holds K, or MLA's latent (then v_caches is empty).
         if self.tp is not None:  # rank 0 also reaches the other ranks' caches (KV transfer)
-            self.rank_caches = self.tp.caches(shape, self.dtype, mc.num_layers)
+            self.rank_caches = self.tp.caches(shape, self.dtype, mc.num_layers, kv.tensors)
             self.k_caches, self.v_caches = self.rank_caches[0]
         else:
-            self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                             for _ in range(mc.num_layers)]  # fmt: skip
-            self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                             for _ in range(mc.num_layers)]  # fmt: skip
+
+            def per_layer() -> list[torch.Tensor]:
+                return [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                        for _ in range(mc.num_layers)]  # fmt: skip
+
+            self.k_caches = per_layer()
+            self.v_caches = [] if kv.is_latent else per_layer()
             self.rank_caches = [(self.k_caches, self.v_caches)]
-        self.kv_caches = list(zip(self.k_caches, self.v_caches, strict=True))
+        # what each layer's attention gets: (k_cache, v_cache), or (latent_cache,)
+        self.kv_caches = (
+            [(k,) for k in self.k_caches]
+            if kv.is_latent
+            else list(zip(self.k_caches, self.v_caches, strict=True))
+        )
         if self._wants_int8_activations():  # the many-row steps' kernel: model/act_quant.py
             ids = act_quant.calibration_ids(files.path, self.model_config.vocab_size)
             used = act_quant.apply(self, ids, self.kernel_rows)
@@ -116,17 +126,16 @@ class ModelRunner:
 
     def _quantize(self, files: ModelFiles) -> str:
         """Apply `config.weights` to the model; returns the format chosen (auto resolved)."""
-        fmt, mc = self.config.weights, self.model_config
-        widths = (
-            mc.intermediate_size,
-            mc.moe_intermediate_size,
-            mc.shared_expert_intermediate_size,
-        )
-        quant.check_format(fmt, self.device, math.gcd(mc.hidden_size, *widths))
+        fmt = self.config.weights
+        # every linear's input size as this rank holds it (MLA's q_lora_rank, a TP slice, ...)
+        in_features = math.gcd(*(lin.weight.shape[1] for lin in self.model.linears()))
+        quant.check_format(fmt, self.device, in_features)
         # a tensor-parallel rank holds slices: the file's whole-weight blocks do not apply
         wants_blocks = fmt in ("auto", "int4") and self.device.type == "cpu" and not self.tp
         blocks = load_int4_blocks(files) if wants_blocks else {}
         fmt = quant.resolve_format(fmt, self.device, blocks, self.dtype)
+        if fmt == "int8" and in_features % quant.INT8_MULTIPLE:  # auto: the kernel cannot run
+            fmt = "bf16"
         if fmt != "bf16" and self.dtype == torch.float32:
             log.warning(
                 "--weights %s with --dtype float32: torch's %s kernel is 3-50x slower in "
@@ -160,10 +169,10 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block over all layers, K and V."""
-        mc = self.model_config
+        """Bytes of one block over all layers, K and V (or the MLA latent)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
+        per_token = self.model_config.num_layers * self.kv_shape.elements * elem
+        return self.block_size * per_token
 
     def _num_blocks(self) -> int:
         cfg = self.config

@@ -62,7 +62,13 @@ from pdserve.kv_store.protocol import (
 from pdserve.kv_store.put_queue import PutQueue
 from pdserve.kv_store.tickets import PutJob, PutTicket
 from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.memory import byte_views, check_block_ids, check_caches, paired_runs
+from pdserve.kv_transfer.memory import (
+    byte_views,
+    check_block_ids,
+    check_caches,
+    layer_caches,
+    paired_runs,
+)
 from pdserve.kv_transfer.wire import resolve_secret
 
 log = logging.getLogger("pdserve.kv_store")
@@ -153,7 +159,7 @@ class StoreClient(BlockStoreClient):
         if isinstance(source, (bytes, bytearray, memoryview)):
             return [source]
         layers = range(self.layout.num_layers)
-        return [buf for la in layers for buf in (self._k[la][source], self._v[la][source])]
+        return [v[source] for la in layers for v in layer_caches(self._k, self._v, la)]
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every put issued so far is done (stored or failed); False on timeout."""
@@ -269,7 +275,7 @@ class StoreClient(BlockStoreClient):
         runs = paired_runs(range(good), dst[:good])
         bb = self.layout.block_bytes
         for layer in range(self.layout.num_layers):
-            for views in (self._k[layer], self._v[layer]):
+            for views in layer_caches(self._k, self._v, layer):  # K, V or the latent
                 for run in runs:
                     span = memoryview(views[run.dst : run.dst + run.count]).cast("B")
                     recv_into_by(sock, span, deadline)

@@ -28,8 +28,8 @@ def layout_key(layout: KVLayout) -> str:
 
 
 def payload_bytes(layout: KVLayout) -> int:
-    """Bytes of one stored block: K and V of every layer."""
-    return 2 * layout.num_layers * layout.block_bytes
+    """Bytes of one stored block: K and V (or the MLA latent) of every layer."""
+    return layout.tensors * layout.num_layers * layout.block_bytes
 
 
 @dataclass(frozen=True)

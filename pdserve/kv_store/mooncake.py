@@ -332,6 +332,12 @@ class MooncakeStoreClient(BlockStoreClient):
 
 def open_store_client(endpoint: str, layout: KVLayout, k_caches, v_caches):
     """The client for `endpoint`: a `pdserve store` (tcp://, nixl://) or a Mooncake pool."""
+    if endpoint.startswith(SCHEME) and layout.cache != "heads":
+        raise ValueError(
+            f"--kv-store {endpoint}: a Mooncake pool holds per-head K/V blocks here, not this "
+            f"model's {layout.cache} cache (multi-head latent attention); use pdserve's own "
+            "store (--kv-store, or tcp:// / nixl:// of `pdserve store`)"
+        )
     if endpoint.startswith(SCHEME):
         return MooncakeStoreClient(endpoint, layout, k_caches, v_caches)
     from pdserve.kv_store.client import StoreClient

@@ -99,15 +99,19 @@ def _rows(addrs: np.ndarray, nbytes: int) -> np.ndarray:
 
 
 def cache_spans(layout: KVLayout, k_addrs, v_addrs, block_ids: Sequence[int]) -> np.ndarray:
-    """Per block, per layer: its K then its V span in the caches (the order of a payload)."""
-    bases = np.stack([np.asarray(k_addrs, np.uint64), np.asarray(v_addrs, np.uint64)], axis=1)
+    """Per block, per layer: its K then its V span in the caches (the order of a payload); its
+    latent's alone for an MLA cache (`v_addrs` empty)."""
+    tensors = (k_addrs, v_addrs) if len(v_addrs) else (k_addrs,)
+    bases = np.stack([np.asarray(a, np.uint64) for a in tensors], axis=1)
     ids = np.asarray(block_ids, np.uint64) * np.uint64(layout.block_bytes)
     return _rows(bases[None, :, :] + ids[:, None, None], layout.block_bytes)
 
 
 def payload_spans(layout: KVLayout, addrs: Sequence[int]) -> np.ndarray:
-    """Per block, the 2 * num_layers spans of its payload (K0 V0 K1 V1 ...) at `addrs`."""
-    parts = np.arange(2 * layout.num_layers, dtype=np.uint64) * np.uint64(layout.block_bytes)
+    """Per block, the tensors x num_layers spans of its payload (K0 V0 K1 V1 ..., or the
+    latent's L0 L1 ...) at `addrs`."""
+    count = layout.tensors * layout.num_layers
+    parts = np.arange(count, dtype=np.uint64) * np.uint64(layout.block_bytes)
     return _rows(np.asarray(addrs, np.uint64)[:, None] + parts[None, :], layout.block_bytes)
 
 

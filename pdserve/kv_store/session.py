@@ -206,10 +206,11 @@ class Session:
         send_msg(self.conn, NixlLoadReply([e.meta for e in held], addrs))
 
     def _send_layer_major(self, payloads: list[Payload]) -> int:
-        """Per layer: every block's K, then every block's V (stored as K0 V0 K1 V1 ...)."""
-        bb, sent = self.layout.block_bytes, 0
+        """Per layer: every block's K, then every block's V (stored as K0 V0 K1 V1 ...; an MLA
+        latent's as L0 L1 ...)."""
+        bb, sent, n = self.layout.block_bytes, 0, self.layout.tensors
         views = [memoryview(p) for p in payloads]
         for layer in range(self.layout.num_layers):
-            for part in (2 * layer, 2 * layer + 1):  # K, then V
+            for part in range(n * layer, n * (layer + 1)):  # K, then V (or the latent)
                 sent += send_buffers(self.conn, [v[part * bb : (part + 1) * bb] for v in views])
         return sent

@@ -8,8 +8,9 @@ watches `layers_landed` / `wait_layer`, and calls `release` when the transfer is
 its lease has expired.
 
 Cache memory belongs to the engine: per layer `l`, `k_caches[l]` and `v_caches[l]` are contiguous
-CPU tensors of shape `[num_blocks, block_size, num_kv_heads, head_dim]`. Connectors read and write
-block memory in place; they never allocate a copy of the cache.
+CPU tensors of shape `[num_blocks, block_size, num_kv_heads, head_dim]` (an MLA latent cache:
+`k_caches[l]` alone, of one head, and `v_caches` empty; `KVLayout.cache` says which). Connectors
+read and write block memory in place; they never allocate a copy of the cache.
 
 What a cache holds, and which heads each tensor-parallel rank has, is its `KVLayout`
 (`kv_transfer/layout.py`): the handshake compares layouts, and a sender of a

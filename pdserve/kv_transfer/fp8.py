@@ -5,7 +5,8 @@ default, and only worth it when the network, not the CPU, is the bottleneck: it 
 of bfloat16/float16 caches and quarters float32 ones, at the price of a gather + quantize on the
 sender and a staging buffer + dequantize on the receiver (no longer zero-copy).
 
-Payload of one layer: for K then V, `n` float32 scales followed by `n` blocks of FP8 bytes.
+Payload of one layer: for K then V (or the MLA latent alone), `n` float32 scales followed by
+`n` blocks of FP8 bytes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ def block_elems(layout: KVLayout) -> int:
 
 
 def payload_bytes(layout: KVLayout, num_blocks: int) -> int:
-    """Bytes of one layer's K and V payload for `num_blocks` blocks."""
-    return 2 * num_blocks * (4 + block_elems(layout))
+    """Bytes of one layer's K and V (or latent) payload for `num_blocks` blocks."""
+    return layout.tensors * num_blocks * (4 + block_elems(layout))
 
 
 def encode(cache: torch.Tensor, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,10 +47,11 @@ def decode_into(
 
 
 def split_payload(buf: bytearray, layout: KVLayout, n: int) -> list[tuple[torch.Tensor, ...]]:
-    """Views [(k_scales, k_data), (v_scales, v_data)] into a received layer payload."""
+    """Views [(k_scales, k_data), (v_scales, v_data)] (or the latent's one pair) into a
+    received layer payload."""
     elems, parts, off = block_elems(layout), [], 0
     flat = torch.frombuffer(buf, dtype=torch.uint8)
-    for _ in range(2):
+    for _ in range(layout.tensors):
         scales = flat[off : off + 4 * n].view(torch.float32)
         off += 4 * n
         parts.append((scales, flat[off : off + n * elems].view(n, elems)))

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from pdserve.kv_transfer.layout import KVLayout, KVLayoutMismatch
-from pdserve.kv_transfer.memory import paired_runs
+from pdserve.kv_transfer.memory import layer_caches, paired_runs
 from pdserve.kv_transfer.send_queue import Job, Link, QueuedSender
 from pdserve.kv_transfer.transfer_table import TableReceiver
 from pdserve.kv_transfer.wire import HandshakeRefused
@@ -141,19 +141,19 @@ class InprocReceiver(TableReceiver):
             return ticket
         t0 = time.perf_counter()
         runs = paired_runs(job.src_ids, job.dst_ids)
-        pairs = (
-            (sender.k_caches, self.k_caches, self._k_bytes),
-            (sender.v_caches, self.v_caches, self._v_bytes),
-        )
+        pairs = zip(
+            layer_caches(sender.k_caches, sender.v_caches, job.layer),
+            layer_caches(self.k_caches, self.v_caches, job.layer),
+            layer_caches(self._k_bytes, self._v_bytes, job.layer),
+            strict=True,
+        )  # K and V, or the latent
         for src, dst, dst_bytes in pairs:
             for r in runs:
                 if ticket.released:
                     break
-                dst[job.layer][r.dst : r.dst + r.count].copy_(
-                    src[job.layer][r.src : r.src + r.count]
-                )
+                dst[r.dst : r.dst + r.count].copy_(src[r.src : r.src + r.count])
                 if corrupt:
-                    dst_bytes[job.layer][r.dst : r.dst + r.count, 0] ^= 0xFF
+                    dst_bytes[r.dst : r.dst + r.count, 0] ^= 0xFF
         nbytes = sender._payload_bytes(len(job.src_ids))
         return self._table.end_write(ticket, None, nbytes, time.perf_counter() - t0)
 

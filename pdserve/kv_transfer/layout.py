@@ -1,5 +1,6 @@
-"""KVLayout: what a KV cache holds, block by block, and which heads each rank of a
-tensor-parallel group has.
+"""KVLayout: what a KV cache holds, block by block (K and V per KV head, or an MLA latent), and
+which heads each rank of a tensor-parallel group has (the latent is one head, which every rank
+holds whole: replicated, never split).
 
 The handshake between a prefill and a decode worker (and the KV store's) compares layouts and
 refuses a mismatch by naming the field. A tensor-parallel engine (`engine/tp/`) holds its KV
@@ -21,6 +22,7 @@ import msgspec
 
 # Bytes per element of every cache dtype a layout may name (kept torch-free on purpose).
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CACHE_KINDS = ("heads", "latent")  # K and V per KV head; MLA's one latent per token and layer
 _LAYOUT_FIELDS = (
     "model_fingerprint",
     "dtype",
@@ -31,6 +33,7 @@ _LAYOUT_FIELDS = (
 )
 # what two tensor-parallel groups must share for one to fill the other's heads
 _MODEL_FIELDS = (
+    "cache",
     "model_fingerprint",
     "dtype",
     "num_layers",
@@ -85,6 +88,9 @@ class KVLayout(msgspec.Struct, frozen=True):
     tp_size: int = 1  # of the tensor-parallel group this cache belongs to
     tp_rank: int = 0  # whose cache this is (a group's sender: 0, and it reads every rank's)
     model_kv_heads: int = 0  # the model's KV heads, all ranks together; 0: num_kv_heads
+    # "heads": a K and a V tensor per layer; "latent": MLA's one tensor per layer, of one
+    # "head" of kv_lora_rank + qk_rope_head_dim (head_dim) values, whole on every rank
+    cache: str = "heads"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -92,6 +98,10 @@ class KVLayout(msgspec.Struct, frozen=True):
                 f"KV cache dtype {self.dtype!r} is not supported; use one of "
                 f"{', '.join(DTYPE_SIZES)}"
             )
+        if self.cache not in CACHE_KINDS:
+            raise ValueError(f"KVLayout.cache must be one of {CACHE_KINDS}, got {self.cache!r}")
+        if self.cache == "latent" and self.heads_total != 1:
+            raise ValueError(f"a latent KV cache has one head, not {self.heads_total}")
         for name in _LAYOUT_FIELDS[2:]:
             if getattr(self, name) < 1:
                 raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
@@ -129,8 +139,13 @@ class KVLayout(msgspec.Struct, frozen=True):
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def tensors(self) -> int:
+        """Cache tensors per layer: 2 (K and V) or 1 (the latent)."""
+        return 1 if self.cache == "latent" else 2
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one layer of K (or of V)."""
+        """Bytes of one block of one layer of K (or of V, or of the latent)."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
     def check_compatible(

@@ -19,21 +19,33 @@ class Run(NamedTuple):
     count: int
 
 
-def layout_of(model_fingerprint: str, k_caches: Sequence[torch.Tensor]) -> KVLayout:
-    """The KVLayout describing an engine's caches (shape [num_blocks, block, heads, dim])."""
+def layout_of(
+    model_fingerprint: str, k_caches: Sequence[torch.Tensor], latent: bool = False
+) -> KVLayout:
+    """The KVLayout describing an engine's caches (shape [num_blocks, block, heads, dim]);
+    `latent`: `k_caches` are MLA latent caches (and there are no V caches)."""
     _, block_size, heads, dim = k_caches[0].shape
     dtype = str(k_caches[0].dtype).removeprefix("torch.")
-    return KVLayout(model_fingerprint, dtype, len(k_caches), block_size, heads, dim)
+    cache = "latent" if latent else "heads"
+    return KVLayout(model_fingerprint, dtype, len(k_caches), block_size, heads, dim, cache=cache)
+
+
+def layer_caches(k_caches: Sequence, v_caches: Sequence, layer: int) -> tuple:
+    """The cache tensors (or their views) of one layer, in wire order: K then V, or the latent
+    alone (an MLA cache: `v_caches` empty)."""
+    return (k_caches[layer], v_caches[layer]) if v_caches else (k_caches[layer],)
 
 
 def check_caches(
     layout: KVLayout, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]
 ) -> int:
     """Check the caches match `layout` (and are contiguous CPU tensors); return num_blocks."""
-    if len(k_caches) != layout.num_layers or len(v_caches) != layout.num_layers:
+    v_layers = layout.num_layers if layout.tensors == 2 else 0  # a latent cache has no V
+    if len(k_caches) != layout.num_layers or len(v_caches) != v_layers:
+        what = "latent cache tensors and no V" if v_layers == 0 else "K and V cache tensors"
         raise ValueError(
-            f"expected {layout.num_layers} K and V cache tensors (one per layer), got "
-            f"{len(k_caches)} and {len(v_caches)}"
+            f"expected {layout.num_layers} {what} (one per layer), got {len(k_caches)} and "
+            f"{len(v_caches)}"
         )
     num_blocks = k_caches[0].shape[0]
     want = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)

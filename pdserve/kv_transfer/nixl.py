@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from pdserve.kv_transfer.layout import KVLayout, whole_rank
-from pdserve.kv_transfer.memory import paired_runs
+from pdserve.kv_transfer.memory import layer_caches, paired_runs
 from pdserve.kv_transfer.nixl_agent import NixlAgent, Peer, decode_peer_info, encode_peer_info
 from pdserve.kv_transfer.send_queue import Job
 from pdserve.kv_transfer.tcp import TcpSender
@@ -122,7 +122,7 @@ class NixlReceiver(TcpReceiver):
 
     def _whole_spans(self, hdr: LayerHeader, peer: Peer) -> tuple[np.ndarray, np.ndarray]:
         """(local, remote) (N, 3) rows of (address, length, device id): every run of blocks of
-        K, then of V, of the sender rank whose blocks are ours as they are."""
+        K, then of V (or of the latent), of the sender rank whose blocks are ours as they are."""
         bb, layer = self.layout.block_bytes, hdr.layer
         # one descriptor per run of blocks consecutive on both sides: UCX pays per descriptor,
         # so 6 KiB single-block descriptors run at a fraction of the bandwidth of long spans
@@ -130,7 +130,7 @@ class NixlReceiver(TcpReceiver):
         src, dst, size = runs[:, 0] * bb, runs[:, 1] * bb, runs[:, 2] * bb
         zero = np.zeros(len(runs), dtype=np.uint64)
         remote_base = [a[layer] for a in peer.info.addrs(peer.whole)]
-        local_base = (self.k_caches[layer].data_ptr(), self.v_caches[layer].data_ptr())
+        local_base = [t.data_ptr() for t in layer_caches(self.k_caches, self.v_caches, layer)]
         remote = np.concatenate([np.stack([b + src, size, zero], 1) for b in remote_base])
         local = np.concatenate([np.stack([b + dst, size, zero], 1) for b in local_base])
         return local, remote
@@ -145,7 +145,7 @@ class NixlReceiver(TcpReceiver):
         src_ids = np.asarray(hdr.src_block_ids, dtype=np.uint64)[:, None]
         dst_ids = np.asarray(hdr.dst_block_ids, dtype=np.uint64)[:, None]
         dst_row = np.uint64(lay.num_kv_heads) * head
-        local_base = (self.k_caches[layer].data_ptr(), self.v_caches[layer].data_ptr())
+        local_base = [t.data_ptr() for t in layer_caches(self.k_caches, self.v_caches, layer)]
         local, remote = [], []
         for seg in peer.segments:
             src_row = np.uint64(peer.layout.shard(seg.src_rank).num_kv_heads) * head

@@ -55,8 +55,9 @@ class NixlPeerInfo(msgspec.Struct, frozen=True):
     other_ranks: list[tuple[list[int], list[int]]] = []
 
     def addrs(self, rank: int) -> tuple[list[int], list[int]]:
-        """(K, V) base addresses per layer of rank `rank`'s caches."""
-        return (self.k_addrs, self.v_addrs) if rank == 0 else self.other_ranks[rank - 1]
+        """(K, V) base addresses per layer of rank `rank`'s caches; (latent,) for MLA's."""
+        k, v = (self.k_addrs, self.v_addrs) if rank == 0 else self.other_ranks[rank - 1]
+        return (k, v) if v else (k,)
 
 
 class Peer(NamedTuple):

@@ -271,7 +271,8 @@ class QueuedSender(KVSender):
     def _payload_bytes(self, num_blocks: int, dest: KVLayout | None = None) -> int:
         """Bytes one layer of `num_blocks` blocks puts on the wire (K and V), to a receiver of
         layout `dest` (its heads; default: this sender's)."""
-        return 2 * num_blocks * (dest or self.layout).block_bytes
+        layout = dest or self.layout
+        return layout.tensors * num_blocks * layout.block_bytes
 
     @abstractmethod
     def _check_endpoint(self, endpoint: str) -> None:

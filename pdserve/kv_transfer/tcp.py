@@ -15,7 +15,7 @@ import torch
 
 from pdserve.kv_transfer import fp8
 from pdserve.kv_transfer.layout import KVLayout, whole_rank
-from pdserve.kv_transfer.memory import byte_views, gather_heads, paired_runs
+from pdserve.kv_transfer.memory import byte_views, gather_heads, layer_caches, paired_runs
 from pdserve.kv_transfer.send_queue import Job, Link, QueuedSender
 from pdserve.kv_transfer.tcp_receiver import TcpReceiver
 from pdserve.kv_transfer.wire import (
@@ -137,7 +137,7 @@ class TcpSender(QueuedSender):
         self.secret = resolve_secret(secret)
         self.connect_timeout_s = connect_timeout_s
         self.encoding = compression or "raw"
-        self._bytes = [(byte_views(k), byte_views(v)) for k, v in self.ranks]
+        self._bytes = [(byte_views(k), byte_views(v)) for k, v in self.ranks]  # v: [] if latent
         self.fault = TcpFault.from_env(receiver=False)  # None unless a test switched it on
 
     def _check_endpoint(self, endpoint: str) -> None:
@@ -155,16 +155,17 @@ class TcpSender(QueuedSender):
         return super()._payload_bytes(num_blocks, dest)
 
     def _write_payload(self, sock: socket.socket, job: Job, link: TcpLink) -> None:
-        """All K blocks of the layer in list order, then all V blocks: the receiver's heads,
+        """All K blocks of the layer in list order, then all V blocks (or the latent's blocks
+        alone: every rank holds it whole, so it is never gathered): the receiver's heads,
         from cache memory in place when one rank's blocks are the receiver's as they are, else
         gathered from the ranks that hold them (`memory.gather_heads`)."""
         if link.whole is not None and self.encoding != fp8.ENCODING:
             runs = paired_runs(job.src_ids, job.dst_ids)
-            for views in self._bytes[link.whole]:
+            for views in layer_caches(*self._bytes[link.whole], job.layer):
                 for run in runs:
-                    sock.sendall(views[job.layer][run.src : run.src + run.count])
+                    sock.sendall(views[run.src : run.src + run.count])
             return
-        for which in (0, 1):  # K, then V
+        for which in range(self.layout.tensors):  # K, then V (or the latent alone)
             if link.whole is not None:
                 blocks, ids = self.ranks[link.whole][which][job.layer], job.src_ids
             else:

@@ -12,7 +12,7 @@ import time
 from pdserve.kv_transfer import fp8
 from pdserve.kv_transfer.acceptor import Acceptor
 from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.memory import paired_runs
+from pdserve.kv_transfer.memory import layer_caches, paired_runs
 from pdserve.kv_transfer.transfer_table import TableReceiver, WriteTicket
 from pdserve.kv_transfer.wire import (
     HOW_TO_SET_SECRET,
@@ -141,7 +141,7 @@ class TcpReceiver(TableReceiver):
     def _payload_bytes(self, num_blocks: int, encoding: str) -> int:
         if encoding == fp8.ENCODING:
             return fp8.payload_bytes(self.layout, num_blocks)
-        return 2 * num_blocks * self.layout.block_bytes
+        return self.layout.tensors * num_blocks * self.layout.block_bytes
 
     def _land(self, conn: socket.socket, hdr: LayerHeader, ticket: WriteTicket, peer) -> None:
         if hdr.encoding == fp8.ENCODING:
@@ -149,7 +149,7 @@ class TcpReceiver(TableReceiver):
             return
         runs = paired_runs(hdr.src_block_ids, hdr.dst_block_ids)
         bb = self.layout.block_bytes
-        for views in (self._k_bytes[hdr.layer], self._v_bytes[hdr.layer]):
+        for views in layer_caches(self._k_bytes, self._v_bytes, hdr.layer):
             for run in runs:
                 if ticket.released:  # released mid-layer: the rest goes to scratch
                     self._discard(conn, run.count * bb)
@@ -166,7 +166,7 @@ class TcpReceiver(TableReceiver):
             return
         parts = fp8.split_payload(buf, self.layout, len(hdr.dst_block_ids))
         for cache, (scales, data) in zip(
-            (self.k_caches[hdr.layer], self.v_caches[hdr.layer]), parts, strict=True
+            layer_caches(self.k_caches, self.v_caches, hdr.layer), parts, strict=True
         ):
             fp8.decode_into(cache, hdr.dst_block_ids, scales, data)
 

@@ -48,7 +48,7 @@ class AttentionMetadata:
     before_layer: Callable[[int], None] | None = None  # called before each (KV arriving)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """Blocks of one or more sequences laid end to end: (..., n_blocks * block_size, n_kv, d).
     index_select is ~5x faster than advanced indexing (cache[table]) on CPU."""
     flat = cache.index_select(0, block_table.reshape(-1))
@@ -60,8 +60,8 @@ def _decode(q, k_cache, v_cache, tables, mask) -> torch.Tensor:
     kernels are ~15x slower for a single bf16 query."""
     b, n_heads, d = q.shape
     n_kv = k_cache.shape[2]
-    kd = _gather(k_cache, tables).transpose(1, 2)  # (B, n_kv, L, d)
-    vd = _gather(v_cache, tables).transpose(1, 2)
+    kd = gather_blocks(k_cache, tables).transpose(1, 2)  # (B, n_kv, L, d)
+    vd = gather_blocks(v_cache, tables).transpose(1, 2)
     qg = q.view(b, n_kv, n_heads // n_kv, d)  # head h reads kv head h // group, as enable_gqa
     scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * d**-0.5  # (B, n_kv, group, L)
     scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, L)
@@ -158,30 +158,31 @@ def paged_attention(
         if span.fresh:
             ks, vs = k[span.start : span.end], v[span.start : span.end]  # (n, n_kv, d)
         else:
-            ks = _gather(k_cache, span.block_table)[: span.context_len]  # (ctx, n_kv, d)
-            vs = _gather(v_cache, span.block_table)[: span.context_len]
+            ks = gather_blocks(k_cache, span.block_table)[: span.context_len]  # (ctx, n_kv, d)
+            vs = gather_blocks(v_cache, span.block_table)[: span.context_len]
         if window is not None and span.context_len > window:
-            out[span.start : span.end] = _sdpa_causal(qs, ks, vs, window)
+            out[span.start : span.end] = sdpa_causal(qs, ks, vs, window)
         elif _use_blockwise(qs):
             _blockwise_causal(qs, ks, vs, dest=out[span.start : span.end])
         else:
-            out[span.start : span.end] = _sdpa_causal(qs, ks, vs)
+            out[span.start : span.end] = sdpa_causal(qs, ks, vs)
     return out
 
 
-def _sdpa_causal(q, k, v, window: int | None = None) -> torch.Tensor:
-    """As `_blockwise_causal`, with torch's SDPA; `window`: only the last `window` positions."""
+def sdpa_causal(q, k, v, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """As `_blockwise_causal`, with torch's SDPA; `window`: only the last `window` positions;
+    `scale`: the softmax scale (None: head_dim ** -0.5). v's head width may differ from q's."""
     n, ctx = q.shape[0], k.shape[0]
     # 4-D tensors: with 3-D ones torch's CPU dispatcher falls back to the math kernel, which
     # materializes every score (6x slower at 2,048 tokens).
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, len, d)
     if n == ctx and window is None:  # a fresh prompt: plain causal
-        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True, scale=scale)
     else:  # queries are the last n positions: is_causal would align them with the first keys
         q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         mask = k_pos <= q_pos  # (n, ctx)
         if window is not None:
             mask &= k_pos > q_pos - window
-        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True, scale=scale)
     return o[0].transpose(0, 1)

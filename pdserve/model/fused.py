@@ -118,7 +118,7 @@ class FusedDecode:
             return ext.Linear(*lin.kernel_spec())
 
         def parts(layer):  # those of FUSED_PARTS it has (`unfused_parts` checked the rest)
-            got = {type(part): part for part in layer.qkv_parts}
+            got = {type(part): part for part in layer.attn.parts}
             bias, norm = got.get(QKVBias), got.get(HeadQKNorm)
             return ext.AttnParts(
                 bias.bias if bias else None,
@@ -134,7 +134,10 @@ class FusedDecode:
             model.sin,
             [[layer.attn_norm, layer.mlp_norm] for layer in model.layers],
             [
-                [linear(x) for x in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]
+                [
+                    linear(x)
+                    for x in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
+                ]
                 for layer in model.layers
             ],
             [parts(layer) for layer in model.layers],

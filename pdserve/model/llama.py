@@ -1,6 +1,7 @@
-"""The shared decoder of every family: RMSNorm, RoPE (`rope.py`), GQA paged attention
-(sliding-window where the config sets it), residuals. What a family adds (`model/registry.py`)
-are parts (`parts.py`): attention parts on the q/k/v projection, the MLP (SwiGLU or experts).
+"""The shared decoder of every family: embeddings, RMSNorm, RoPE tables (`rope.py`), residuals,
+the head. What a family adds (`model/registry.py`) are parts: its attention (`parts.GQA`, paged
+GQA attention with parts on the q/k/v projection, sliding-window where the config sets it; or
+`mla.MLA`, multi-head latent attention) and its MLP (`parts.py`: SwiGLU or experts).
 
 Linear layers are `Dense` callables with q/k/v and gate/up fused into one matmul each; weight
 formats (`quant.py`) replace them after the model is built. The KV cache and batch layout live
@@ -14,32 +15,27 @@ from torch import nn
 
 from pdserve.config import ModelConfig
 from pdserve.model import registry
-from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.attention import AttentionMetadata
 from pdserve.model.parts import rms
 from pdserve.model.quant import Dense
 from pdserve.model.rope import rope_inv_freq
 
 
 class Layer(nn.Module):
-    """One decoder layer: norms and attention projections, the family's attention parts (applied
-    to the q/k/v projection before RoPE) and its MLP part (`parts.py`)."""
+    """One decoder layer: norms, the family's attention part (`parts.GQA` with its parts on the
+    q/k/v projection, or `mla.MLA`) and its MLP part (`parts.py`)."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], i: int, fam):
         super().__init__()
         p = f"model.layers.{i}."
         self.attn_norm = w[p + "input_layernorm.weight"]
         self.mlp_norm = w[p + "post_attention_layernorm.weight"]
-        self.qkv = Dense(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
-        self.o = Dense(w[p + "self_attn.o_proj.weight"])
-        self.qkv_parts = fam.attention_parts(cfg, w, p)
+        self.attn = fam.attention(cfg, w, p)
         self.mlp = fam.mlp(cfg, w, p, i)
-        self.prefix = p
 
     def linears(self):
         """(owner, attribute, HF weight names fused in row order) of every linear."""
-        attn = [(self, "qkv", tuple(f"{self.prefix}self_attn.{n}_proj" for n in "qkv")),
-                (self, "o", (self.prefix + "self_attn.o_proj",))]  # fmt: skip
-        return attn + self.mlp.linears()
+        return self.attn.linears() + self.mlp.linears()
 
 
 class LlamaModel(nn.Module):
@@ -75,40 +71,21 @@ class LlamaModel(nn.Module):
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms(x, weight, self.cfg.rms_norm_eps)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """HF's x * cos + rotate_half(x) * sin in three ops: `sin` carries rotate_half's sign."""
-        half = x.shape[-1] // 2
-        swapped = torch.cat([x[..., half:], x[..., :half]], -1)
-        return torch.addcmul(x * cos, swapped, sin)
-
-    def _attention(self, layer: Layer, x, cos, sin, kv, meta: AttentionMetadata):
-        cfg = self.cfg
-        t, d = x.shape[0], cfg.head_dim
-        qkv = layer.qkv(x)
-        for part in layer.qkv_parts:
-            qkv = part(qkv, self.n_heads, self.n_kv)
-        n_qk = self.n_heads + self.n_kv
-        # RoPE over the q and k heads at once: one pass of each op instead of two (prefill).
-        qk = self._rope(qkv[:, : n_qk * d].view(t, n_qk, d), cos, sin)
-        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]  # (T, n_heads, d), (T, n_kv, d)
-        v = qkv[:, n_qk * d :].view(t, self.n_kv, d)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, cfg.sliding_window)
-        return self._reduce(layer.o(o.reshape(t, self.n_heads * d)))
-
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp is None else self.tp.all_reduce(x)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states (T, hidden) for a flat batch; writes every token's K/V into kv_caches,
-        a list of (k_cache, v_cache) per layer."""
+        per layer (k_cache, v_cache), or (latent_cache,) for MLA."""
         x = self.embed[input_ids]
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, d): broadcast over heads
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, d): broadcast over heads (d: RoPE's)
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             if meta.before_layer is not None:
                 meta.before_layer(i)
-            x = x + self._attention(
-                layer, self._rms(x, layer.attn_norm), cos, sin, kv_caches[i], meta
+            h = self._rms(x, layer.attn_norm)
+            x = x + self._reduce(
+                layer.attn(h, cos, sin, kv_caches[i], meta, self.n_heads, self.n_kv)
             )
             x = x + self._reduce(layer.mlp(self._rms(x, layer.mlp_norm)))
             if meta.layer_hook is not None:

@@ -87,6 +87,13 @@ def _hf_config(path: Path) -> ModelConfig:
     from `architectures` / `model_type`, never from the folder's name."""
     raw = json.loads((path / "config.json").read_text())
     name = registry.family_for_hf(raw, str(path))
+    if quantized := raw.get("quantization_config"):  # e.g. DeepSeek-V3's own FP8 blocks
+        raise ValueError(
+            f"{path}: quantized weights (config.json quantization_config, "
+            f"{quantized.get('quant_method', 'unknown method')}) are not supported: pdserve loads "
+            "float weights (bf16/fp16/fp32 safetensors) and quantizes them itself (--weights); "
+            "use a bf16 copy of the checkpoint"
+        )
     rope = raw.get("rope_parameters") or {}  # transformers >= 5; before, top-level fields
     try:
         heads = int(raw["num_attention_heads"])
@@ -102,11 +109,11 @@ def _hf_config(path: Path) -> ModelConfig:
             rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
             rope_scaling=scaling_from_hf(raw.get("rope_scaling") or rope),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            head_dim_override=raw.get("head_dim"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_hf_eos_ids(path, raw),
             architecture=name,
-            **registry.family(name).hf_fields(raw),
+            # a family may set head_dim (DeepSeek: its RoPE part's width)
+            **({"head_dim_override": raw.get("head_dim")} | registry.family(name).hf_fields(raw)),
         )
     except KeyError as exc:
         raise ValueError(f"{path}/config.json lacks the field {exc}") from None

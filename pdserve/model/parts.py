@@ -1,11 +1,14 @@
 """The parts a family adds to the shared decoder (`llama.py`), gpt-fast style: the decoder calls
 them and never asks which family it runs.
 
-* Attention parts map the fused q/k/v projection's output (T, (n_heads + 2 n_kv) * d), this
-  rank's heads, before RoPE: `QKVBias` (Qwen2), `HeadQKNorm` (Qwen3: RMSNorm per head),
-  `WideQKNorm` (OLMoE: RMSNorm over all of q's and all of k's heads).
+* The attention part maps the normed hidden states (T, hidden) to this rank's partial output,
+  writing the step's KV into the cache: `GQA` (K and V per KV head; the shared default) or
+  `mla.MLA` (DeepSeek's latent). GQA's own parts map its fused q/k/v projection's output
+  (T, (n_heads + 2 n_kv) * d), this rank's heads, before RoPE: `QKVBias` (Qwen2), `HeadQKNorm`
+  (Qwen3: RMSNorm per head), `WideQKNorm` (OLMoE: RMSNorm over all of q's and all of k's heads).
 * MLP parts map the normed hidden states (T, hidden) to this rank's partial output: `SwiGLU`
-  (dense) and `MoE` (top-k routed experts, optionally a gated shared expert).
+  (dense), `MoE` (top-k routed experts, optionally a gated shared expert) and `GroupedTopK`
+  (DeepSeek's routing over the same batched experts).
 
 Linears are `quant.Dense` callables; each part lists its linears (`linears()`: attribute, HF
 weight names fused in row order) so that `quant.quantize_model` can replace them.
@@ -16,7 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.quant import Dense
+from pdserve.model.rope import apply_rope
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +29,36 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+class GQA:
+    """The shared decoder's attention: q/k/v in one matmul, the family's `parts` on its output,
+    RoPE over the q and k heads at once (one pass of each op instead of two), paged GQA
+    attention (sliding-window where the config sets it), o_proj."""
+
+    def __init__(self, cfg, w: dict[str, torch.Tensor], p: str, parts: list):
+        a = p + "self_attn."
+        self.qkv = Dense(torch.cat([w[f"{a}{n}_proj.weight"] for n in "qkv"]))
+        self.o = Dense(w[a + "o_proj.weight"])
+        self.parts, self.prefix = parts, a
+        self.head_dim, self.window = cfg.head_dim, cfg.sliding_window
+
+    def linears(self):
+        return [(self, "qkv", tuple(f"{self.prefix}{n}_proj" for n in "qkv")),
+                (self, "o", (self.prefix + "o_proj",))]  # fmt: skip
+
+    def __call__(self, x, cos, sin, kv, meta: AttentionMetadata, n_heads: int, n_kv: int):
+        """x (T, hidden) -> (T, hidden); kv: this layer's (k_cache, v_cache)."""
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv(x)
+        for part in self.parts:
+            qkv = part(qkv, n_heads, n_kv)
+        n_qk = n_heads + n_kv
+        qk = apply_rope(qkv[:, : n_qk * d].view(t, n_qk, d), cos, sin)
+        q, k = qk[:, :n_heads], qk[:, n_heads:]  # (T, n_heads, d), (T, n_kv, d)
+        v = qkv[:, n_qk * d :].view(t, n_kv, d)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.window)
+        return self.o(o.reshape(t, n_heads * d))
 
 
 class QKVBias:
@@ -128,7 +163,42 @@ class MoE:
                 y = expert(rows[start : start + n]) * w[start : start + n]
                 out.index_add_(0, token[start : start + n], y)
             start += n
-        if self.shared is not None:
-            gate = torch.sigmoid(F.linear(x, self.shared_gate))
-            out = out + gate * self.shared(x)
+        if self.shared is not None and self.shared_gate is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        elif self.shared is not None:  # DeepSeek's: always on, ungated
+            out = out + self.shared(x)
         return out
+
+
+class GroupedTopK(MoE):
+    """DeepSeek's routed experts, as `MoE` but routed so: `scoring` "softmax" (V2) or "sigmoid"
+    (V3, with `bias` (e_score_correction_bias) added for the choice only, not the weights), in
+    float32. The experts fall in `groups` groups, of which only the `topk_groups` best are
+    eligible (a group scores its best expert for softmax, its two best's sum for sigmoid); the k
+    largest eligible are chosen, their scores renormalised when `norm_topk`, times `scaling`
+    (routed_scaling_factor). The shared expert (if any) is added ungated."""
+
+    def __init__(self, experts, router, top_k: int, norm_topk: bool, shared, *, scoring: str,
+                 bias, groups: int, topk_groups: int, scaling: float):  # fmt: skip
+        super().__init__(experts, router, top_k, norm_topk, shared)
+        self.scoring, self.bias, self.scaling = scoring, bias, scaling
+        self.groups, self.topk_groups = groups, topk_groups
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.router.float())  # (T, E)
+        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(-1)
+        choice = scores if self.bias is None else scores + self.bias.float()
+        if self.groups > 1:
+            by_group = choice.view(len(x), self.groups, -1)  # (T, groups, E / groups)
+            if self.scoring == "sigmoid":
+                group_scores = by_group.topk(2, -1).values.sum(-1)
+            else:
+                group_scores = by_group.amax(-1)
+            best = group_scores.topk(self.topk_groups, -1).indices  # (T, topk_groups)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(by_group.shape[2], 1), -torch.inf)
+        ids = choice.topk(self.top_k, -1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids

@@ -1,5 +1,5 @@
 """Weight-only quantized linear layers, applied to a built model as a transform (as gpt-fast
-does): the model calls `layer.qkv(x)` and never sees the format.
+does): the model calls `layer.attn.qkv(x)` and never sees the format.
 
 A decode step at small batch reads every weight once per step, so its time is the weights'
 bytes over DRAM bandwidth; fewer bytes per weight is the speed-up. Formats:
@@ -159,6 +159,11 @@ def int4_blocks(weight: torch.Tensor) -> Int4Blocks:
     return Int4Blocks(q.reshape(n, k).numpy(), scale.numpy(), (lo + 8 * scale).numpy())
 
 
+# torch._weight_int8pack_mm reads its input in steps of 16: K = 24 or 40 segfaults (torch 2.x,
+# measured here), 16, 32, 48 and 64 run
+INT8_MULTIPLE = 16
+
+
 def check_format(fmt: str, device: torch.device, in_features: int) -> None:
     """Raise ValueError saying what to do when `fmt` (one of config.WEIGHT_FORMATS) cannot
     run here."""
@@ -166,6 +171,12 @@ def check_format(fmt: str, device: torch.device, in_features: int) -> None:
         raise ValueError(
             f"--weights {fmt} runs on CPU only (its kernels are torch's CPU ones); on "
             f"{device.type} use --weights bf16 or auto, where a step is not bound by weight bytes"
+        )
+    if fmt == "int8" and in_features % INT8_MULTIPLE:
+        raise ValueError(
+            f"--weights int8 needs every linear's input size divisible by {INT8_MULTIPLE} "
+            f"(torch's int8 kernel crashes on others; this model has {in_features}); use "
+            "--weights bf16"
         )
     if fmt == "int4" and in_features % GROUP:
         raise ValueError(

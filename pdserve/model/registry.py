@@ -2,9 +2,10 @@
 (then `model_type`), or GGUF's `general.architecture`. One table maps those names to the module
 and class of each family, imported only when chosen; never a file name.
 
-A family (`families/dense.py`, `families/moe.py`) says what it adds to the shared decoder
-(`llama.py`): its config.json fields, its attention parts and its MLP per layer, whether the
-fused C++ decode step and tensor parallelism serve it.
+A family (`families/dense.py`, `families/moe.py`, `families/deepseek.py`) says what it adds to
+the shared decoder (`llama.py`): its config.json fields, its attention part (GQA with parts on
+its q/k/v projection, or multi-head latent attention) and its MLP per layer, whether the fused
+C++ decode step and tensor parallelism serve it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "qwen2_moe": ("pdserve.model.families.moe:Qwen2Moe", ("Qwen2MoeForCausalLM",), ("qwen2moe",)),
     "qwen3_moe": ("pdserve.model.families.moe:Qwen3Moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",)),
     "olmoe": ("pdserve.model.families.moe:Olmoe", ("OlmoeForCausalLM",), ("olmoe",)),
+    "deepseek_v2": ("pdserve.model.families.deepseek:DeepseekV2", ("DeepseekV2ForCausalLM",), ()),
+    "deepseek_v3": ("pdserve.model.families.deepseek:DeepseekV3", ("DeepseekV3ForCausalLM",), ()),
 }
 _BY_HF = {arch: fam for fam, (_, archs, _) in FAMILIES.items() for arch in archs}
 _BY_GGUF = {arch: fam for fam, (_, _, ggufs) in FAMILIES.items() for arch in ggufs}

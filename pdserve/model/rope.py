@@ -57,7 +57,8 @@ def rope_inv_freq(
     return torch.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled).float(), 1.0
 
 
-def _mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction of a context `scale`d up (1 when not scaled up)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -66,9 +67,9 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
     if s.attention_factor is not None:
         attn = s.attention_factor
     elif s.mscale and s.mscale_all_dim:
-        attn = _mscale(factor, s.mscale) / _mscale(factor, s.mscale_all_dim)
+        attn = yarn_mscale(factor, s.mscale) / yarn_mscale(factor, s.mscale_all_dim)
     else:
-        attn = _mscale(factor)
+        attn = yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         orig = s.original_max_position_embeddings
@@ -85,3 +86,11 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
     extrapolate = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     return inv, float(attn)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin in three ops: `sin` carries rotate_half's sign
+    (`LlamaModel` builds cos and sin so)."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat([x[..., half:], x[..., :half]], -1)
+    return torch.addcmul(x * cos, swapped, sin)

@@ -67,15 +67,18 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
-    """Rank 0's layout: a tensor-parallel group's ranks each hold their share of the heads."""
+    """Rank 0's layout: a tensor-parallel group's ranks each hold their share of the heads
+    (an MLA latent, one "head", is whole on every rank)."""
     runner, mc = engine.runner, engine.model_config
+    kv = mc.kv_shape()  # the model's: K and V of every KV head, or the latent
     return KVLayout(
         model_fingerprint=engine.fingerprint,
         dtype=str(runner.dtype).removeprefix("torch."),
         num_layers=mc.num_layers,
         block_size=engine.config.block_size,
-        num_kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
+        num_kv_heads=kv.heads,
+        head_dim=kv.dim,
+        cache="latent" if kv.is_latent else "heads",
     ).split(engine.config.tensor_parallel_size)
 
 

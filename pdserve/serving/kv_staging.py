@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kv_transfer.memory import layer_caches
+
 DEFAULT_GB = 2.0
 
 
 class HostStaging:
     """`num_blocks` host blocks shaped like `k_caches`/`v_caches`' (one K and one V tensor per
-    layer, `[num_blocks, block_size, num_kv_heads, head_dim]`), lent per transfer id.
+    layer, `[num_blocks, block_size, num_kv_heads, head_dim]`; an MLA latent and no V), lent
+    per transfer id.
 
     `k_caches`/`v_caches` are the connectors' caches; `device_k`/`device_v` the engine's."""
 
@@ -85,12 +88,17 @@ class HostStaging:
     def to_host(self, transfer_id: str, layer: int, device_ids: list[int]) -> None:
         """Copy layer `layer` of cache blocks `device_ids` into the transfer's host blocks."""
         src, host = self._indexes(transfer_id, device_ids)
-        for dev, stage in ((self.device_k, self.k_caches), (self.device_v, self.v_caches)):
-            gathered = dev[layer].index_select(0, src)
+        pairs = zip(
+            layer_caches(self.device_k, self.device_v, layer),
+            layer_caches(self.k_caches, self.v_caches, layer),
+            strict=True,
+        )  # K and V, or an MLA latent alone
+        for dev, stage in pairs:
+            gathered = dev.index_select(0, src)
             if isinstance(host, slice):  # straight into the pinned run, at the link's speed
-                stage[layer][host].copy_(gathered)
+                stage[host].copy_(gathered)
             else:
-                stage[layer].index_copy_(0, host, gathered.cpu())
+                stage.index_copy_(0, host, gathered.cpu())
 
     def to_device(self, transfer_id: str, device_ids: list[int]) -> None:
         """Copy every layer of the transfer's host blocks into cache blocks `device_ids`."""

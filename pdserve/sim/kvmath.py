@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from pdserve.model.kv_shape import KVShape, kv_shape
 from pdserve.sim.hardware import Link
 from pdserve.sim.models import ModelSpec
 
@@ -35,13 +36,16 @@ def kv_dtype_of(weight_dtype: str) -> str:
     return "bf16" if weight_dtype in ("int8", "int4") else weight_dtype
 
 
+def kv_shape_of(model: ModelSpec) -> KVShape:
+    """What the cache holds per token and layer (K and V per KV head, or MLA's latent + RoPE
+    key): the engine's own function (`model/kv_shape.py`, which sizes its cache tensors)."""
+    return kv_shape(model.num_kv_heads, model.head_dim, model.kv_lora_rank or 0,
+                    model.qk_rope_head_dim or 0)  # fmt: skip
+
+
 def kv_elements_per_token(model: ModelSpec) -> int:
-    """Cached elements per token over all layers (K and V, or MLA's latent + RoPE key)."""
-    if model.kv_lora_rank is not None:
-        per_layer = model.kv_lora_rank + (model.qk_rope_head_dim or 0)
-    else:
-        per_layer = 2 * model.num_kv_heads * model.head_dim
-    return model.num_layers * per_layer
+    """Cached elements per token over all layers."""
+    return model.num_layers * kv_shape_of(model).elements
 
 
 def kv_bytes_per_token(model: ModelSpec, dtype: str = "fp16") -> int:

@@ -8,6 +8,7 @@ from pdserve.sim.kvmath import (
     format_duration,
     kv_bytes,
     kv_bytes_per_token,
+    kv_shape_of,
     transfer_time,
 )
 from pdserve.sim.models import ModelSpec
@@ -17,7 +18,7 @@ def kv_size_report(model: ModelSpec, prompt_tokens: int, dtype: str, links: list
     """The text `pdserve kv-size` prints: sizes, then one row per link."""
     per_token = kv_bytes_per_token(model, dtype)
     total = kv_bytes(model, prompt_tokens, dtype)
-    if model.kv_lora_rank is not None:
+    if kv_shape_of(model).is_latent:
         shape = (
             f"MLA: {model.num_layers} layers x (latent {model.kv_lora_rank} + "
             f"RoPE key {model.qk_rope_head_dim}) x {dtype}"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pdserve.sim.hardware import Accelerator, get_link
-from pdserve.sim.kvmath import dtype_bits, kv_bytes_per_token
+from pdserve.sim.kvmath import dtype_bits, kv_bytes_per_token, kv_shape_of
 from pdserve.sim.models import ModelSpec
 
 MEMORY_UTILIZATION = 0.9  # share of device memory for weights + KV, as vLLM's default
@@ -119,7 +119,7 @@ class LatencyModel:
         kv_token = kv_bytes_per_token(model, kv_dtype)
         # KV heads are split over TP ranks; past the head count (and for MLA's single latent)
         # every rank keeps a copy. Data-parallel groups each hold their own sequences' KV.
-        shards = 1 if model.kv_lora_rank is not None else min(tp, model.num_kv_heads)
+        shards = 1 if kv_shape_of(model).is_latent else min(tp, model.num_kv_heads)
         self.kv_bytes_per_token_gpu = kv_token / shards / self.dp
         self._flops_s = accel.peak_flops * self.gpus * self.eff.mfu
         self._attn_s = accel.peak_flops * self.gpus * self.eff.attn_eff

@@ -202,6 +202,25 @@ PRESETS: dict[str, ModelSpec] = {
             kv_lora_rank=512,
             qk_rope_head_dim=64,
         ),
+        # Kimi-K2 (Moonshot's config.json: DeepSeek-V3's architecture with 64 query heads, 384
+        # routed experts, 8 per token, a 163,840-token vocabulary; "1T total, 32B activated"):
+        # the same 512 + 64 latent per token and layer as DeepSeek-V3
+        ModelSpec(
+            "kimi-k2",
+            61,
+            7168,
+            64,
+            64,
+            192,
+            18432,
+            163840,
+            1_000_000_000_000,
+            active_params=32_000_000_000,
+            num_experts=384,
+            experts_per_token=8,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+        ),
         # Qwen3 (config.json of Qwen/Qwen3-8B, -32B, -235B-A22B): 32B's head_dim is 128 though
         # 5120 / 64 heads is 80; the MoE has 128 experts of width 1536, 8 per token, in every
         # layer, and only 4 KV heads.
@@ -309,13 +328,17 @@ def _spec_from_config(cfg: dict, path: Path, **dims: int) -> ModelSpec:
 
 
 def from_engine_config(cfg: object, name: str = "engine-model") -> ModelSpec:
-    """A ModelSpec from the engine's `llm.model_config` (attributes named as in the engine)."""
+    """A ModelSpec from the engine's `llm.model_config` (attributes named as in the engine;
+    for MLA, the engine's head_dim is the RoPE part's)."""
+    mla = getattr(cfg, "kv_lora_rank", 0)
     spec = ModelSpec(
         name=name,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.qk_nope_head_dim + cfg.head_dim if mla else cfg.head_dim,
         intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, num_params=1,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
+        kv_lora_rank=mla or None, qk_rope_head_dim=cfg.head_dim if mla else None,
     )  # fmt: skip
     total, _ = estimate_params(spec)
     return _replace_params(spec, total, None)

@@ -11,6 +11,7 @@ from pdserve.engine.block_hash import block_hashes
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_store.client import StoreClient
+from pdserve.kv_store.config import payload_bytes
 from pdserve.kv_transfer.memory import layout_of
 from pdserve.protocol import messages as m
 from pdserve.router.config import RouterConfig
@@ -249,4 +250,41 @@ def test_a_finished_requests_blocks_are_held_until_the_store_has_read_them(linke
     assert bm.num_free_blocks == bm.num_blocks
     computed = (A + reference[tuple(A)])[:24]  # 25 tokens; the last sampled one is not computed
     assert link.client.lookup(block_hashes(computed, 4)) == 6  # all six full blocks
+    engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from family_models import build
+
+    from pdserve.model.loader import load_model_files
+
+    folder = tmp_path_factory.mktemp("deepseek_v3")
+    build("deepseek_v3", folder)
+    return load_model_files(str(folder))
+
+
+@both_transports
+def test_an_mla_latent_cache_goes_to_the_store_and_comes_back(deepseek, serve, tmp_path):
+    """DeepSeek-V3's latent blocks (one tensor per layer, no V; the store's payload is the
+    latent of every layer): evicted, stored, loaded back, with the tokens of a cold run."""
+    cold = make_engine(deepseek, enable_prefix_caching=False)
+    want = {tuple(p): run_to_completion(cold, [p], GREEDY)[0] for p in (A, B)}
+    engine = make_engine(deepseek, kv_cache_gb=BLOCKS * 4 * 2 * (32 + 8) * 4 / (1 << 30))
+    assert engine.block_manager.num_blocks == BLOCKS and engine.runner.v_caches == []
+    layout = layout_of(engine.fingerprint, engine.runner.k_caches, latent=True)
+    assert payload_bytes(layout) == 2 * 4 * 40 * 4  # layers x block tokens x latent x fp32
+    served = serve(layout, config=make_config(tmp_path / "ssd", layout, 64, 0))
+    client = StoreClient(served.server.endpoint, layout, engine.runner.k_caches, [])
+    link = StoreLink(client, engine.block_manager, offload_finished=False)
+    engine.connect(link)
+    try:
+        assert generate(engine, link, A) == want[tuple(A)]
+        assert generate(engine, link, B) == want[tuple(B)]  # evicts A's blocks to the store
+        settle(link)
+        assert link.client.lookup(block_hashes(A, 4)) == 5
+        assert generate(engine, link, A) == want[tuple(A)]
+        assert link.hit_tokens == 20  # A's 5 full blocks loaded back
+    finally:
+        link.close()
     engine.check_integrity()

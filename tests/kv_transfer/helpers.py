@@ -41,7 +41,7 @@ def make_caches(
         return torch.randn(shape, generator=gen).to(dtype)
 
     k = [one() for _ in range(layout.num_layers)]
-    v = [one() for _ in range(layout.num_layers)]
+    v = [one() for _ in range(layout.num_layers if layout.tensors == 2 else 0)]  # latent: no V
     return k, v
 
 
@@ -73,6 +73,7 @@ class Pair:
         return all(
             torch.equal(d[layer][dst].view(torch.uint8), s[layer][src].view(torch.uint8))
             for s, d in ((self.src_k, self.dst_k), (self.src_v, self.dst_v))
+            if d  # an MLA latent layout has no V
         )
 
     def untouched(self, blocks: list[int], layers=None) -> bool:
@@ -81,6 +82,7 @@ class Pair:
         return all(
             bool((caches[layer][blocks] == SENTINEL).all())
             for caches in (self.dst_k, self.dst_v)
+            if caches
             for layer in layers
         )
 

@@ -85,3 +85,26 @@ def test_endpoints_and_loopback():
         False,
         False,
     ]
+
+
+def test_a_latent_layout_is_one_tensor_per_layer_whole_on_every_rank():
+    """MLA's latent: one tensor per layer of one "head", which every rank of a tensor-parallel
+    group holds whole (a TP 2 receiver's blocks come whole from rank 0 of a TP 1 sender)."""
+    from pdserve.kv_store.mooncake import open_store_client
+    from pdserve.kv_transfer.layout import HeadSegment, whole_rank
+    from pdserve.kv_transfer.memory import check_caches
+
+    k, v = make_caches(make_layout(num_kv_heads=1, head_dim=40, cache="latent"), 4)
+    layout = layout_of("m", k, latent=True)
+    assert v == [] and layout.cache == "latent" and layout.tensors == 1
+    assert layout.block_bytes == 4 * 40 * 4  # block_size x (kv_lora_rank + rope dims) x fp32
+    ranks = [layout.split(2, r) for r in range(2)]
+    assert [r.heads for r in ranks] == [range(0, 1)] * 2 and ranks[1].num_kv_heads == 1
+    segments = ranks[1].segments_from(layout)
+    assert segments == [HeadSegment(0, 0, 0, 1)] and whole_rank(segments, ranks[1], layout) == 0
+    with pytest.raises(ValueError, match="expected 3 latent cache tensors and no V"):
+        check_caches(layout, k, k)
+    with pytest.raises(ValueError, match="a latent KV cache has one head, not 2"):
+        KVLayout("m", "float32", 1, 4, 2, 8, cache="latent")
+    with pytest.raises(ValueError, match="a Mooncake pool holds per-head K/V blocks here"):
+        open_store_client("mooncake://127.0.0.1:1", layout, k, v)

@@ -38,6 +38,22 @@ def test_landed_bytes_are_bit_identical(backend, dtype, make_pair):
     assert pair.receiver.stats().transfers == 1
 
 
+def test_a_latent_cache_moves_one_tensor_per_layer(backend, make_pair):
+    """An MLA layout (one latent of one "head" per token and layer, no V): bit-identical
+    landing of the latent alone, its blocks' bytes and no more."""
+    layout = make_layout(num_kv_heads=1, head_dim=40, cache="latent")
+    pair = make_pair(backend, layout)
+    assert pair.dst_v == [] and layout.tensors == 1
+    src, dst = [3, 4, 5, 9], [10, 11, 12, 0]
+    pair.receiver.expect("mla", dst)
+    pair.send_all("mla", src, dst)
+    result = pair.sender.wait("mla", timeout_s=10)
+    assert result.ok, result.error
+    assert result.bytes_sent == pair.receiver.stats().bytes == 3 * 4 * (4 * 40 * 4)
+    assert all(pair.landed_equal(layer, src, dst) for layer in range(3))
+    assert pair.untouched(sorted(set(range(48)) - set(dst)))
+
+
 def test_two_concurrent_transfers_from_two_senders(backend, make_pair):
     pair = make_pair(backend)
     second = type(pair.sender)(pair.layout, pair.src_k, pair.src_v)  # a second prefill worker

@@ -54,6 +54,22 @@ def test_tcp_fp8_transfer_lands_within_error_and_halves_the_bytes(dtype, make_pa
     assert pair.sender.wait("d", 10).ok  # the stream is still in step
 
 
+def test_tcp_fp8_moves_a_latent_cache(make_pair):
+    """FP8 on the wire applies to an MLA latent as to K and V: one scale and one byte per
+    value of each block, the latent alone."""
+    layout = make_layout("bfloat16", num_kv_heads=1, head_dim=40, cache="latent")
+    pair = make_pair("tcp", layout, sender={"compression": "fp8"})
+    src, dst = [5, 0, 9], [44, 1, 2]
+    pair.receiver.expect("m", dst)
+    pair.send_all("m", src, dst)
+    result = pair.sender.wait("m", 10)
+    assert result.ok, result.error
+    assert result.bytes_sent == 3 * 3 * (4 + 4 * 40)  # layers x blocks x (scale + values)
+    for layer in range(3):
+        assert _within_fp8_error(pair.dst_k[layer][dst], pair.src_k[layer][src])
+    assert pair.untouched(sorted(set(range(48)) - set(dst)))
+
+
 def test_compression_options_are_checked():
     layout = make_layout()
     caches = make_caches(layout, 2)

@@ -54,7 +54,7 @@ def test_blockwise_bfloat16_within_bf16_rounding_of_sdpa(n, ctx, heads, kv_heads
     q, k, v = inputs(n, ctx, heads, kv_heads, torch.bfloat16)
     ref = reference(q, k, v)  # exact attention of the same bf16 inputs
     ours = (_blockwise_causal(q, k, v).float() - ref).abs()
-    theirs = (attention._sdpa_causal(q, k, v).float() - ref).abs()  # bf16 SDPA
+    theirs = (attention.sdpa_causal(q, k, v).float() - ref).abs()  # bf16 SDPA
     # Scores are rounded to bf16 (SDPA keeps them in float32): allow a few bf16 ulps of the
     # output (values are O(1)), and on average no more than twice SDPA's own error.
     assert ours.max().item() < 3e-2

@@ -1,9 +1,10 @@
 """Every family the registry serves (`model/registry.py`), on tiny random checkpoints built with
 transformers' own classes: pdserve's greedy tokens equal transformers' `generate` in float32,
 last-token logits within 1e-4; a prefix-cache hit and chunked prefill give the cold run's tokens
-(Mistral's prompts run past its sliding window); experts take the int8 format; unknown
-architectures and tensor parallelism where it cannot work are refused by name. The dense
-families decode through the fused C++ step (its logits equal the eager step's), MoE eagerly."""
+(Mistral's prompts run past its sliding window; DeepSeek's read the latent cache); experts take
+the int8 format; unknown architectures and tensor parallelism where it cannot work are refused
+by name. The dense families decode through the fused C++ step (its logits equal the eager
+step's), MoE and multi-head latent attention (`tests/model/test_mla.py`) eagerly."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from pdserve.model.registry import UnsupportedArchitecture
 
 DENSE = ("qwen2", "qwen3", "mistral")  # the fused decode step serves these; MoE stays eager
 MOE_REASON = "the fused step has no Mixture-of-Experts layers"
+MLA_REASON = "the fused step has no multi-head latent attention"
+EAGER_REASON = {"deepseek_v2": MLA_REASON, "deepseek_v3": MLA_REASON}  # others: MOE_REASON
 
 PROMPTS = [[5, 17, 33, 2, 9, 71, 8], list(range(1, 20)), [200, 3, 3, 3, 250]]  # 19 > WINDOW
 NEW = 8
@@ -76,12 +79,15 @@ def test_greedy_tokens_and_logits_equal_transformers(checkpoints, references, fa
     if family in DENSE:
         assert engine.runner.decode_path.startswith("fused ("), engine.runner.decode_path
     else:  # and says why
-        assert engine.runner.decode_path == f"eager ({family}: {MOE_REASON})"
+        why = EAGER_REASON.get(family, MOE_REASON)
+        assert engine.runner.decode_path == f"eager ({family}: {why})"
     for p, ref in zip(PROMPTS, logits, strict=True):
         torch.testing.assert_close(last_logits(engine, p), ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "family", ["mistral", "qwen3", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
+)
 def test_prefix_hits_and_chunked_prefill_give_the_cold_tokens(checkpoints, references, family):
     files = checkpoints[family][1]
     cold = references[family][0]

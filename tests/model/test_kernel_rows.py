@@ -90,9 +90,8 @@ def test_each_quantized_linear_of_a_model_gets_its_shapes_rows(cache, monkeypatc
     table = KernelRows(torch.bfloat16, threads=1)
     quant.quantize_model(model, "int4", {}, table)
     for layer in model.layers:
-        assert [x.max_rows for x in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)] == [
-            4, 8, 12, 16,
-        ]  # fmt: skip
+        linears = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
+        assert [x.max_rows for x in linears] == [4, 8, 12, 16]
     assert model.lm_head.max_rows == 2
-    assert model.layers[0].qkv.kernel_spec()[1] == 4  # what the fused decode step is given
+    assert model.layers[0].attn.qkv.kernel_spec()[1] == 4  # what the fused decode step is given
     assert len(table.measured) == 5 and table.path.exists()  # once per shape, then saved

@@ -70,7 +70,7 @@ def test_formats_that_cannot_run_say_what_to_use():
 def test_a_quantized_engine_serves_every_variant_with_its_blocks_returned(files, fmt):
     eng = make_engine(files, weights=fmt)
     assert eng.runner.weights == fmt
-    assert {type(eng.runner.model.layers[0].qkv).format, eng.runner.model.lm_head.format} == {
+    assert {type(eng.runner.model.layers[0].attn.qkv).format, eng.runner.model.lm_head.format} == {
         fmt,
         "int8",
     }

@@ -1,7 +1,8 @@
 """`pdserve serve --model DIR` on a user's Hugging Face folder of another family: tiny random
 checkpoints built with transformers' own classes (Mistral with a sliding window, through the
-fused decode step; Qwen3-MoE, experts, eagerly), saved with the
-bundled model's tokenizer. Disaggregated (1 prefill + 2 decode workers, a KV store) and driven
+fused decode step; Qwen3-MoE, experts, and DeepSeek-V3, MLA with its latent cache pushed,
+migrated and stored, eagerly), saved with the bundled model's tokenizer. Disaggregated (1
+prefill + 2 decode workers, a KV store) and driven
 through the real `openai` client: greedy tokens equal transformers' `generate`, their logprobs
 its log-softmax, a json_schema answer parses and validates, a decode worker killed mid-stream
 migrates its stream with the tokens of an uninterrupted run, and a prefix whose decode worker
@@ -44,7 +45,7 @@ class Served:
         return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mistral", "qwen3_moe", "deepseek_v3"])
 def served(request, tmp_path_factory):
     """One server per family, on a folder with the bundled model's tokenizer (its vocabulary
     sizes the tiny model's embeddings)."""

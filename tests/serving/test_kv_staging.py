@@ -102,6 +102,25 @@ def test_blocks_go_to_host_and_back_exactly(device, fragmented):
         receiver.to_device("t", [0, 1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_mla_latent_cache_goes_to_host_and_back_without_v(device):
+    """A latent cache (one tensor per layer, `v_caches` empty) stages as K alone."""
+    latent = caches(seed=3, device=device)[0]
+    sender = HostStaging(latent, [], num_blocks=6)
+    assert sender.v_caches == []
+    host = sender.take("t", 2)
+    for layer in range(3):
+        sender.to_host("t", layer, [4, 1])
+        assert torch.equal(sender.k_caches[layer][host], latent[layer][[4, 1]].cpu())
+    dest = caches(seed=4, device=device)[0]
+    receiver = HostStaging(dest, [], num_blocks=6)
+    landed = receiver.take("t", 2)
+    for layer in range(3):
+        receiver.k_caches[layer][landed] = sender.k_caches[layer][host]
+    receiver.to_device("t", [0, 5])
+    assert all(torch.equal(dest[la][[0, 5]], latent[la][[4, 1]]) for la in range(3))
+
+
 def test_sized_holds_two_longest_prompts_but_never_more_than_the_cache():
     k, v = caches(num_blocks=64)
     assert HostStaging.sized(k, v, max_model_len=40, gb=1e-9).num_blocks == 20  # 2 x 10 blocks

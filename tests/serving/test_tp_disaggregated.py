@@ -16,6 +16,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
 from pdserve.kv_transfer.group import ReceiverGroup
 from pdserve.protocol import messages as m
+from pdserve.serving.build import kv_layout
 from pdserve.serving.decode_side import DecodeSide
 from pdserve.serving.prefill_side import PrefillSide
 
@@ -39,9 +40,9 @@ def reference(files):
 
 
 def layout_of(engine, tp: int) -> KVLayout:
-    mc = engine.model_config
-    return KVLayout(engine.fingerprint, "float32", mc.num_layers, engine.config.block_size,
-                    mc.num_kv_heads, mc.head_dim).split(tp)  # fmt: skip
+    """What the worker's handshake sends (`serving/build.py`): per head, or an MLA latent."""
+    assert engine.config.tensor_parallel_size == tp
+    return kv_layout(engine)
 
 
 def handoff(files, backend: str, p: int, d: int, ep: tuple[int, int] = (1, 1)):

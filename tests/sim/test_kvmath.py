@@ -52,6 +52,8 @@ def test_gqa_mqa_mla_and_dtypes():
     assert (falcon.attention, kv_bytes_per_token(falcon, "bf16")) == ("MQA", 2 * 32 * 64 * 2)
     ds = get_model("deepseek-v3")
     assert (ds.attention, kv_bytes_per_token(ds, "bf16")) == ("MLA", 61 * 576 * 2)
+    kimi = get_model("kimi-k2")  # DeepSeek-V3's attention: the same latent, half the heads
+    assert (kimi.attention, kv_bytes_per_token(kimi, "bf16")) == ("MLA", 70_272)
     model = get_model("llama-3.1-70b")
     sizes = [kv_bytes_per_token(model, d) for d in ("fp32", "fp16", "bf16", "fp8", "int4")]
     assert sizes == [655_360, 327_680, 327_680, 163_840, 81_920]

@@ -83,20 +83,21 @@ class TPGroup:
         self.broadcast(Step(input_ids, positions, meta.slot_mapping, meta.num_decodes,
                             meta.decode_groups, meta.prefills))  # fmt: skip
 
-    def caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int):
-        """This rank's KV cache (K and V: `num_layers` tensors of `shape` each), and on rank 0
-        every rank's, in rank order. Collective: every rank calls it at once. The other ranks'
-        are `shared_caches` that rank 0 maps."""
+    def caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, per_layer=2):
+        """This rank's KV cache (K and V: `num_layers` tensors of `shape` each; `per_layer` 1:
+        MLA's latent, and V empty), and on rank 0 every rank's, in rank order. Collective:
+        every rank calls it at once. The other ranks' are `shared_caches` that rank 0 maps."""
+        count = per_layer * num_layers
         if self.shard.rank == 0:
-            mine = [torch.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]
+            mine = [torch.zeros(shape, dtype=dtype) for _ in range(count)]
             handle = None
         else:
-            mine, handle = shared_caches(shape, dtype, num_layers)
+            mine, handle = shared_caches(shape, dtype, count)
         handles = self.gather(handle, tuple[int, int] | None)
         ranks = [_split(mine, num_layers)]
         if self.shard.rank == 0:
             for pid, fd in handles[1:]:
-                ranks.append(_split(map_caches(pid, fd, shape, dtype, num_layers), num_layers))
+                ranks.append(_split(map_caches(pid, fd, shape, dtype, count), num_layers))
         return ranks
 
     def close(self) -> None:

@@ -85,12 +85,20 @@ class TPShard:
     def weights(self, cfg, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """This rank's slices of the layers' weights: q/k/v rows (and biases) by head, o_proj
         columns; every MLP's (dense, each expert's, the shared expert's) gate/up rows and down
-        columns by its own width. Norms, routers and the rest are replicated."""
+        columns by its own width. Norms, routers and the rest are replicated. For multi-head
+        latent attention, q (q_proj or q_b_proj) and kv_b_proj rows by head, o_proj columns:
+        the latent's projections (q_a_proj, kv_a_proj_with_mqa) are replicated, as the latent
+        cache is."""
         if self.size == 1:
             return weights
         d, r, n = cfg.head_dim, self.rank, self.size
         q_heads = cfg.num_heads // n
-        q = slice(r * q_heads * d, (r + 1) * q_heads * d)
+
+        def heads(width: int) -> slice:  # this rank's heads of `width` rows (or columns) each
+            return slice(r * q_heads * width, (r + 1) * q_heads * width)
+
+        q = heads(cfg.qk_nope_head_dim + d if cfg.is_mla else d)
+        o = heads(cfg.v_head_dim) if cfg.is_mla else q
         kv_heads = self.kv_heads(cfg)
         kv = slice(kv_heads.start * d, kv_heads.stop * d)
         mine = self.experts(cfg) if cfg.is_moe else range(0)
@@ -108,12 +116,14 @@ class TPShard:
                     f = w.shape[1] // ranks
                     out[name] = np.ascontiguousarray(w[:, sub * f : (sub + 1) * f])
                 continue
-            if kind == "q_proj":
+            if kind in ("q_proj", "q_b_proj"):
                 out[name] = w[q]
             elif kind in ("k_proj", "v_proj"):
                 out[name] = w[kv]
+            elif kind == "kv_b_proj":
+                out[name] = w[heads(cfg.qk_nope_head_dim + cfg.v_head_dim)]
             elif kind == "o_proj":
-                out[name] = np.ascontiguousarray(w[:, q])
+                out[name] = np.ascontiguousarray(w[:, o])
             elif kind in _MLP_ROWS:
                 f = w.shape[0] // n
                 out[name] = w[r * f : (r + 1) * f]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.model.fused import unfused_parts
-from pdserve.model.parts import HeadQKNorm, QKVBias, SwiGLU
+from pdserve.model.parts import GQA, HeadQKNorm, QKVBias, SwiGLU
 
 
 class Llama:
@@ -28,6 +28,10 @@ class Llama:
         `llama` (Mistral's GGUF files attend to every position, in llama.cpp as here)."""
         return {}
 
+    def attention(self, cfg, w: dict[str, torch.Tensor], p: str):
+        """Layer `p`'s attention part: GQA with this family's parts on its q/k/v projection."""
+        return GQA(cfg, w, p, self.attention_parts(cfg, w, p))
+
     def attention_parts(self, cfg, w: dict[str, torch.Tensor], p: str) -> list:
         if p + "self_attn.o_proj.bias" in w:
             raise ValueError(
@@ -43,7 +47,7 @@ class Llama:
         """Why the fused C++ decode step (one SwiGLU per layer; q/k/v biases, per-head q/k
         RMSNorm, full or sliding-window attention) cannot serve this model built as `layers`
         (None: it can)."""
-        return next(filter(None, (unfused_parts(layer.qkv_parts) for layer in layers)), None)
+        return next(filter(None, (unfused_parts(layer.attn.parts) for layer in layers)), None)
 
     def tp_refusal(self, cfg) -> str | None:
         """Why this model cannot run tensor-parallel (None: it can)."""

@@ -170,3 +170,14 @@ def write_gguf(family: str, config, weights: dict, path: Path, qtype: str = "F32
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def build_each(families, tmp_path_factory) -> dict:
+    """family -> (HF model, pdserve's ModelFiles of its saved folder), each in a new folder."""
+    from pdserve.model.loader import load_model_files
+
+    out = {}
+    for family in families:
+        folder = tmp_path_factory.mktemp(family)
+        out[family] = build(family, folder), load_model_files(str(folder))
+    return out

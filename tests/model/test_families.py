@@ -14,7 +14,16 @@ import numpy as np
 import pytest
 import torch
 from factories import make_engine, run_to_completion
-from family_models import BASE, FAMILIES, GGUF_ARCH, WINDOW, build, one_thread, write_gguf
+from family_models import (
+    BASE,
+    FAMILIES,
+    GGUF_ARCH,
+    WINDOW,
+    build,
+    build_each,
+    one_thread,
+    write_gguf,
+)
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.attention import AttentionMetadata, PrefillSpan
@@ -35,12 +44,7 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """family -> (HF model, pdserve's ModelFiles of the saved folder)."""
-    out = {}
-    for family in FAMILIES:
-        folder = tmp_path_factory.mktemp(family)
-        model = build(family, folder)
-        out[family] = model, load_model_files(str(folder))
-    return out
+    return build_each(FAMILIES, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from factories import make_engine, run_to_completion
-from family_models import build, one_thread
+from family_models import build_each, one_thread
 
 from model.test_families import last_logits
 from model.test_fused_decode import PROMPTS as CONTEXTS
 from model.test_fused_decode import decode_batch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.kv_shape import KVShape
-from pdserve.model.loader import load_model_files
 from pdserve.model.mla import softmax_scale
 
 FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -26,11 +25,7 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     """family -> (HF model, pdserve's ModelFiles of the saved folder)."""
-    out = {}
-    for family in FAMILIES:
-        folder = tmp_path_factory.mktemp(family)
-        out[family] = build(family, folder), load_model_files(str(folder))
-    return out
+    return build_each(FAMILIES, tmp_path_factory)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

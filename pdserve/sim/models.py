@@ -202,6 +202,26 @@ PRESETS: dict[str, ModelSpec] = {
             kv_lora_rank=512,
             qk_rope_head_dim=64,
         ),
+        # DeepSeek-V2-Lite (its config.json: 27 layers, 16 heads, q not low-rank, 64 routed
+        # experts of width 1408, 6 per token, 2 shared; "15.7B total, 2.4B activated"): the
+        # same 512 + 64 latent per token and layer, and small enough for one GPU, so the seed's
+        # one-node deployments apply to it
+        ModelSpec(
+            "deepseek-v2-lite",
+            27,
+            2048,
+            16,
+            16,
+            192,
+            10944,
+            102400,
+            15_700_000_000,
+            active_params=2_400_000_000,
+            num_experts=64,
+            experts_per_token=6,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+        ),
         # Kimi-K2 (Moonshot's config.json: DeepSeek-V3's architecture with 64 query heads, 384
         # routed experts, 8 per token, a 163,840-token vocabulary; "1T total, 32B activated"):
         # the same 512 + 64 latent per token and layer as DeepSeek-V3

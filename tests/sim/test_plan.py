@@ -98,3 +98,26 @@ def test_the_recommendation_comes_with_the_serve_command_that_deploys_it(capsys)
     assert "against the best with one TP for both phases, disaggregated" in phase
     code, out = run_plan(capsys, *LONG, "--rate", "0.2")  # co-located 1 x TP4
     assert out["serve_command"].startswith("pdserve serve --mode colocated")
+
+
+# MLA moves the line (docs/sim.md): the same long-prompt workload on H200 at 20 req/s
+H200_LONG = ["--gpu", "h200", "--prompt-tokens", "4096", "--output-tokens", "256", "--rate", "20"]
+DEEPSEEK_FP8 = ["--model", "deepseek-v3", "--dtype", "fp8", "--kv-dtype", "bf16"]
+
+
+@pytest.mark.parametrize(
+    ("model", "link", "mode"),
+    [
+        (DEEPSEEK_FP8, "100gbe", "disagg"),  # its 0.29 GB latent per prompt fits a shared port
+        (DEEPSEEK_FP8, "25gbe", "colocated"),
+        (["--model", "llama-3.1-70b"], "100gbe", "colocated"),  # 1.34 GB per prompt does not
+        (["--model", "llama-3.1-70b"], "ib-ndr", "disagg"),
+    ],
+)
+def test_an_mla_model_disaggregates_over_a_slower_link_than_llama(capsys, model, link, mode):
+    code, out = run_plan(capsys, *model, *H200_LONG, "--link", link)
+    rec = out["recommendation"]
+    assert (code, rec["deployment"]["mode"]) == (0, mode)
+    assert rec["slo_attainment"] >= 0.9
+    other = [c for c in out["runner_ups"] if c["deployment"]["mode"] != mode]
+    assert all(c["num_gpus"] >= rec["num_gpus"] for c in other)

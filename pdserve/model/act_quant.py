@@ -79,21 +79,12 @@ def reference(x, q, scales, inv_smooth) -> torch.Tensor:
     return y.mul_(s).mul_(scales).to(x.dtype)
 
 
-_ext: list = []  # [the fused step's extension module, or None where it does not build]
-
-
 def _kernels():
     """The quantize/dequantize kernels of the fused step's C++ extension (csrc/decode.cpp),
     built by `make install`; None where it cannot load (then the torch ops above)."""
-    if not _ext:
-        try:
-            from pdserve.model.fused import load_extension
+    from pdserve.model.fused import extension_or_none
 
-            _ext.append(load_extension())
-        except Exception as exc:  # no compiler: the torch ops compute the same
-            log.warning("int8 activations in torch ops (slower): %s", exc)
-            _ext.append(None)
-    return _ext[0]
+    return extension_or_none()
 
 
 def supported() -> bool:

@@ -4,7 +4,8 @@ use and cached, so the second start loads it in well under a second.
 A decode-only step (one new token per sequence, no KV hooks) runs as one C++ call: every
 layer's norms, attention parts (`FUSED_PARTS`: q/k/v biases, per-head q/k RMSNorm), RoPE, cache
 write, paged attention over the block table (no gather; over the sliding window where the
-config sets one), SwiGLU and residuals fused, the linears as torch's kernels. Prefills and
+config sets one), SwiGLU and residuals fused, the linears as model/quant.py runs them (the
+few-row int4/int8 kernels of csrc/few_rows.h, or torch's). Prefills and
 mixed steps stay on the eager model. `--enforce-eager` turns this off; a machine without a
 working compiler falls back to eager with a warning that says so.
 """
@@ -57,7 +58,9 @@ def unfused_parts(parts: list) -> str | None:
 def build_dir() -> Path:
     """The build's folder: named by a hash of the source, so a changed decode.cpp builds anew
     (and of everything else the build depends on)."""
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256()
+    for part in sorted(p for p in SOURCE.parent.iterdir() if p.is_file()):  # + its headers
+        key.update(part.name.encode() + part.read_bytes())
     # The paths of the source and of torch too: the build files name them, so two checkouts
     # or virtual environments sharing one folder would rebuild each other's.
     where = f"{SOURCE.resolve()}|{Path(torch.__file__).parent}|{platform.python_version()}"
@@ -105,6 +108,22 @@ def _only_builder(path: Path):
             log.warning("removing %s, left by a build that was killed", stale)
             stale.unlink(missing_ok=True)
         yield
+
+
+_tried: list = []  # [the extension module, or None where it does not build]
+
+
+def extension_or_none():
+    """The extension (`load_extension`), or None where it cannot be built here (no compiler):
+    for the kernels beside the fused step (few-row int4, int8 activations), whose callers then
+    use torch's own. Tried once per process; a failure is logged once."""
+    if not _tried:
+        try:
+            _tried.append(load_extension())
+        except Exception as exc:
+            log.warning("the C++ kernels could not be built, using torch's (slower): %s", exc)
+            _tried.append(None)
+    return _tried[0]
 
 
 class FusedDecode:

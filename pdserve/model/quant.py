@@ -4,12 +4,19 @@ does): the model calls `layer.attn.qkv(x)` and never sees the format.
 A decode step at small batch reads every weight once per step, so its time is the weights'
 bytes over DRAM bandwidth; fewer bytes per weight is the speed-up. Formats:
 
-* `int4`: groups of 32 input columns share a scale and a zero; torch's CPU kernel
-  `_weight_int4pack_mm_for_cpu` computes x @ ((q - 8) * scale + zero).T with q in [0, 16).
+* `int4`: groups of 32 input columns share a scale and a zero; x @ ((q - 8) * scale + zero).T
+  with q in [0, 16), by pdserve's few-row kernel (csrc/few_rows.h, in bf16 where the C++
+  extension builds) or torch's `_weight_int4pack_mm_for_cpu`.
   GGUF's Q4_0 and Q4_1 blocks are exactly this (32 wide; Q4_1 stores w = d * q + m, so
   scale = d and zero = m + 8 d; Q4_0 stores w = d * (q - 8), so zero = 0): they are packed as
   the file has them, never expanded and re-quantized. Other weights get min/max groups.
-* `int8`: one symmetric scale per output row (`_weight_int8pack_mm`).
+* `int8`: one symmetric scale per output row (few_rows.h's, or torch's `_weight_int8pack_mm`).
+
+The few-row kernels unpack each tile of weights once for every row of the input, so a step of
+1 + k rows (speculation's verify, a small batch) costs little more than one row; torch's cost
+nearly k + 1 times one (Zen 5, 2 threads, gate_up 3072 x 576: 37 / 85 / 244 us at 1 / 5 / 16
+rows against torch's 53 / 211 / 400; the int8 lm_head 1.0 / 1.9 ms at 1 / 5 rows against
+2.4 / 4.6). Each row's result is the same bits whatever the rows beside it.
 
 Every quantized linear keeps its dense weight too and uses it for inputs of more than its
 `max_rows` rows: the int4/int8 kernels stream weights fast for a few rows, but compute slower
@@ -18,7 +25,8 @@ machine and weight shape (`model/kernel_rows.py`). For scale: on an AMD EPYC (Sm
 layers of linears, 2 threads) bf16 / int8 / int4 took, in ms, 9.4 / 4.0 / 2.4 at 1 row;
 bf16 / int4: 10.4 / 6.0 at 8 rows, 12.1 / 10.9 at 16, 14.0 / 15.8 at 24; the lm_head
 (49,152 x 576), bf16 / int8: 1.81 / 0.58 at 1 row, 2.45 / 3.19 at 16. On a Zen 5 EPYC the
-dense GEMM won from 8-16 rows (the MLP's gate_up at 16 rows: 123 vs 219 us).
+dense GEMM won from 8-16 rows with torch's kernels (gate_up at 16 rows: 123 vs 219 us), from
+16-48 with the few-row ones.
 Above those rows, `--int8-activations on` (model/act_quant.py) runs int8 GEMMs instead of the
 dense copy where this machine runs them faster: prefills and big decode batches.
 """
@@ -35,6 +43,7 @@ GROUP = 32  # int4 group width: GGUF's block width, and gpt-fast's default
 # A linear built on its own (not by quantize_model, which measures this machine) uses its
 # quantized kernel up to these rows: the AMD EPYC crossovers above.
 MAX_ROWS = {"int4": 16, "int8": 8}
+FEW_ROWS_TILE = 16  # output columns per tile of the few-row int4 kernel (csrc/few_rows.h)
 
 
 class Int4Blocks(NamedTuple):
@@ -55,7 +64,8 @@ class Dense:
     """y = x @ weight.T in the model's dtype."""
 
     format = "bf16"
-    kind = 0  # the fused decode step's `Linear` kind (csrc/decode.cpp): 0 dense, 1 int4, 2 int8
+    # the fused step's `Linear` kind (csrc/decode.cpp): 0 dense, 1 int4, 2 int8, 3 int4 few-row
+    kind = 0
 
     max_rows = 0  # rows up to which the quantized kernel runs; the dense weight above
 
@@ -113,40 +123,96 @@ class _Quantized(Dense):
 
 
 class Int4Linear(_Quantized):
-    format, kind = "int4", 1
+    """Int4 groups of 32. In bf16, with the C++ extension built and N a multiple of 16, its
+    few-row kernel (csrc/few_rows.h: a verify step of 1 + k rows costs little more than one
+    row); else torch's int4 kernel."""
+
+    format = "int4"
 
     def __init__(self, weight: torch.Tensor, blocks: Int4Blocks | None = None):
         super().__init__(weight)
         blocks = blocks if blocks is not None else int4_blocks(weight)
+        self.ext = few_rows_extension(weight)
+        if self.ext is not None:
+            self.kind, self.tensors = 3, pack_few_rows(blocks, weight.dtype)
+            return
         q = torch.from_numpy(np.ascontiguousarray(blocks.q)).to(torch.int32)
-        self.q4 = torch._convert_weight_to_int4pack_for_cpu(q, 1)
         sz = np.stack([blocks.scale, blocks.zero], -1).transpose(1, 0, 2)  # (K // 32, N, 2)
-        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(weight.dtype)
+        scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(weight.dtype)
+        self.kind = 1
+        self.tensors = (torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros)
 
     @property
     def packed(self) -> tuple[torch.Tensor, ...]:
-        return self.q4, self.scales_zeros
+        return self.tensors
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.q4, GROUP, self.scales_zeros)
+        if self.kind == 3:
+            return self.ext.few_rows_mm(x, *self.tensors)
+        return torch._weight_int4pack_mm_for_cpu(x, self.tensors[0], GROUP, self.tensors[1])
+
+
+def few_rows_extension(weight: torch.Tensor):
+    """The extension whose few-row int4 kernel can run `weight` (bf16, rows a multiple of 16),
+    or None (then torch's int4 kernel)."""
+    if weight.dtype != torch.bfloat16 or weight.shape[0] % FEW_ROWS_TILE:
+        return None
+    from pdserve.model.fused import extension_or_none
+
+    return extension_or_none()
+
+
+def pack_few_rows(blocks: Int4Blocks, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`blocks` in csrc/few_rows.h's layout: q (N/16, K/2, 16) uint8, two k's per byte (the
+    even one low), and sz (N/16, K/32, 2, 16): each group's scale and zero per column."""
+    n, k = blocks.q.shape
+    t = FEW_ROWS_TILE
+    q = blocks.q.reshape(n // t, t, k // 2, 2)  # (tiles, column, pair, k of the pair)
+    q = (q[..., 0] | (q[..., 1] << 4)).transpose(0, 2, 1)  # (tiles, pair, column)
+    sz = np.stack([blocks.scale, blocks.zero], 0).reshape(2, n // t, t, k // GROUP)
+    sz = sz.transpose(1, 3, 0, 2)  # (tiles, group, scale | zero, column)
+    return (
+        torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)),
+        torch.from_numpy(np.ascontiguousarray(sz, dtype=np.float32)).to(dtype),
+    )
 
 
 class Int8Linear(_Quantized):
-    format, kind = "int8", 2
+    """Int8 per output channel. In bf16, with the C++ extension built and N a multiple of 16,
+    its few-row kernel (csrc/few_rows.h); else torch's int8 kernel."""
+
+    format = "int8"
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
         w = weight.float()
         scale = (w.abs().amax(1) / 127).clamp(min=1e-12)  # (N,)
-        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.scales = scale.to(weight.dtype)
+        q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
+        self.ext = few_rows_extension(weight)
+        self.kind = 2 if self.ext is None else 4
+        if self.kind == 4:  # (N/16, K, 16): a tile's 16 columns side by side at each k
+            n, k = q.shape
+            q = q.reshape(n // FEW_ROWS_TILE, FEW_ROWS_TILE, k).transpose(1, 2).contiguous()
+        self.tensors = (q, scale.to(weight.dtype))
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The int8 weight (N, K), whatever the kernel's layout."""
+        q = self.tensors[0]
+        return q if self.kind == 2 else q.transpose(1, 2).reshape(-1, q.shape[1])
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.tensors[1]
 
     @property
     def packed(self) -> tuple[torch.Tensor, ...]:
-        return self.q, self.scales
+        return self.tensors
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.q, self.scales)
+        if self.kind == 4:
+            return self.ext.few_rows_mm8(x, *self.tensors)
+        return torch._weight_int8pack_mm(x, *self.tensors)
 
 
 def int4_blocks(weight: torch.Tensor) -> Int4Blocks:

@@ -106,3 +106,16 @@ def test_a_changed_source_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
     edited = fused.build_dir()
     source.write_bytes(source.read_bytes().removesuffix(b"// edited\n"))
     assert edited != before and fused.build_dir() == before
+
+
+def test_an_edited_header_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """decode.cpp includes few_rows.h: the build's hash covers every file beside it."""
+    from pdserve.model import fused
+
+    for part in fused.SOURCE.parent.iterdir():
+        (tmp_path / part.name).write_bytes(part.read_bytes())
+    monkeypatch.setattr(fused, "SOURCE", tmp_path / "decode.cpp")
+    before = fused.build_dir()
+    header = tmp_path / "few_rows.h"
+    header.write_bytes(header.read_bytes() + b"// edited\n")
+    assert fused.build_dir() != before

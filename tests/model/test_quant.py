@@ -34,6 +34,43 @@ def test_int4_kernel_computes_the_blocks_weights_exactly_and_switches_to_dense_a
     assert torch.equal(lin(x), F.linear(x, w))  # above MAX_ROWS: the dense weight itself
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_few_row_kernels_equal_torchs_and_give_each_row_the_same_bits_whatever_its_batch(fmt):
+    """csrc/few_rows.h (bf16, N a multiple of 16) against torch's own int4/int8 kernel on the
+    same quantized weight, for 1 to 20 rows (its passes of 8 rows and the remainder), and each
+    row bit for bit what it is alone: a step verifying 1 + k speculated tokens gives its first
+    row exactly the logits of a plain step."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 128, dtype=torch.bfloat16) * 0.05
+    lin = Int4Linear(w) if fmt == "int4" else Int8Linear(w)
+    assert lin.kind == {"int4": 3, "int8": 4}[fmt]  # the extension is built by make install
+    if fmt == "int4":
+        b = quant.int4_blocks(w)
+        q = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(b.q).to(torch.int32), 1)
+        sz = np.stack([b.scale, b.zero], -1).transpose(1, 0, 2)
+        sz = torch.from_numpy(np.ascontiguousarray(sz)).to(torch.bfloat16)
+        reference = lambda x: torch._weight_int4pack_mm_for_cpu(x, q, 32, sz)  # noqa: E731
+    else:
+        reference = lambda x: torch._weight_int8pack_mm(x, lin.q, lin.scales)  # noqa: E731
+    for rows in (1, 2, 5, 8, 9, 20):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        got, want = lin.quantized_mm(x).float(), reference(x).float()
+        assert (got - want).abs().max() <= 0.01 * want.abs().max()
+        for r in (0, rows - 1):
+            assert torch.equal(lin.quantized_mm(x[r : r + 1])[0], lin.quantized_mm(x)[r])
+
+
+def test_few_row_kernels_leave_what_they_cannot_run_to_torch():
+    """float32 weights, or N not a multiple of 16 (int8; torch's int4 packing needs it too):
+    torch's kernels, as before."""
+    w = torch.randn(48, 64)
+    assert (Int4Linear(w).kind, Int8Linear(w).kind) == (1, 2)
+    assert Int4Linear(w).quantized_mm(torch.randn(3, 64)).shape == (3, 48)
+    w = torch.randn(40, 64, dtype=torch.bfloat16)
+    assert Int8Linear(w).kind == 2
+    assert Int8Linear(w).quantized_mm(torch.randn(3, 64, dtype=torch.bfloat16)).shape == (3, 40)
+
+
 def test_min_max_int4_and_int8_stay_within_half_a_step_of_the_weight():
     w = torch.randn(64, 128)
     b = quant.int4_blocks(w)

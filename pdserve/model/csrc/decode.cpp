@@ -1,8 +1,9 @@
 // The decode step of a dense model as one C++ call: every layer's RMSNorm, q/k/v biases (Qwen2),
 // per-head q/k RMSNorm (Qwen3), RoPE, KV cache write, paged attention (over a sliding window:
-// Mistral), SwiGLU and residuals fused into a few loops, the linears as torch's own kernels
-// (dense, int4 or int8: model/quant.py). Built at first use by model/fused.py. What a model
-// does not have costs nothing: the parts are skipped, and no window means the whole context.
+// Mistral), SwiGLU and residuals fused into a few loops, the linears as model/quant.py runs
+// them (dense; int4 or int8 by few_rows.h's kernels or torch's). Built at first use by
+// model/fused.py. What a model does not have costs nothing: the parts are skipped, and no
+// window means the whole context.
 //
 // Why: at batch 1 an eager step on 2 CPU cores spent ~5 ms of its ~8 in ~1,400 small torch ops
 // (1-12 us each of dispatch and allocation), against ~3 ms in the weights themselves.
@@ -23,6 +24,8 @@
 #include <limits>
 #include <optional>
 #include <vector>
+
+#include "few_rows.h"
 
 using at::Tensor;
 
@@ -214,7 +217,8 @@ Tensor dequantize_rows(const Tensor& acc_in, const Tensor& s, const Tensor& scal
   return out;
 }
 
-// One linear layer: kind 0 dense [w]; 1 int4 [w, packed, scales_zeros]; 2 int8 [w, q, scales].
+// One linear layer: kind 0 dense [w]; 1 int4 [w, packed, scales_zeros]; 2 int8 [w, q, scales];
+// 3 int4 in few_rows.h's layout [w, q, sz]; 4 int8 in its layout [w, q, scales].
 // The quantized kernels are used up to `max_rows` input rows; from `a8_first` to `a8_last`
 // rows, int8 activations [q (N, K) int8, scales (N,), inv_smooth (K,)] (model/act_quant.py,
 // the same arithmetic); the dense weight otherwise.
@@ -237,6 +241,8 @@ struct Linear {
   Tensor operator()(const Tensor& x) const {
     const int64_t rows = x.size(0);
     if (kind != 0 && rows <= max_rows) {
+      if (kind == 3) return few_rows::mm(x, t[1], t[2]);
+      if (kind == 4) return few_rows::mm8(x, t[1], t[2]);
       if (kind == 1) return at::_weight_int4pack_mm_for_cpu(x, t[1], 32, t[2]);
       return at::_weight_int8pack_mm(x, t[1], t[2]);
     }
@@ -594,6 +600,8 @@ class DecodeModel {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("few_rows_mm", &few_rows::mm, py::call_guard<py::gil_scoped_release>());
+  m.def("few_rows_mm8", &few_rows::mm8, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,
                     std::vector<Tensor>>());

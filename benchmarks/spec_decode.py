@@ -45,11 +45,15 @@ def workloads(engine: LLMEngine) -> dict[str, list[list[int]]]:
     doc = (ROOT / "docs" / "architecture.md").read_text()
     paras = [p for p in doc.split("\n\n") if 300 < len(p) < 900][:8]
     return {
+        # The answer is begun for the model, as an editor's client does (the assistant turn
+        # opens with the changed first line): asked alone, the 135M model explains the file in
+        # prose instead of rewriting it, and there would be nothing to look up.
         "a) rewrite code": [
             chat(
                 "Rewrite this file exactly, adding the comment `# reviewed` as its first "
                 f"line; change nothing else.\n```python\n{c}\n```"
-            )  # fmt: skip
+            )
+            + tok.encode("```python\n# reviewed\n")
             for c in code
         ],
         "b) quote passage": [
@@ -102,6 +106,7 @@ def main() -> int:
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=3, help="off/on rounds; the median is shown")
+    ap.add_argument("--only", default="abc", help="the workloads to run, by letter (default abc)")
     args = ap.parse_args()
     base = LLMEngine(EngineConfig(weights=args.weights))
     spec = LLMEngine(EngineConfig(weights=args.weights, speculative_config=args.spec))
@@ -112,6 +117,8 @@ def main() -> int:
     print(f"{'workload':18} {'c':>2} {'tok/s off':>9} {'tok/s on':>9} {'ratio':>6} "
           f"{'ITL p50 off':>11} {'ITL p50 on':>10} {'accept':>6} {'len':>5} identical")  # fmt: skip
     for name, prompts in loads.items():
+        if name[0] not in args.only:
+            continue
         for c in args.concurrency:
             # every prompt of the workload, c at a time; off and on alternate, round by round
             batches = [prompts[i : i + c] for i in range(0, len(prompts), c)]

@@ -252,12 +252,43 @@ class ModelRunner:
         A sequence verifying proposals gets its 1 + k rows, its index repeated.
         `before_layer(i)` / `layer_hook(i)` run before / after layer i (KV loads / streaming)."""
         if self.fused is not None and layer_hook is None and before_layer is None:
-            sizes = zip(batch.seqs, batch.num_new_tokens, strict=True)
-            if all(n == 1 or s.spec_token_ids for s, n in sizes) and not any(
-                s.params.prompt_logprobs is not None and s.num_computed_tokens < s.num_prompt_tokens
-                for s in batch.seqs
-            ):
+            fusable = [self._fusable(s, n) for s, n in zip(*batch, strict=True)]
+            if all(fusable):
                 return self._run_fused(batch)
+            if any(fusable):  # a mixed step: its decodes fused, its prefill chunks eager
+                return self._run_split(batch, fusable)
+        return self._run_eager(batch, layer_hook, before_layer)
+
+    @staticmethod
+    def _fusable(seq, n: int) -> bool:
+        """Whether the fused step can compute seq's n tokens this step: one token (or one plus
+        its proposals), and no prompt logprobs still to give."""
+        prompt_logprobs = seq.params.prompt_logprobs is not None
+        return (n == 1 or bool(seq.spec_token_ids)) and not (
+            prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens
+        )
+
+    def _run_split(self, batch: ScheduledBatch, fusable: list[bool]):
+        """A step mixing decodes with prefill chunks as two calls, the decodes through the fused
+        step and the chunks through the eager model; as `run`. The eager model's decode
+        attention gathers and pads every context (at 47 decodes beside a 934-token chunk, the
+        step took 1,071 ms, against 812 ms for a chunk alone and ~2 ms a row fused)."""
+        parts = [
+            [i for i, f in enumerate(fusable) if f],
+            [i for i, f in enumerate(fusable) if not f],
+        ]
+        indices, logits = [], []
+        for part, run in zip(parts, (self._run_fused, self._run_eager), strict=True):
+            sub = ScheduledBatch(
+                [batch.seqs[i] for i in part], [batch.num_new_tokens[i] for i in part]
+            )
+            got, rows = run(sub)
+            indices += [part[i] for i in got]
+            if rows is not None:
+                logits.append(rows)
+        return indices, torch.cat(logits) if logits else None
+
+    def _run_eager(self, batch: ScheduledBatch, layer_hook=None, before_layer=None):
         input_ids, positions, meta, sample_rows, prompt_spans = self._prepare(batch)
         if self.tp is not None:  # the other ranks run this step with us
             self.tp.send_step(input_ids, positions, meta)

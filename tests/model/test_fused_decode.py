@@ -65,15 +65,36 @@ def test_a_prompt_chunked_one_token_a_step_samples_only_at_its_end(files):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-def test_hooks_and_mixed_steps_stay_eager(files):
-    """A step with a layer hook (KV push) or a prefill in it runs the eager model: the hook is
-    called once per layer; the fused step is not entered."""
+def test_hooked_steps_stay_eager(files):
+    """A step with a layer hook (KV push) runs the eager model: the hook is called once per
+    layer; the fused step is not entered."""
     eng = make_engine(files)
     calls = []
     eng.runner.fused = lambda *a: pytest.fail("a hooked step must not run fused")
     batch = decode_batch(eng, PROMPTS[:1])
     rows, _ = eng.runner.run(batch, layer_hook=calls.append)
     assert rows == [0] and calls == list(range(files.config.num_layers))
+
+
+def test_a_mixed_step_runs_its_decodes_fused_and_its_prefill_chunk_eager(files):
+    """Decodes beside a prompt's chunk: the decodes go through the fused step, the chunk
+    through the eager model, in one step; each row gets the all-eager step's logits, and the
+    indices still name the batch's own sequences."""
+    outs = []
+    for eng in (make_engine(files), make_engine(files, enforce_eager=True)):
+        fused_rows = []
+        if eng.runner.fused is not None:
+            inner = eng.runner.fused
+            eng.runner.fused = lambda *a, inner=inner: fused_rows.append(len(a[0])) or inner(*a)
+        decodes = decode_batch(eng, PROMPTS[:2])
+        prompt = make_sequence(PROMPTS[2], "new")
+        assert eng.block_manager.allocate(prompt)
+        batch = ScheduledBatch([decodes.seqs[0], prompt, decodes.seqs[1]], [1, 10, 1])
+        rows, logits = eng.runner.run(batch)
+        assert sorted(rows) == [0, 1, 2]
+        outs.append(logits[torch.tensor(rows).argsort()])
+        assert fused_rows == ([2] if eng.runner.fused is not None else [])
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-4
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start():

@@ -85,7 +85,9 @@ def test_a_mixed_step_runs_its_decodes_fused_and_its_prefill_chunk_eager(files):
         fused_rows = []
         if eng.runner.fused is not None:
             inner = eng.runner.fused
-            eng.runner.fused = lambda *a, inner=inner: fused_rows.append(len(a[0])) or inner(*a)
+            eng.runner.fused = lambda *a, inner=inner, seen=fused_rows: (
+                seen.append(len(a[0])) or inner(*a)
+            )
         decodes = decode_batch(eng, PROMPTS[:2])
         prompt = make_sequence(PROMPTS[2], "new")
         assert eng.block_manager.allocate(prompt)

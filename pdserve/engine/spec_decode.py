@@ -22,6 +22,7 @@ would have to advance over unverified tokens) decode without speculation, one to
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -35,6 +36,11 @@ from pdserve.engine.sequence import Sequence
 # (docs/serving.md); `disable_by_batch_size` overrides it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 MAX_BACKOFF = 16  # decode steps a sequence whose proposals keep failing goes without
+# What one more verified row costs, as a share of a plain decode step (the few-row kernels:
+# ~0.25 on a Zen 5, 2 threads): the i-th proposal is worth its row while its chance of being
+# accepted, r^i for a per-proposal acceptance r, is above it.
+ROW_COST = 0.25
+DECAY = 0.7  # of a sequence's acceptance counts per verify step: recent proposals weigh most
 
 
 @dataclass(frozen=True)
@@ -214,8 +220,10 @@ class Speculator:
     `LLMEngine.stats` reports. A sequence whose proposals are all rejected backs off: after
     m such verify steps in a row it is not proposed for in the next min(2^m, MAX_BACKOFF)
     steps (a verify step costs more than a plain one; free chat rarely repeats its context),
-    and one accepted proposal resets it. Whether to speculate depends only on the past, so
-    sampled outputs keep the target's distribution."""
+    and one accepted proposal resets it. How many it proposes follows its recent acceptance
+    (`proposal_length`): a copy runs at num_speculative_tokens, a sequence whose guesses often
+    fail proposes one or two. Both depend only on the past, so sampled outputs keep the
+    target's distribution."""
 
     def __init__(
         self, cfg: SpeculativeConfig, vocab_size: int, max_model_len: int, engine=None
@@ -241,7 +249,7 @@ class Speculator:
         if len(decoding) > self.cfg.disable_by_batch_size:
             return
         for seq in decoding:
-            k = min(self.cfg.num_speculative_tokens,
+            k = min(proposal_length(seq, self.cfg.num_speculative_tokens),
                     seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)  # fmt: skip
             if seq.spec_skip > 0:
@@ -257,6 +265,10 @@ class Speculator:
         self.verifies += 1
         self.proposed += len(draft)
         self.accepted += len(tokens) - 1
+        if draft:  # a try ends at the first rejection, or after the last proposal
+            hits = len(tokens) - 1
+            seq.spec_hits = DECAY * seq.spec_hits + hits
+            seq.spec_tries = DECAY * seq.spec_tries + hits + (hits < len(draft))
         if draft and len(tokens) == 1:
             seq.spec_misses += 1
             seq.spec_skip = min(1 << seq.spec_misses, MAX_BACKOFF)
@@ -267,6 +279,17 @@ class Speculator:
             k = [seq.params.logprobs] * len(tokens)
             lps = token_logprobs(logits[: len(tokens)], torch.tensor(tokens), k)
         return list(zip(tokens, lps, strict=True))
+
+
+def proposal_length(seq: Sequence, most: int) -> int:
+    """How many tokens to propose for seq, 1 to `most`: the largest i whose chance of
+    acceptance r^i stays above ROW_COST, for r its recent per-proposal acceptance."""
+    r = seq.spec_hits / seq.spec_tries
+    if r <= ROW_COST:
+        return 1
+    if r >= 0.99:
+        return most
+    return max(1, min(most, int(math.log(ROW_COST) / math.log(r))))
 
 
 def spec_stats(speculator: Speculator | None) -> dict[str, float]:

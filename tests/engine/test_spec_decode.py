@@ -257,3 +257,22 @@ def test_a_sequence_whose_proposals_fail_backs_off_and_an_accepted_one_resets_it
     for _ in range(4):
         assert verify_step(7) == []
     assert verify_step(argmax=1) == [1, 1] and (seq.spec_misses, seq.spec_skip) == (0, 0)
+
+
+def test_a_sequence_proposes_as_many_tokens_as_its_recent_acceptance_pays_for():
+    """proposal_length: the largest i with r^i above ROW_COST for the recent per-proposal
+    acceptance r, 1 to num_speculative_tokens; each verify step's try updates r (a try ends at
+    the first rejection, or after the last proposal)."""
+    from pdserve.engine.spec_decode import Speculator, proposal_length
+
+    seq = make_sequence([1, 2, 3, 1, 2, 3, 1, 2], max_tokens=50, ignore_eos=True)
+    for hits, tries, want in [(3, 4, 4), (1, 2, 2), (0.2, 1, 1), (0, 1, 1), (1, 1, 4)]:
+        seq.spec_hits, seq.spec_tries = hits, tries
+        assert proposal_length(seq, 4) == want
+    spec = Speculator(parse_speculative_config(SPEC), 100, 1000)
+    seq.spec_hits, seq.spec_tries = 3.0, 4.0
+    seq.spec_token_ids = [5, 6, 7]
+    logits = torch.full((4, 100), -10.0)
+    logits[0, 5] = logits[1, 9] = 10.0  # 5 accepted, 6 rejected: a try of 1 hit
+    assert [t for t, _ in spec.accept(seq, logits)] == [5, 9]
+    assert (seq.spec_hits, seq.spec_tries) == pytest.approx((0.7 * 3 + 1, 0.7 * 4 + 2))

@@ -51,7 +51,7 @@ def test_stages_give_the_tokens_of_one_process(files, one, pp, partition):
     many = generate(files, pipeline_parallel_size=pp, pp_layer_partition=partition)
     assert {r: t for r, (t, _) in many.items()} == {r: t for r, (t, _) in one.items()}
     for r, (_, logprobs) in many.items():  # the same ops per layer; threads may differ
-        assert logprobs == pytest.approx(one[r][1], abs=1e-5)
+        assert logprobs == pytest.approx(one[r][1], abs=1e-4)
 
 
 def test_each_stage_holds_its_layers_and_stage_0_sees_every_cache(files):

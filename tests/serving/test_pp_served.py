@@ -3,8 +3,8 @@ one prefill worker of 2 stages pushes into one decode worker. Greedy tokens equa
 `generate`; stage 1 killed (kill -9) while the prefill worker waits on it mid-prompt: the prefill
 worker exits (`StageLost`), the decode worker prefills the request itself and it completes with
 the same tokens, nothing leaks, and serve's supervision restarts the worker with its stages,
-which then serves remotely again. Refusals at start-up: more stages than layers, a partition that
-does not add up, --decode-pp."""
+which then serves remotely again.
+(Refusals at start-up: tests/launch/test_serve_flags.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 from chaos.cluster import complete
 from family_models import build
-from servers import Server, children, cmdline, exited, metric, metric_sum, run_serve
+from servers import Server, children, cmdline, exited, metric, metric_sum
 from waiting import wait_until
 
 from pdserve.model.loader import load_tokenizer
@@ -63,10 +63,9 @@ def ask(server, prompt: list[int]):
     return complete(server.url, body, timeout_s=60)
 
 
-def stages(server) -> tuple[int, list[int]]:
-    """(the prefill worker's pid, its later stages' pids)."""
-    pid = server.worker_pids()["prefill-0"]
-    return pid, [c for c in children(pid) if "pdserve.engine.pp" in cmdline(c)]
+def stage_pids(pid: int) -> list[int]:
+    """The later stages' pids of the prefill worker `pid`."""
+    return [c for c in children(pid) if "pdserve.engine.pp" in cmdline(c)]
 
 
 def test_greedy_tokens_equal_transformers_through_the_pipeline(server, folder):
@@ -78,13 +77,14 @@ def test_greedy_tokens_equal_transformers_through_the_pipeline(server, folder):
     assert (out.kind, out.text) == ("ok", expected(folder[1], PROMPT))
     assert metric(server.url, REMOTE) == remote + 1  # prefilled by the pipeline
     assert metric_sum(server.url, KV_BYTES) > kv
-    assert len(stages(server)[1]) == 1
+    assert len(stage_pids(server.worker_pids()["prefill-0"])) == 1
     server.wait_idle_and_clean()
 
 
 def test_a_stage_killed_mid_prompt_fails_only_its_worker_which_comes_back(server, folder):
     prompt = list(range(500, 600))
-    pid, [stage] = stages(server)
+    pid = server.worker_pids()["prefill-0"]
+    [stage] = stage_pids(pid)
     os.kill(stage, signal.SIGSTOP)  # stage 0 sends the chunks on, then waits for the last
     try:
         placed = metric_sum(server.url, "pdserve_prefill_decisions_total")
@@ -103,7 +103,7 @@ def test_a_stage_killed_mid_prompt_fails_only_its_worker_which_comes_back(server
     # serve restarts it with its stages; it registers again and takes remote prefills
     def restarted() -> bool:
         now = server.worker_pids().get("prefill-0")
-        return now not in (None, pid) and len(stages(server)[1]) == 1
+        return now not in (None, pid) and len(stage_pids(now)) == 1
 
     wait_until(restarted, 60, "prefill-0 restarted with its stage")
     wait_until(lambda: "prefill-0" in server.health()["workers"], 60, "prefill-0 registered")
@@ -113,17 +113,3 @@ def test_a_stage_killed_mid_prompt_fails_only_its_worker_which_comes_back(server
     assert (again.kind, again.text) == ("ok", expected(folder[1], PROMPT))
     assert metric(server.url, REMOTE) == remote + 1
     server.wait_idle_and_clean()
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (("--prefill-pp", "5"), "--pipeline-parallel-size 5 is larger than the model's 4 layers"),
-        (("--prefill-pp", "2", "--pp-layer-partition", "1,2"), "adds up to 3 layers"),
-        (("--decode-pp", "2"), "pipeline parallelism is for the prefill pool"),
-    ],
-)
-def test_a_pipeline_that_cannot_work_is_refused_at_start_up(folder, flags, message):
-    done = run_serve("--model", str(folder[0]), "--mode", "disagg", *flags, timeout_s=60)
-    assert done.returncode != 0
-    assert message in done.stdout + done.stderr

@@ -10,7 +10,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.pp.pipe import Hop
-from pdserve.engine.pp.stage import stage_weights
+from pdserve.engine.pp.stages import stage_weights
 from pdserve.engine.sampler import token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.tp.codec import Step

@@ -7,32 +7,16 @@ passes the result on (`follow`) until None comes."""
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import replace
 
 import torch
 
 from pdserve.engine.pp.pipe import Hop, PPGroup, StageLost
-from pdserve.engine.pp.stages import stage_layers
+from pdserve.engine.pp.stages import stage_layers, stage_weights
 from pdserve.engine.tp.codec import Start
 from pdserve.engine.tp.rank import rank_main, spawn_ranks
 
 log = logging.getLogger("pdserve.engine.pp")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def stage_weights(weights: dict, layers: range, first: bool) -> dict:
-    """The weights a stage builds its part from: its layers' (and the model-wide ones but the
-    embeddings and head on a stage other than the first: it neither embeds nor samples)."""
-    out = {}
-    for name, w in weights.items():
-        m = _LAYER.match(name)
-        if m is not None:
-            if int(m.group(1)) in layers:
-                out[name] = w
-        elif first or name not in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[name] = w
-    return out
 
 
 def start_pipeline(config, files, max_model_len: int) -> PPGroup:

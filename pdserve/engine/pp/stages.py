@@ -1,8 +1,12 @@
 """Which layers each stage of a pipeline-parallel engine holds: an even split, or the counts of
-`--pp-layer-partition` ("15,15"). Torch-free: `pdserve serve` checks a partition against the
-model before it starts any worker."""
+`--pp-layer-partition` ("15,15"); which weights it is given (`stage_weights`). Torch-free:
+`pdserve serve` checks a partition against the model before it starts any worker."""
 
 from __future__ import annotations
+
+import re
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def parse_partition(text: str) -> list[int]:
@@ -55,3 +59,17 @@ def stage_layers(num_layers: int, size: int, partition: str | None = None) -> li
 def stage_of(layers: list[range], layer: int) -> int:
     """The stage that holds `layer`."""
     return next(s for s, held in enumerate(layers) if layer in held)
+
+
+def stage_weights(weights: dict, layers: range, first: bool) -> dict:
+    """The weights a stage builds its part from: its layers' (and the model-wide ones but the
+    embeddings and head on a stage other than the first: it neither embeds nor samples)."""
+    out = {}
+    for name, w in weights.items():
+        m = _LAYER.match(name)
+        if m is not None:
+            if int(m.group(1)) in layers:
+                out[name] = w
+        elif first or name not in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = w
+    return out

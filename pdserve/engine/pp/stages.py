@@ -56,11 +56,6 @@ def stage_layers(num_layers: int, size: int, partition: str | None = None) -> li
     return out
 
 
-def stage_of(layers: list[range], layer: int) -> int:
-    """The stage that holds `layer`."""
-    return next(s for s, held in enumerate(layers) if layer in held)
-
-
 def stage_weights(weights: dict, layers: range, first: bool) -> dict:
     """The weights a stage builds its part from: its layers' (and the model-wide ones but the
     embeddings and head on a stage other than the first: it neither embeds nor samples)."""

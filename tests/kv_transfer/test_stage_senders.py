@@ -7,11 +7,12 @@ with fault injection)."""
 from __future__ import annotations
 
 import pytest
-from helpers import make_caches, make_layout
 
 from pdserve.kv_transfer import make_receiver, make_sender
 from pdserve.kv_transfer.inproc import FaultPlan
 from pdserve.kv_transfer.stage_senders import StageSenders
+
+from .helpers import make_caches, make_layout
 
 IDS = [3, 5, 6]
 STAGES = [range(0, 1), range(1, 3)]  # 3 layers: stage 0 holds 1, stage 1 holds 2

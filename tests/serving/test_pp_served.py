@@ -85,6 +85,7 @@ def test_a_stage_killed_mid_prompt_fails_only_its_worker_which_comes_back(server
     prompt = list(range(500, 600))
     pid = server.worker_pids()["prefill-0"]
     [stage] = stage_pids(pid)
+    failures = metric(server.url, "pdserve_worker_failures_total")
     os.kill(stage, signal.SIGSTOP)  # stage 0 sends the chunks on, then waits for the last
     try:
         placed = metric_sum(server.url, "pdserve_prefill_decisions_total")
@@ -99,6 +100,10 @@ def test_a_stage_killed_mid_prompt_fails_only_its_worker_which_comes_back(server
             os.kill(stage, signal.SIGKILL)
     assert (out.kind, out.text) == ("ok", expected(folder[1], prompt))
     wait_until(lambda: exited(pid), 30, "the prefill worker to exit (StageLost)")
+    wait_until(lambda: any("pipeline stage 1" in line for line in server.lines), 10,
+               "serve to report why the prefill worker exited")  # fmt: skip
+    # the router declared it dead: the decode worker prefilled the request itself
+    assert metric(server.url, "pdserve_worker_failures_total") == failures + 1
 
     # serve restarts it with its stages; it registers again and takes remote prefills
     def restarted() -> bool:

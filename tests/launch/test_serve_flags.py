@@ -19,9 +19,7 @@ from servers import run_serve
         (["--mode", "disagg", "--decode-tp", "3", "--decode-ep", "3"], "llama is a dense model"),
         (["--prefill-pp", "31"], "--pipeline-parallel-size 31 is larger than the model's 30"),
         (["--prefill-pp", "2", "--pp-layer-partition", "15,14"], "adds up to 29 layers"),
-        (["--prefill-pp", "2", "--pp-layer-partition", "10,10,10"], "names 3 stages"),
         (["--decode-pp", "2"], "pipeline parallelism is for the prefill pool"),
-        (["--prefill-pp", "2", "--prefill-tp", "3"], "do not compose yet"),
         (["--pp-layer-partition", "15,15"], "add --prefill-pp N"),
     ],
 )

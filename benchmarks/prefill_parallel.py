@@ -1,5 +1,6 @@
-"""Prefill parallelism side by side: prefill pipeline-parallel 2 vs tensor-parallel 2 vs one
-prefill worker of 2 threads, each disaggregated to one decode worker (`pdserve serve`, the
+"""Prefill parallelism side by side: prefill pipeline-parallel 2 vs tensor-parallel 2 (the
+smallest size that splits the model, when 2 does not: 3 for the bundled SmolLM2) vs one prefill
+worker of 2 threads, each disaggregated to one decode worker (`pdserve serve`, the
 bundled model unless --model), on the same machine in one run.
 
 For each prompt length (2,048 and 8,192 tokens by default; a length past the model's context is
@@ -32,12 +33,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _servers import server, stream_timings  # noqa: E402
 
-# name -> (what the table calls it, serve flags)
-VARIANTS = {
-    "pp": ("prefill PP 2", ("--prefill-pp", "2")),
-    "tp": ("prefill TP 2", ("--prefill-tp", "2")),
-    "threads": ("1 prefill worker, 2 threads", ("--prefill-args", "--threads 2")),
-}
+
+def variants(model_config) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """name -> (what the table calls it, serve flags). TP 2 where the model's heads split by
+    2, else the smallest size above 1 that splits them (the bundled SmolLM2, 9 query heads and
+    3 KV heads: 3), said in its label."""
+    from pdserve.engine.tp.shard import TPShard
+
+    def splits(n: int) -> bool:
+        try:
+            TPShard(0, n).check(model_config)
+        except ValueError:
+            return False
+        return True
+
+    tp = next(n for n in range(2, model_config.num_heads + 1) if splits(n))
+    why = "" if tp == 2 else f" (TP 2 does not split the model's {model_config.num_heads} heads)"
+    return {
+        "pp": ("prefill PP 2", ("--prefill-pp", "2")),
+        "tp": (f"prefill TP {tp}{why}", ("--prefill-tp", str(tp))),
+        "threads": ("1 prefill worker, 2 threads", ("--prefill-args", "--threads 2")),
+    }
 
 
 def prompt_ids(rng: random.Random, n: int) -> list[int]:
@@ -115,12 +131,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="sequential requests per length")
     ap.add_argument("--concurrent", type=int, default=2, help="requests at once (throughput)")
     ap.add_argument("--model", default=None, help="default: the bundled model")
-    ap.add_argument("--only", default=",".join(VARIANTS), help="variants: pp,tp,threads")
+    ap.add_argument("--only", default="pp,tp,threads", help="variants: pp,tp,threads")
     ap.add_argument("--no-kv-check", action="store_true", help="skip the bytes per stage")
     args = ap.parse_args()
     from pdserve.model.loader import load_model_config
 
-    limit = load_model_config(args.model)[1].max_position_embeddings - 2  # + the output
+    model_config = load_model_config(args.model)[1]
+    limit = model_config.max_position_embeddings - 2  # + the output
+    table = variants(model_config)
     asked = [int(t) for t in args.tokens.split(",")]
     lengths = [min(t, limit) for t in asked]
     common = ["--decode", "1", "--prefill", "1", "--local-prefill-threshold", "0"]
@@ -128,15 +146,16 @@ def main() -> None:
         common += ["--model", args.model]
     results = {}
     for name in args.only.split(","):
-        label, flags = VARIANTS[name]
+        label, flags = table[name]
         with server("disagg", *common, *flags) as url:
             results[label] = measure(url, lengths, args.rounds, args.concurrent, seed=0)
     print(f"\nprefill, disaggregated to 1 decode worker; TTFT median of {args.rounds}, "
           f"throughput at {args.concurrent} at once")  # fmt: skip
-    print(f"{'variant':<30}" + "".join(f"{f'{n} tok TTFT':>16}{'tok/s':>10}" for n in lengths))
+    width = max(map(len, results)) + 2
+    print(f"{'variant':<{width}}" + "".join(f"{f'{n} tok TTFT':>16}{'tok/s':>10}" for n in lengths))
     for label, per in results.items():
         cells = "".join(f"{per[n][0]:>15.2f}s{per[n][1]:>10.0f}" for n in lengths)
-        print(f"{label:<30}{cells}")
+        print(f"{label:<{width}}{cells}")
     cut = [f"{a} -> {n}" for a, n in zip(asked, lengths, strict=True) if a != n]
     if cut:
         print(f"(prompt lengths cut to the model's context: {', '.join(cut)})")

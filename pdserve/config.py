@@ -138,6 +138,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (processes) of this engine: engine/tp/
     # experts split over this many groups of those ranks (Mixture-of-Experts): engine/tp/shard.py
     expert_parallel_size: int = 1
+    # stages (processes) of this engine, each holding consecutive layers: engine/pp/
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None  # each stage's layer count, "15,15"; None: even
     # JSON with vLLM's fields, e.g. {"method": "ngram", "num_speculative_tokens": 4}: off if None
     speculative_config: str | None = None  # engine/spec_decode.py
 
@@ -152,6 +155,7 @@ class EngineConfig:
             )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        self._check_pipeline()
         if self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
@@ -170,3 +174,26 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.9], got {self.kv_cache_fraction}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism refuses before any model loads (the layer count is
+        checked against the model when the stages start: `engine/pp/stages.py`)."""
+        pp = self.pipeline_parallel_size
+        if pp < 1:
+            raise ValueError(f"--pipeline-parallel-size must be >= 1, got {pp}")
+        if self.pp_layer_partition is not None and pp == 1:
+            raise ValueError(
+                "--pp-layer-partition splits the layers of a pipeline: add "
+                "--pipeline-parallel-size N (N counts, e.g. 15,15 for 2 stages)"
+            )
+        if pp > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--pipeline-parallel-size and --tensor-parallel-size do not compose yet (a "
+                "stage of several ranks): use one of them"
+            )
+        if pp > 1 and self.role == "decode":
+            raise ValueError(
+                "pipeline parallelism is for prefill (role prefill, or a co-located engine): a "
+                "decode step through a pipeline pays a hop per stage for every token. Give "
+                "decode workers --tensor-parallel-size instead"
+            )

@@ -76,6 +76,20 @@ ENGINE_FLAGS = (
         "split by width over all ranks)", metavar="N",
     ),
     Flag.of(
+        EngineConfig, "pipeline_parallel_size", "run the engine as N stages (processes), each "
+        "holding consecutive layers and their KV cache (an even split, or --pp-layer-partition);"
+        " a step's hidden states go stage to stage (gloo on CPU), and a long prompt's chunks "
+        "flow through the stages one behind the other. A prefill worker pushes each stage's "
+        "layers over a connection of that stage's own (`pdserve serve --prefill-pp P`). For "
+        "prefill: refused for a decode worker. Not with --tensor-parallel-size or a KV store "
+        "yet (default 1)", metavar="N",
+    ),
+    Flag.of(
+        EngineConfig, "pp_layer_partition", "with --pipeline-parallel-size N: each stage's "
+        "layer count, N counts adding up to the model's layers, e.g. 15,15 (default: even, "
+        "the first stages one more when they do not divide)", metavar="COUNTS",
+    ),
+    Flag.of(
         EngineConfig, "speculative_config", "speculative decoding, as JSON with vLLM's fields: "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
         "\"prompt_lookup_max\": 5}' (prompt lookup), or '{\"method\": \"draft\", "

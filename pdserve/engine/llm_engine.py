@@ -64,7 +64,12 @@ class LLMEngine:
             from pdserve.engine.tp import start_group
 
             tp = start_group(config, self.files, self.max_model_len)
-        self.runner = ModelRunner(config, self.files, self.max_model_len, tp)
+        pp = None
+        if config.pipeline_parallel_size > 1:  # start the later stages, each with its layers
+            from pdserve.engine.pp.stage import start_pipeline
+
+            pp = start_pipeline(config, self.files, self.max_model_len)
+        self.runner = ModelRunner(config, self.files, self.max_model_len, tp, pp)
         # The model holds its own (fused, cast) copies: drop the float32 arrays (~0.5 GiB).
         self.files = self.files._replace(weights={})
         self.block_manager = BlockManager(
@@ -174,10 +179,18 @@ class LLMEngine:
         self.scheduler.release_held(request_id)
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine (they also stop when this process
-        dies)."""
+        """Stop the other ranks of a tensor-parallel engine, or the later stages of a
+        pipeline-parallel one (they also stop when this process dies)."""
         if self.runner.tp is not None:
             self.runner.tp.close()
+        if self.runner.pp is not None:
+            self.runner.pp.close()
+
+    def check_stages(self) -> None:
+        """StageLost (`engine/pp/pipe.py`) if a stage of this pipeline-parallel engine is
+        gone: it cannot step again. A no-op for any other engine."""
+        if self.runner.pp is not None:
+            self.runner.pp.check()
 
     def warm_up(self, prompt_tokens: int = 128, decode_steps: int = 3) -> None:
         """Run one throwaway request before serving: the first steps pay one-off costs

@@ -9,8 +9,11 @@ from pathlib import Path
 import torch
 
 from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.pp.pipe import Hop
+from pdserve.engine.pp.stages import stage_weights
 from pdserve.engine.sampler import token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.tp.codec import Step
 from pdserve.model import act_quant, quant
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from pdserve.model.fused import FusedDecode
@@ -46,9 +49,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     """`tp`: this process's rank of a tensor-parallel engine (`engine/tp/`); rank 0 runs
-    every step and sends its inputs to the other ranks, which run `forward` alike."""
+    every step and sends its inputs to the other ranks, which run `forward` alike.
+    `pp`: this process's stage of a pipeline-parallel engine (`engine/pp/`); stage 0 runs
+    every step through its layers and sends it down the pipeline, where each later stage runs
+    `run_stage`."""
 
-    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int, tp=None):
+    def __init__(
+        self, config: EngineConfig, files: ModelFiles, max_model_len: int, tp=None, pp=None
+    ):
         self.config = config
         self.model_config: ModelConfig = files.config
         self.device = resolve_device(config.device)
@@ -56,7 +64,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.tp = tp if tp is not None and tp.size > 1 else None
-        self.model = LlamaModel(files.config, files.weights, self.dtype, self.device, self.tp)
+        self.pp = pp if pp is not None and pp.size > 1 else None
+        weights, held = files.weights, None
+        if self.pp is not None:  # this stage's layers only
+            held = self.pp.held
+            weights = stage_weights(weights, held, first=self.pp.stage == 0)
+        self.model = LlamaModel(files.config, weights, self.dtype, self.device, self.tp, held)
         # this rank's: K and V per KV head, or MLA's latent (one "head", whole on every rank)
         self.kv_shape = files.config.kv_shape(self.model.n_kv)
         self.weights = self._quantize(files)
@@ -68,6 +81,11 @@ class ModelRunner:
         if self.tp is not None:  # rank 0 also reaches the other ranks' caches (KV transfer)
             self.rank_caches = self.tp.caches(shape, self.dtype, mc.num_layers, kv.tensors)
             self.k_caches, self.v_caches = self.rank_caches[0]
+        elif self.pp is not None:  # stage 0 also reaches the later stages' layers
+            self.k_caches, self.v_caches = self.pp.caches(
+                shape, self.dtype, mc.num_layers, kv.tensors
+            )
+            self.rank_caches = [(self.k_caches, self.v_caches)]
         else:
 
             def per_layer() -> list[torch.Tensor]:
@@ -96,6 +114,8 @@ class ModelRunner:
         """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""
         if self.config.enforce_eager:
             return None, "eager (--enforce-eager)"
+        if self.pp is not None:
+            return None, f"eager (pipeline parallel, {self.pp.size} stages)"
         if self.tp is not None:
             ep = self.config.expert_parallel_size
             experts = f", experts over {ep} groups" if ep > 1 else ""
@@ -131,7 +151,9 @@ class ModelRunner:
         in_features = math.gcd(*(lin.weight.shape[1] for lin in self.model.linears()))
         quant.check_format(fmt, self.device, in_features)
         # a tensor-parallel rank holds slices: the file's whole-weight blocks do not apply
-        wants_blocks = fmt in ("auto", "int4") and self.device.type == "cpu" and not self.tp
+        wants_blocks = (
+            fmt in ("auto", "int4") and self.device.type == "cpu" and not self.tp and not self.pp
+        )
         blocks = load_int4_blocks(files) if wants_blocks else {}
         fmt = quant.resolve_format(fmt, self.device, blocks, self.dtype)
         if fmt == "int8" and in_features % quant.INT8_MULTIPLE:  # auto: the kernel cannot run
@@ -156,7 +178,7 @@ class ModelRunner:
     def _wants_int8_activations(self) -> bool:
         """`--int8-activations on`: for quantized weights on CPU, one engine process (a
         tensor-parallel rank holds slices, calibrated nowhere), where torch has int8 GEMMs."""
-        if self.config.int8_activations == "on" and (self.weights == "bf16" or self.tp):
+        if self.config.int8_activations == "on" and (self.weights == "bf16" or self.tp or self.pp):
             log.warning("--int8-activations on applies to int8/int4 weights on one CPU process "
                         "(not bf16 weights, not tensor-parallel ranks): not used")  # fmt: skip
         return (
@@ -164,6 +186,7 @@ class ModelRunner:
             and self.weights != "bf16"
             and self.device.type == "cpu"
             and self.tp is None
+            and self.pp is None
             and act_quant.supported()
         )
 
@@ -293,7 +316,13 @@ class ModelRunner:
         if self.tp is not None:  # the other ranks run this step with us
             self.tp.send_step(input_ids, positions, meta)
         meta.layer_hook, meta.before_layer = layer_hook, before_layer
-        hidden = self.forward(input_ids, positions, meta)
+        if self.pp is not None:
+            wait = bool(sample_rows or prompt_spans)
+            hidden = self._run_pipeline(input_ids, positions, meta, wait)
+            if hidden is None:  # nothing sampled: the later stages compute it meanwhile
+                return [], None
+        else:
+            hidden = self.forward(input_ids, positions, meta)
         for i, row, start in prompt_spans:
             self._prompt_logprobs(batch.seqs[i], hidden, row, start, batch.num_new_tokens[i])
         if not sample_rows:
@@ -305,6 +334,33 @@ class ModelRunner:
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """The model over one step's inputs (a tensor-parallel rank's whole step)."""
         return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _run_pipeline(self, input_ids, positions, meta: AttentionMetadata, wait: bool):
+        """Stage 0's part of a step: embed, its layers, then the step down the pipeline. With
+        `wait` (the step samples) the final hidden states (T, hidden) once the last stage sends
+        them back, the later stages' layers' hooks run then; else None at once."""
+        pp, model = self.pp, self.model
+        x = model.run_layers(model.embed[input_ids], positions, self.kv_caches, meta)
+        later = range(pp.held.stop, self.model_config.num_layers)
+        if meta.before_layer is not None:  # KV loading into later layers lands before they run
+            for i in later:
+                meta.before_layer(i)
+        step = Step(input_ids, positions, meta.slot_mapping, meta.num_decodes,
+                    meta.decode_groups, meta.prefills)  # fmt: skip
+        pp.send(Hop(step, x, wait), 1)
+        if not wait:
+            return None
+        x = pp.recv(pp.size - 1, torch.Tensor)
+        if meta.layer_hook is not None:
+            for i in later:
+                meta.layer_hook(i)
+        return model.final_norm(x)
+
+    @torch.inference_mode()
+    def run_stage(self, hop) -> torch.Tensor:
+        """A later stage's part of a step: its layers over the hidden states that came down."""
+        step = hop.step
+        return self.model.run_layers(hop.hidden, step.positions, self.kv_caches, step.meta())
 
     def _prompt_logprobs(self, seq, hidden, row: int, start: int, n: int) -> None:
         """Append the logprobs of seq's prompt tokens start+1 .. (those this step's rows

@@ -20,7 +20,7 @@ from pdserve.launch.flags import ROUTER_CONFIG_FLAGS
 from pdserve.router.config import RouterConfig
 
 # set per worker by serve (its pool's chunk size; threads follow its cores), never forwarded
-PER_WORKER_FLAGS = ("--chunk-size", "--threads")
+PER_WORKER_FLAGS = ("--chunk-size", "--threads", "--pp-layer-partition")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -135,9 +135,11 @@ def pool_worker_argv(
     pool_argv: list[str],
     device: str | None,
     ep: int = 1,
+    pp: int = 1,
 ) -> list[str]:
     """The engine flags of a worker of `role`, at start-up and when the autoscaler grows its
-    pool alike: the shared ones, its device, its pool's chunk size, TP and EP, then the pool's own
+    pool alike: the shared ones, its device, its pool's chunk size, TP, EP and PP (the
+    partition, pipelined), then the pool's own
     `--prefill-args` / `--decode-args` last, so that they win (its threads, weight format,
     device: the pool's hardware)."""
     argv = list(base_argv)
@@ -146,8 +148,11 @@ def pool_worker_argv(
     chunk = {"both": args.chunk_size, "decode": args.decode_chunk_size}.get(role)
     if chunk is not None:  # 0 too: whole prompts (a worker's default is WORKER_CHUNK_SIZE)
         argv += ["--chunk-size", str(chunk)]
-    return [*argv, "--tensor-parallel-size", str(tp), "--expert-parallel-size", str(ep),
-            *pool_argv]  # fmt: skip
+    argv += ["--tensor-parallel-size", str(tp), "--expert-parallel-size", str(ep)]
+    argv += ["--pipeline-parallel-size", str(pp)]
+    if pp > 1 and args.pp_layer_partition:  # the pipelined pool's alone
+        argv += ["--pp-layer-partition", args.pp_layer_partition]
+    return [*argv, *pool_argv]
 
 
 def tensor_parallel_sizes(args, kind: str = "tp") -> dict[str, int]:
@@ -164,6 +169,47 @@ def tensor_parallel_sizes(args, kind: str = "tp") -> dict[str, int]:
         if size is not None and size < 1:
             raise ValueError(f"{flag} must be >= 1, got {size}")
     return sizes
+
+
+def pipeline_sizes(args) -> dict[str, int]:
+    """Each role's pipeline-parallel size: --prefill-pp for the prefill pool, else
+    --pipeline-parallel-size for co-located workers; decode workers take none (refused by
+    name). A partition (--pp-layer-partition) is checked against the model before any worker
+    starts, as every size is."""
+    if (args.decode_pp or 1) != 1:
+        raise ValueError(
+            f"--decode-pp {args.decode_pp}: pipeline parallelism is for the prefill pool; a decode "
+            "step through a pipeline pays a hop per stage for every token. Give the decode "
+            "pool --decode-tp instead"
+        )
+    whole, prefill = args.pipeline_parallel_size or 1, args.prefill_pp
+    if args.mode != "disagg" and prefill:
+        raise ValueError("--prefill-pp sizes the prefill pool of --mode disagg; co-located "
+                         "workers take --pipeline-parallel-size")  # fmt: skip
+    if args.mode == "disagg" and whole > 1:
+        raise ValueError("in --mode disagg the prefill pool's pipeline is --prefill-pp N "
+                         "(decode workers take none), not --pipeline-parallel-size")  # fmt: skip
+    if prefill is not None and prefill < 1:
+        raise ValueError(f"--prefill-pp must be >= 1, got {prefill}")
+    sizes = {"both": whole, "prefill": prefill or 1, "decode": 1}
+    if args.pp_layer_partition and max(sizes.values()) == 1:
+        raise ValueError("--pp-layer-partition splits the layers of a pipeline: add "
+                         "--prefill-pp N (disagg) or --pipeline-parallel-size N")  # fmt: skip
+    return sizes
+
+
+def check_pipelines(args, tp: dict[str, int], pp: dict[str, int]) -> None:
+    """Refuse now, by name, what each pipelined pool's workers would refuse as they start:
+    more stages than layers, a partition that does not add up, TP x PP."""
+    from pdserve.engine.pp.stages import stage_layers
+    from pdserve.model.loader import load_model_config
+
+    for role, size in pp.items():
+        if size > 1:
+            EngineConfig(role=role, tensor_parallel_size=tp[role], pipeline_parallel_size=size,
+                         pp_layer_partition=args.pp_layer_partition)  # fmt: skip
+            stage_layers(load_model_config(args.model)[1].num_layers, size,
+                         args.pp_layer_partition)  # fmt: skip
 
 
 def serve(args) -> int:
@@ -188,7 +234,11 @@ def serve(args) -> int:
         os.environ[envs.STEP_LOG] = str(Path(args.step_log).resolve())
     if args.otlp_traces_endpoint:  # so do they this (pdserve.envs.otlp_traces_endpoint)
         os.environ[envs.OTLP_TRACES_ENDPOINT] = args.otlp_traces_endpoint
-    from pdserve.serving.worker_config import check_kv_compression, check_tensor_parallel
+    from pdserve.serving.worker_config import (
+        check_kv_compression,
+        check_pipeline,
+        check_tensor_parallel,
+    )
 
     tp, ep = tensor_parallel_sizes(args), tensor_parallel_sizes(args, "ep")
     for role, size in ep.items():  # refused now, by name, not in each worker as it starts
@@ -198,8 +248,12 @@ def serve(args) -> int:
             from pdserve.model.loader import load_model_config
 
             TPShard(0, tp[role], size).check(load_model_config(args.model)[1])
+    pp = pipeline_sizes(args)
+    check_pipelines(args, tp, pp)
+    procs_per_worker = {role: tp[role] * pp[role] for role in tp}  # ranks x stages
     cores = sorted(os.sched_getaffinity(0))
-    plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores, tp)
+    plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores,
+                          procs_per_worker)  # fmt: skip
     check_kv_compression(args.kv_compression, args.kv_transport)
     if args.kv_store_backend != "pdserve" and not args.kv_store:
         raise ValueError(
@@ -208,6 +262,8 @@ def serve(args) -> int:
         )
     for size in tp.values():
         check_tensor_parallel(size, args.kv_store or args.kv_store_endpoint)
+    for size in pp.values():
+        check_pipeline(size, args.kv_store or args.kv_store_endpoint)
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
                  "decode": phase_argv(args.decode_args, "--decode-args")}  # fmt: skip
     role_argv["both"] = role_argv["decode"]
@@ -256,9 +312,10 @@ def serve(args) -> int:
         )
 
     def launch(i: int, role: str, cpus: str, device: str | None) -> str:
-        argv = pool_worker_argv(base_argv, role, args, tp[role], role_argv[role], device, ep[role])
+        argv = pool_worker_argv(base_argv, role, args, tp[role], role_argv[role], device, ep[role],
+                                pp[role])  # fmt: skip
         procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport,
-                    tp[role])  # fmt: skip
+                    procs_per_worker[role])  # fmt: skip
         return f"{role}-{i}"
 
     def add_worker(role: str) -> str:

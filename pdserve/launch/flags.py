@@ -185,6 +185,19 @@ POOL_FLAGS = (  # serve: how many workers of each kind
         )
         for role in ("prefill", "decode")
     ),
+    Flag(
+        "--prefill-pp", int, metavar="N",
+        help="disagg mode: pipeline-parallel size of each prefill worker: N stages (processes), "
+        "each holding consecutive layers (--pp-layer-partition 15,15 to choose) and pushing its "
+        "own layers' KV to the decode worker over its own connection. It pays across hosts, "
+        "where each stage brings its own cores and link; on one small machine it is expected to "
+        "lose to --prefill-tp (docs/serving.md). Default 1",
+    ),
+    Flag(
+        "--decode-pp", int, metavar="N",
+        help="refused above 1: pipeline parallelism is for the prefill pool (a decode step "
+        "through a pipeline pays a hop per stage for every token); use --decode-tp",
+    ),
     Flag("--colocated-workers", int, 1, "workers in colocated mode (default 1)"),
 )
 SERVE_FLAGS = (  # serve: after the pools and autoscaling

@@ -41,9 +41,13 @@ class Layer(nn.Module):
 class LlamaModel(nn.Module):
     """`tp`: this rank's part of a tensor-parallel model (`engine/tp/`): `weights` are its
     slices, attention runs over its heads, and the ranks' partial sums are added after the
-    attention output and the MLP. None: the whole model."""
+    attention output and the MLP. None: the whole model.
 
-    def __init__(self, cfg: ModelConfig, weights: dict, dtype, device, tp=None):
+    `layers`: the layers this process holds (a pipeline stage's, `engine/pp/`); None: all.
+    A stage that does not hold layer 0 is given no embeddings and no head (`embed`, `lm_head`
+    None): it only runs `run_layers`."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, dtype, device, tp=None, layers=None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
@@ -54,11 +58,13 @@ class LlamaModel(nn.Module):
         if shard is not None:
             weights = shard.weights(cfg, weights)
         w = {k: torch.from_numpy(v).to(device=device, dtype=dtype) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        self.norm = w["model.norm.weight"]
-        self.lm_head = Dense(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
+        self.embed = w.get("model.embed_tokens.weight")
+        self.norm = w.get("model.norm.weight")
+        head = self.embed if cfg.tie_word_embeddings else w.get("lm_head.weight")
+        self.lm_head = Dense(head) if head is not None else None
         self.family = registry.family(cfg.architecture)
-        self.layers = [Layer(cfg, w, i, self.family) for i in range(cfg.num_layers)]
+        self.layer_ids = layers if layers is not None else range(cfg.num_layers)
+        self.layers = [Layer(cfg, w, i, self.family) for i in self.layer_ids]
         freqs = weights.get("rope_freqs")
         inv, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, freqs)
         t = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
@@ -77,10 +83,15 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states (T, hidden) for a flat batch; writes every token's K/V into kv_caches,
         per layer (k_cache, v_cache), or (latent_cache,) for MLA."""
-        x = self.embed[input_ids]
+        x = self.run_layers(self.embed[input_ids], positions, kv_caches, meta)
+        return self._rms(x, self.norm)
+
+    def run_layers(self, x, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """This process's layers over hidden states `x` (T, hidden) (the residual stream, before
+        the final norm); `kv_caches` indexed by the model's layer number."""
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, d): broadcast over heads (d: RoPE's)
         sin = self.sin[positions].unsqueeze(1)
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layer_ids, self.layers, strict=True):
             if meta.before_layer is not None:
                 meta.before_layer(i)
             h = self._rms(x, layer.attn_norm)
@@ -90,6 +101,9 @@ class LlamaModel(nn.Module):
             x = x + self._reduce(layer.mlp(self._rms(x, layer.mlp_norm)))
             if meta.layer_hook is not None:
                 meta.layer_hook(i)
+        return x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self._rms(x, self.norm)
 
     def linears(self) -> list[Dense]:

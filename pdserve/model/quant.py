@@ -291,7 +291,8 @@ def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks], rows=Non
             have = [file_blocks.get(f"{part}.weight") for part in parts]
             blocks = Int4Blocks.concat(have) if all(b is not None for b in have) else None
             setattr(owner, attr, quantize_linear(getattr(owner, attr), fmt, blocks))
-    model.lm_head = Int8Linear(model.lm_head.weight)
+    if model.lm_head is not None:  # a later pipeline stage has none
+        model.lm_head = Int8Linear(model.lm_head.weight)
     if rows is not None:
         set_kernel_rows(model, rows)
 

@@ -2,7 +2,8 @@
 
 engine (warmed up, so the warm-up moves no KV) -> its KV layout -> host staging (a GPU cache, or
 PDSERVE_KV_STAGING) -> the role's side: a prefill worker's KV sender and `PrefillSide`, or a
-decode worker's receiver (one per tensor-parallel rank) and `DecodeSide` -> the KV store link ->
+decode worker's receiver (one per tensor-parallel rank) and `DecodeSide` (a pipeline's prefill
+worker: a sender per stage) -> the KV store link ->
 the engine's one connector (store first: a prefix it loads is not pushed) -> the load reporter.
 """
 
@@ -12,8 +13,9 @@ from pdserve import envs, tracing
 from pdserve.engine.kv_connector import combine
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_store.mooncake import open_store_client
-from pdserve.kv_transfer import KVLayout, KVReceiver, make_receiver, make_sender
+from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender, make_receiver, make_sender
 from pdserve.kv_transfer.group import ReceiverGroup
+from pdserve.kv_transfer.stage_senders import StageSenders
 from pdserve.protocol.channel import Codec, require_secret_for, resolve_secret
 from pdserve.serving.decode_side import DecodeSide
 from pdserve.serving.kv_staging import HostStaging
@@ -42,9 +44,7 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
     staging, ranks = host_staging(engine, role)
     decode = prefill = store = None
     if role == "prefill":
-        group = {"ranks": ranks} if len(ranks) > 1 else {}
-        sender = make_sender(config.kv_transport, layout, *ranks[0],
-                             compression=config.compression, **group)  # fmt: skip
+        sender = prefill_sender(config, engine, layout, ranks)
         prefill = PrefillSide(engine, sender, routers.send, config.transfer_timeout_s, staging)
     else:
         receiver = None
@@ -64,6 +64,20 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
     reporter = LoadReporter(config.worker_id, config.routers, routers.codec, probe)
     return Worker(config, engine, layout, routers, reporter,
                   decode=decode, prefill=prefill, store=store)  # fmt: skip
+
+
+def prefill_sender(config: WorkerConfig, engine: LLMEngine, layout: KVLayout, ranks) -> KVSender:
+    """The prefill worker's KV sender (reading every rank's caches: `ranks`); a pipeline's
+    is one sender per stage (`StageSenders`), each with its own connections, sending only its
+    stage's layers."""
+    group = {"ranks": ranks} if len(ranks) > 1 else {}
+
+    def one() -> KVSender:
+        return make_sender(config.kv_transport, layout, *ranks[0],
+                           compression=config.compression, **group)  # fmt: skip
+
+    pp = engine.runner.pp
+    return one() if pp is None else StageSenders([one() for _ in pp.layers], pp.layers)
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:

@@ -21,6 +21,7 @@ import time
 import zmq
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.pp.pipe import StageLost
 from pdserve.kv_transfer import KVLayout
 from pdserve.protocol import messages as m
 from pdserve.serving.decode_side import DecodeSide
@@ -234,6 +235,8 @@ class Worker:
     def step(self) -> None:
         try:
             outs = self.engine.step()
+        except StageLost:  # the engine cannot step again: exit, the launcher restarts it all
+            raise
         except Exception as exc:  # never leave requests hanging: fail what was running
             log.exception("engine step failed")
             for seq in list(self.engine.scheduler.running):
@@ -289,6 +292,7 @@ class Worker:
                 trim_heap()
                 stepped, next_trim = False, time.monotonic() + TRIM_INTERVAL_S
             if time.monotonic() >= next_beat:  # a fresh snapshot for each beat, no more
+                self.engine.check_stages()  # a dead pipeline stage: exit, to be restarted
                 self.reporter.publish()
                 self.forget_finished()
                 next_beat = time.monotonic() + HEARTBEAT_S

@@ -17,6 +17,10 @@ from servers import run_serve
         (["--launcher", "ray", "--decode-resources", "{CPU: 1}"], "--decode-resources: not JSON"),
         (["--mode", "disagg", "--decode-tp", "2", "--decode-ep", "3"], "3 must divide"),
         (["--mode", "disagg", "--decode-tp", "3", "--decode-ep", "3"], "llama is a dense model"),
+        (["--prefill-pp", "31"], "--pipeline-parallel-size 31 is larger than the model's 30"),
+        (["--prefill-pp", "2", "--pp-layer-partition", "15,14"], "adds up to 29 layers"),
+        (["--decode-pp", "2"], "pipeline parallelism is for the prefill pool"),
+        (["--pp-layer-partition", "15,15"], "add --prefill-pp N"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(flags, message):

@@ -23,25 +23,11 @@ class TPGroup:
     """This process's place in the group and its collectives."""
 
     def __init__(self, shard: TPShard, port: int, procs: list[subprocess.Popen] | None = None):
-        """Join the group's gloo process group (rank 0 hosts its rendezvous at `port`). The
-        group is this engine's own, not torch.distributed's default one: a process may hold
-        several engines (tests do)."""
+        """Join the group's gloo process group (rank 0 hosts its rendezvous at `port`:
+        `gloo_group`)."""
         self.shard, self.procs = shard, procs or []
         self.restore: tuple[set[int], int] | None = None  # rank 0: its cores and threads before
-        self._store = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            shard.size,
-            shard.rank == 0,
-            timeout=timedelta(seconds=INIT_TIMEOUT_S),
-        )
-        options = dist.ProcessGroupGloo._Options()
-        # no timeout on steps: an idle engine's ranks wait for the next one as long as it takes;
-        # a rank that dies closes its sockets, which fails the others' collectives at once
-        options._timeout = timedelta(days=365)
-        # the ranks are one host's processes: their pairs (the steps' inputs) stay on it
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        self._pg = dist.ProcessGroupGloo(self._store, shard.rank, shard.size, options)
+        self._store, self._pg = gloo_group(shard.rank, shard.size, port)
 
     @property
     def size(self) -> int:
@@ -117,6 +103,23 @@ class TPGroup:
             os.sched_setaffinity(0, self.restore[0])
             torch.set_num_threads(self.restore[1])
             self.restore = None
+
+
+def gloo_group(rank: int, size: int, port: int):
+    """(store, process group): this process as `rank` of a gloo group of `size` processes of
+    this host, whose rank 0 hosts the rendezvous at `port`. The group is its engine's own, not
+    torch.distributed's default one: a process may hold several engines (tests do). Shared by
+    the tensor-parallel ranks and the pipeline's stages (`engine/pp/`)."""
+    store = dist.TCPStore(
+        "127.0.0.1", port, size, rank == 0, timeout=timedelta(seconds=INIT_TIMEOUT_S)
+    )
+    options = dist.ProcessGroupGloo._Options()
+    # no timeout on steps: an idle engine's ranks wait for the next one as long as it takes;
+    # a rank that dies closes its sockets, which fails the others' collectives at once
+    options._timeout = timedelta(days=365)
+    # the ranks are one host's processes: their pairs (the steps' inputs) stay on it
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return store, dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def _split(tensors: list[torch.Tensor], num_layers: int):

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -33,16 +34,45 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
             "--tensor-parallel-size > 1 runs on CPU ranks (gloo) for now; on a GPU use "
             "--tensor-parallel-size 1 (one GPU per worker)"
         )
+    spawned = spawn_ranks("pdserve.engine.tp", size, config.num_threads)
+    group = TPGroup(TPShard(0, size, ep), spawned.port, spawned.procs)
+    group.restore = spawned.pin_self()
+    path = str(files.path) if files.path is not None else None
+    group.broadcast(
+        Start(config, files.config, files.weights, files.fingerprint, path, max_model_len)
+    )
+    return group
+
+
+class Spawned(NamedTuple):
+    """The other ranks of a group, started (`spawn_ranks`)."""
+
+    port: int  # rank 0's rendezvous
+    threads: int  # torch threads per rank
+    cores: list[list[int]]  # each rank's cores
+    procs: list[subprocess.Popen]
+
+    def pin_self(self) -> tuple[set[int], int]:
+        """Pin this process (rank 0) to its share; returns its cores and threads before."""
+        before = os.sched_getaffinity(0), torch.get_num_threads()
+        os.sched_setaffinity(0, self.cores[0])
+        torch.set_num_threads(self.threads)
+        return before
+
+
+def spawn_ranks(module: str, size: int, num_threads: int | None) -> Spawned:
+    """Rank 0: start ranks 1 .. size-1 as `python -m module` (its `main`: `rank_main`), each
+    pinned to its share of this process's cores with its share of the threads, dying with it.
+    Tensor-parallel ranks and pipeline stages alike."""
     port = free_port()
-    threads = max(1, (config.num_threads or torch.get_num_threads()) // size)
-    before = os.sched_getaffinity(0), torch.get_num_threads()
-    cores = split_cores(sorted(before[0]), [1] * size)
+    threads = max(1, (num_threads or torch.get_num_threads()) // size)
+    cores = split_cores(sorted(os.sched_getaffinity(0)), [1] * size)
     procs = [
         subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "pdserve.engine.tp",
+                module,
                 "--rank",
                 str(r),
                 "--size",
@@ -58,15 +88,7 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
         )  # fmt: skip
         for r in range(1, size)
     ]
-    group = TPGroup(TPShard(0, size, ep), port, procs)
-    group.restore = before
-    os.sched_setaffinity(0, cores[0])
-    torch.set_num_threads(threads)
-    path = str(files.path) if files.path is not None else None
-    group.broadcast(
-        Start(config, files.config, files.weights, files.fingerprint, path, max_model_len)
-    )
-    return group
+    return Spawned(port, threads, cores, procs)
 
 
 def follow(rank: int, size: int, port: int, threads: int) -> None:
@@ -89,10 +111,14 @@ def follow(rank: int, size: int, port: int, threads: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m pdserve.engine.tp",
-        description="one rank of a tensor-parallel engine (started by rank 0; not run by hand)",
-    )
+    rank_main("python -m pdserve.engine.tp", "one rank of a tensor-parallel engine", follow)
+
+
+def rank_main(prog: str, what: str, follow_fn) -> None:
+    """The command line of a rank that `spawn_ranks` started: pin it, then `follow_fn(rank,
+    size, port, threads)`."""
+    p = argparse.ArgumentParser(prog=prog, description=f"{what} (started by rank 0; not run by "
+                                "hand)")  # fmt: skip
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
@@ -104,4 +130,4 @@ def main() -> None:
         return
     if args.cores:
         os.sched_setaffinity(0, [int(c) for c in args.cores.split(",")])
-    follow(args.rank, args.size, args.port, args.threads)
+    follow_fn(args.rank, args.size, args.port, args.threads)

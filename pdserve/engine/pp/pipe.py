@@ -1,0 +1,154 @@
+"""A stage's place in a pipeline-parallel engine and its messages over gloo: point to point,
+stage s to stage s+1 (a `Hop`: the step's inputs and the hidden states after stage s's layers),
+the last stage back to stage 0 (the hidden states, when the step samples), and the other
+stages' KV caches as stage 0 sees them (in shared memory: `engine/tp/shm.py`).
+
+Sends do not wait for the receiver: stage 0 sends a chunk of a prompt on and schedules the next
+one while the later stages compute (the pipeline's overlap). Each pair's messages arrive in the
+order they were sent, so every stage runs the steps in stage 0's order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import msgspec
+import torch
+
+from pdserve.engine.tp.codec import Step, decode, encode
+from pdserve.engine.tp.group import gloo_group
+from pdserve.engine.tp.shm import map_caches, shared_caches
+
+_TAG = 0
+
+
+class StageLost(RuntimeError):
+    """A stage of this engine's pipeline is gone (killed, or it failed): the engine cannot
+    step again. The worker exits, and its launcher restarts it with every stage."""
+
+
+class Hop(msgspec.Struct):
+    """One step on its way down the pipeline: rank 0's inputs (`Step`: token ids, positions,
+    attention metadata), the residual stream after the previous stages' layers (T, hidden),
+    and whether the last stage sends its hidden states back to stage 0 (the step samples)."""
+
+    step: Step
+    hidden: torch.Tensor
+    reply: bool
+
+
+class PPGroup:
+    """This process's stage and its messages. `layers[s]`: the layers stage s holds."""
+
+    def __init__(
+        self, stage: int, layers: list[range], port: int, procs: list[subprocess.Popen] = ()
+    ):
+        self.stage, self.layers, self.procs = stage, layers, list(procs)
+        self.restore: tuple[set[int], int] | None = None  # stage 0: its cores and threads before
+        self._store, self._pg = gloo_group(stage, len(layers), port)
+        self._sent: list[tuple] = []  # (works, tensors) of sends not yet known complete
+
+    @property
+    def size(self) -> int:
+        return len(self.layers)
+
+    @property
+    def held(self) -> range:
+        """This stage's layers."""
+        return self.layers[self.stage]
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def send(self, obj, dst: int) -> None:
+        """Send `obj` (msgspec: typed, no pickle; tensors as dtype, shape and bytes) to stage
+        `dst` without waiting for it to arrive. StageLost if an earlier send failed."""
+        data = encode(obj)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+        try:
+            works = [self._pg.send([size], dst, _TAG), self._pg.send([data], dst, _TAG)]
+        except RuntimeError as exc:
+            raise StageLost(f"pipeline stage {dst} is gone: {exc}") from None
+        self._sent.append((works, size, data))  # the tensors live until their send is done
+        while self._sent and all(w.is_completed() for w in self._sent[0][0]):
+            self._finish(self._sent.pop(0)[0])
+
+    def recv(self, src: int, kind):
+        """The next object stage `src` sent, decoded as `kind`. StageLost if it is gone."""
+        try:
+            size = torch.zeros(1, dtype=torch.long)
+            self._pg.recv([size], src, _TAG).wait()
+            data = torch.empty(int(size), dtype=torch.uint8)
+            self._pg.recv([data], src, _TAG).wait()
+        except RuntimeError as exc:
+            raise StageLost(f"pipeline stage {src} is gone: {exc}") from None
+        return decode(data, kind)
+
+    def flush(self) -> None:
+        """Wait until every send has left (StageLost if one failed)."""
+        while self._sent:
+            self._finish(self._sent.pop(0)[0])
+
+    def _finish(self, works) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as exc:
+            raise StageLost(f"a pipeline stage is gone: {exc}") from None
+
+    def check(self) -> None:
+        """Stage 0: StageLost if a later stage's process has exited (an idle engine would
+        otherwise notice only at its next step)."""
+        for s, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                raise StageLost(f"pipeline stage {s} exited (status {p.returncode})")
+
+    def caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, per_layer=2):
+        """(K caches, V caches) indexed by the model's layer number (V empty: MLA's latent).
+        Collective: every stage calls it at once. Stage 0 gets every layer's: its own, and
+        the later stages' mapped from their shared memory (so the worker's KV connectors, in
+        stage 0, read every layer); a later stage gets its own layers' and an empty tensor
+        in place of each other layer's."""
+        held = len(self.held) * per_layer
+        if self.stage == 0:
+            mine = [torch.zeros(shape, dtype=dtype) for _ in range(held)]
+            parts = {0: mine}
+            for s in range(1, self.size):
+                pid, fd = self.recv(s, tuple[int, int])
+                parts[s] = map_caches(pid, fd, shape, dtype, len(self.layers[s]) * per_layer)
+        else:
+            mine, handle = shared_caches(shape, dtype, held)
+            self.send(handle, 0)
+            self.flush()
+            parts = {self.stage: mine}
+        empty = torch.empty(0, dtype=dtype)
+        k, v = [empty] * num_layers, [empty] * num_layers
+        for s, tensors in parts.items():
+            n = len(self.layers[s])
+            for j, layer in enumerate(self.layers[s]):
+                k[layer] = tensors[j]
+                if per_layer == 2:
+                    v[layer] = tensors[n + j]
+        return k, (v if per_layer == 2 else [])
+
+    def close(self) -> None:
+        """Stage 0: the other stages stop (None travels down the pipeline), and their
+        processes are waited for."""
+        if self.stage == 0 and self._pg is not None and self.size > 1:
+            try:
+                self.send(None, 1)
+                self.flush()
+            except (RuntimeError, StageLost):
+                pass  # a stage is gone already
+        self._pg = self._store = None
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.restore is not None:  # this process lives on (tests): unpin it
+            os.sched_setaffinity(0, self.restore[0])
+            torch.set_num_threads(self.restore[1])
+            self.restore = None

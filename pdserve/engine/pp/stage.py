@@ -1,0 +1,74 @@
+"""The stages of a pipeline-parallel engine as processes: stage 0 (the engine) starts stages
+1 .. N-1 (`python -m pdserve.engine.pp`, pinned and dying with it, as tensor-parallel ranks are:
+`engine/tp/rank.py` `spawn_ranks`) and sends each the model's config and its own layers'
+weights (`start_pipeline`); each then runs its layers over every `Hop` that reaches it and
+passes the result on (`follow`) until None comes."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from pdserve.engine.pp.pipe import Hop, PPGroup, StageLost
+from pdserve.engine.pp.stages import stage_layers, stage_weights
+from pdserve.engine.tp.codec import Start
+from pdserve.engine.tp.rank import rank_main, spawn_ranks
+
+log = logging.getLogger("pdserve.engine.pp")
+
+
+def start_pipeline(config, files, max_model_len: int) -> PPGroup:
+    """Stage 0: check the split, start stages 1 .. N-1, join them, send each its part."""
+    from pdserve.engine.model_runner import resolve_device
+
+    layers = stage_layers(
+        files.config.num_layers, config.pipeline_parallel_size, config.pp_layer_partition
+    )
+    if resolve_device(config.device).type != "cpu":
+        raise ValueError(
+            "--pipeline-parallel-size > 1 runs on CPU stages (gloo) for now; on a GPU use "
+            "--pipeline-parallel-size 1"
+        )
+    spawned = spawn_ranks("pdserve.engine.pp", len(layers), config.num_threads)
+    group = PPGroup(0, layers, spawned.port, spawned.procs)
+    group.restore = spawned.pin_self()
+    path = str(files.path) if files.path is not None else None
+    for s in range(1, len(layers)):
+        part = stage_weights(files.weights, layers[s], first=False)
+        group.send(Start(config, files.config, part, files.fingerprint, path, max_model_len), s)
+    group.flush()
+    return group
+
+
+def follow(stage: int, size: int, port: int, threads: int) -> None:
+    """Stages 1 .. N-1: build this stage's layers, then run every step that comes down the
+    pipeline until None comes (passed on, so that the next stage stops too)."""
+    from pdserve.engine.model_runner import ModelRunner
+
+    torch.set_num_threads(threads)
+    group = PPGroup(stage, [range(0)] * size, port)
+    start = group.recv(0, Start)
+    config = replace(start.config, num_threads=threads)
+    group.layers = stage_layers(  # as stage 0 split them (it checked the split)
+        start.model.num_layers, config.pipeline_parallel_size, config.pp_layer_partition
+    )
+    runner = ModelRunner(config, start.files(), start.max_model_len, pp=group)
+    del start
+    try:
+        while (hop := group.recv(stage - 1, Hop | None)) is not None:
+            hidden = runner.run_stage(hop)
+            if not group.is_last:
+                group.send(Hop(hop.step, hidden, hop.reply), stage + 1)
+            elif hop.reply:
+                group.send(hidden, 0)
+        if not group.is_last:
+            group.send(None, stage + 1)
+        group.flush()
+    except StageLost as exc:  # stage 0 went away (it exited, or was killed), or a neighbour
+        log.warning("pipeline stage %d: %s; exiting", stage, exc)
+
+
+def main() -> None:
+    rank_main("python -m pdserve.engine.pp", "one stage of a pipeline-parallel engine", follow)

@@ -61,7 +61,7 @@ class Lease:
 
     @property
     def device_s(self) -> float:
-        return (self.ended - self.started) * self.inst.lat.gpus
+        return (self.ended - self.started) * self.inst.lat.devices
 
 
 class Sample(NamedTuple):

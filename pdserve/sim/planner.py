@@ -283,7 +283,7 @@ def _disaggregated(
             dep = Deployment("disagg", **_prefill(pg, shape), **ample)
             p_caps[pg, dg, shape] = search.capacity(dep, SLO(slo.ttft_s, _LOOSE))
         for shape in one_node[dg]:
-            ample = _prefill(pg, widest(one_node[pg]), 8)
+            ample = _prefill(pg, _ample_prefill(search.req, pg, one_node[pg], prefill[pg]), 8)
             dep = Deployment("disagg", **ample, **_decode(dg, shape))
             d_caps[pg, dg, shape] = search.capacity(dep, slo)
     out = []
@@ -301,6 +301,21 @@ def _disaggregated(
                 dep = replace(base, num_prefill=n_p, num_decode=n_d)
                 out.append(_grow(search, dep, goodput))
     return out
+
+
+def _ample_prefill(
+    req: PlanRequest, gpu: str | None, one_node: list[Shape], shapes: list[Shape]
+) -> Shape:
+    """The prefill shape that makes a prefill pool ample while decode is measured: the widest
+    one-node shape, or, when that cannot prefill the mean prompt within the TTFT target (only
+    a pipeline can), the fastest of `shapes`."""
+    prompt = mean_lengths(req.workload)[0]
+
+    def prefill_s(s: Shape) -> float:
+        return req.cluster.latency(s.tp, gpu=gpu, ep=s.ep, pp=s.pp).prefill(prompt, chunk=s.chunk)
+
+    wide = widest(one_node)
+    return wide if prefill_s(wide) <= req.slo.ttft_s else min(shapes, key=prefill_s)
 
 
 def _unmet(search: _Search, dep: Deployment) -> Candidate:

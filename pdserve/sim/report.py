@@ -128,22 +128,24 @@ def _shape(pool: Pool) -> str:
 
 
 def _pipeline_reason(req: PlanRequest, pool: Pool, prompt: int, chunk: int) -> str:
-    """A prefill pipeline's time for the mean prompt: its micro-batches, stage time, bubble and
-    activation hops, against one stage's shape alone."""
+    """A prefill pipeline's time for the mean prompt: its micro-batches, stage times, bubble
+    and activation hops, against one stage's shape alone."""
     cl = req.cluster
     lat = cl.latency(pool.tp, gpu=pool.gpu, ep=pool.ep, pp=pool.pp)
     alone = cl.latency(pool.tp, gpu=pool.gpu, ep=pool.ep).prefill(prompt)
-    m = -(-prompt // chunk)
-    stage = lat.stage(Batch(chunk, 0, chunk * chunk / 2, 0, 1))  # the first micro-batch's
-    hop, act = lat.hop_s(chunk), lat.activation_bytes(chunk)
+    m, last = -(-prompt // chunk), prompt - chunk  # the last micro-batch's first token
+    first = lat.stage(Batch(chunk, 0, chunk * chunk / 2, 0, 1))
+    final = lat.stage(Batch(chunk, 0, chunk * (last + chunk / 2), last, 1))
     nodes = "across nodes" if lat.devices > lat.accel.max_tp else "within a node"
     return (
         f"pipeline of {pool.pp} stages of {lat.stage_layers} layers on {lat.gpus} devices each "
         f"({lat.devices} in all): the {prompt:,}-token prompt in {m} micro-batches of "
-        f"{chunk:,} tokens takes ~(m + {pool.pp - 1}) x {format_duration(stage)} a stage + "
-        f"{pool.pp - 1} x {format_duration(hop)} to pass {act / 1e6:.3g} MB of activations "
-        f"over {lat.stage_link.name} ({nodes}); one {_shape(pool._replace(pp=1))} instance "
-        f"alone takes {format_duration(alone)}"
+        f"{chunk:,} tokens takes {format_duration(lat.prefill(prompt, chunk=chunk))} = "
+        f"(m + {pool.pp - 1}) stage times of {format_duration(first)}-{format_duration(final)} "
+        f"+ {pool.pp - 1} x {format_duration(lat.hop_s(chunk))} to pass "
+        f"{lat.activation_bytes(chunk) / 1e6:.3g} MB of activations over "
+        f"{lat.stage_link.name} ({nodes}); one {_shape(pool._replace(pp=1))} instance alone "
+        f"takes {format_duration(alone)}"
     )
 
 

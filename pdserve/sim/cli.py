@@ -202,9 +202,10 @@ def _register_plan(subparsers: argparse._SubParsersAction) -> None:
         "rate within the SLOs",
         description="Search co-located (x TP x chunk size) and disaggregated (x prefill TP x "
         "decode TP x P:D ratio, x prefill pipeline stages for long prompts, x EP for MoE, x "
-        "each pool's hardware with --prefill-gpu / --decode-gpu) deployments by simulation for the fewest GPUs (--optimize cost: least $ "
-        "per hour; power: least watts) that serve --rate with >= 90 %% SLO attainment (ties: "
-        "highest goodput per GPU, dollar or watt), and explain the choice in numbers.",
+        "each pool's hardware with --prefill-gpu / --decode-gpu) deployments by simulation for "
+        "the fewest GPUs (--optimize cost: least $ per hour; power: least watts) that serve "
+        "--rate with >= 90 %% SLO attainment (ties: highest goodput per GPU, dollar or watt), "
+        "and explain the choice in numbers.",
     )
     _add_cluster_args(p)
     _add_workload_args(p, (0.5, 0.025))

@@ -163,8 +163,10 @@ class Deployment:
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0 tokens")
         if self.prefill_pp > 1 and self.mode != "disagg":
-            raise ValueError(f"--prefill-pp {self.prefill_pp} pipelines the prefill pool of "
-                             "--mode disagg; a co-located deployment has none (use --tp)")  # fmt: skip
+            raise ValueError(
+                f"--prefill-pp {self.prefill_pp} pipelines the prefill pool of --mode disagg; "
+                "a co-located deployment has none (use --tp)"
+            )
         for name in ("chunk", "decode_chunk"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -195,11 +197,10 @@ class Deployment:
         """Each pool: "colocated", or "prefill" and "decode"."""
         if self.mode == "colocated":
             return [Pool("colocated", self.gpu, self.replicas, self.tp, 1)]
-        return [
-            Pool("prefill", self.prefill_gpu, self.num_prefill, self.prefill_tp, self.prefill_ep,
-                 self.prefill_pp),  # fmt: skip
-            Pool("decode", self.decode_gpu, self.num_decode, self.decode_tp, self.decode_ep),
-        ]
+        prefill = Pool("prefill", self.prefill_gpu, self.num_prefill, self.prefill_tp,
+                       self.prefill_ep, self.prefill_pp)  # fmt: skip
+        decode = Pool("decode", self.decode_gpu, self.num_decode, self.decode_tp, self.decode_ep)
+        return [prefill, decode]
 
     @property
     def num_gpus(self) -> int:

@@ -1,6 +1,8 @@
 """Prefill pipeline parallelism in the latency model, the simulator and the planner's shapes:
 the bubble, the activations' hop, memory per stage, KV over every stage's ports, refusals."""
 
+import json
+
 import pytest
 
 from pdserve.bench.metrics import SLO
@@ -68,7 +70,7 @@ def test_a_chunk_that_samples_waits_for_every_stage_the_others_only_for_stage_0(
 
 def test_simulated_ttft_of_a_pipelined_prompt_is_its_chunks_through_the_stages():
     cl = tiny()
-    dep = Deployment("disagg", prefill_pp=2, chunk=64)
+    dep = Deployment("disagg", prefill_pp=2, chunk=64, decode_tp=2)  # two ports at each end
     res = simulate(cl, dep, [RequestSpec(0, 0.0, "t", 256, 1)], SLO_LOOSE)
     lat = cl.latency(1, "disagg", pp=2)
     chunks = [lat.stage(Batch(64, 0, 64 * (c + 32), c, 1)) for c in (0, 64, 128)]
@@ -144,3 +146,37 @@ def test_simulate_runs_a_prefill_pipeline(capsys):
     assert main([*SIM, "--prefill-pp", "2", "--chunk", "512", "--prefill-tp", "8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("disaggregated 1P x TP8 PP2 : 1D x TP1 (17 x h100-sxm)")
+
+
+# Llama-3.1-70B on H100 nodes over IB NDR: 16k-token prompts, 128 tokens out, 1 req/s
+PLAN = ["--model", "llama-3.1-70b", "--gpu", "h100", "--link", "ib-ndr", "--prompt-tokens",
+        "16384", "--output-tokens", "128", "--rate", "1", "--slo-tpot", "0.05"]  # fmt: skip
+
+
+def test_plan_pipelines_prefill_across_nodes_when_one_node_misses_the_ttft(capsys):
+    # One TP8 node prefills a 16k-token prompt in 674 ms, past a 600 ms TTFT; four TP8 stages
+    # take 268 ms.
+    assert main(["plan", *PLAN, "--slo-ttft", "0.6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rec = out["recommendation"]
+    assert (rec["label"], rec["num_gpus"]) == ("disaggregated 1P x TP8 PP4 : 1D x TP4", 36)
+    assert rec["deployment"]["chunk"] == 1024
+    assert ('--prefill-tp 8 --decode-tp 4 --prefill-pp 4 --prefill-args "--chunk-size 1024"'
+            in out["serve_command"])  # fmt: skip
+    [pipe] = [r for r in out["reasons"] if r.startswith("pipeline of 4 stages of 20 layers")]
+    assert "in 16 micro-batches of 1,024 tokens takes 267.9 ms" in pipe
+    assert "over ib-ndr (across nodes); one TP8 instance alone takes 673.8 ms" in pipe
+    assert "no co-located deployment met the SLOs within the GPU budget" in out["reasons"]
+
+
+def test_plan_keeps_prefill_on_one_node_when_the_ttft_allows():
+    from pdserve.bench.workload import LengthDist, Workload
+    from pdserve.sim.planner import PlanRequest, plan
+
+    cl = Cluster(get_model("llama-3.1-70b"), get_gpu("h100"), get_link("ib-ndr"))
+    work = Workload.from_lengths(LengthDist.parse("16384"), LengthDist.parse("128"))
+    found = plan(PlanRequest(cl, work, 1.0, SLO(2.0, 0.05))).feasible
+    assert found[0].deployment.label == "co-located 2 x TP8, chunked prefill 1024"
+    assert found[0].deployment.num_gpus == 16
+    piped = [c for c in found if c.deployment.prefill_pp > 1]
+    assert min(c.deployment.num_gpus for c in piped) == 20  # 1P x TP8 PP2 : 1D x TP4

@@ -179,11 +179,20 @@ def _add_deployment_args(d: argparse._ArgumentGroup) -> None:
             "--prefill-tp; the instance holds max(TP, EP) devices)",
         ),
         ("decode_ep", "disagg: expert parallelism per decode instance (as --prefill-ep)"),
+        (
+            "prefill_pp",
+            "disagg: pipeline stages per prefill instance, each of --prefill-tp (x EP) devices "
+            "holding its share of the layers; --chunk is the micro-batch a prompt flows "
+            "through them in (default 1)",
+        ),
         ("max_num_seqs", "sequences per instance"),
         ("max_batched_tokens", "tokens per step without chunking (whole prompts always fit)"),
     ):
         flag = "--" + name.replace("_", "-")
         d.add_argument(flag, type=int, default=getattr(Deployment, name), help=text)
+    d.add_argument("--decode-pp", type=int, default=1, help="refused above 1, as by `pdserve "
+                   "serve`: a decode step through a pipeline pays a hop per stage for every "
+                   "token; use --decode-tp")  # fmt: skip
 
 
 def _register_plan(subparsers: argparse._SubParsersAction) -> None:
@@ -192,10 +201,11 @@ def _register_plan(subparsers: argparse._SubParsersAction) -> None:
         help="find the deployment with the fewest GPUs (or least cost or power) that serves a "
         "rate within the SLOs",
         description="Search co-located (x TP x chunk size) and disaggregated (x prefill TP x "
-        "decode TP x P:D ratio, x EP for MoE, x each pool's hardware with --prefill-gpu / "
-        "--decode-gpu) deployments by simulation for the fewest GPUs (--optimize cost: least $ "
-        "per hour; power: least watts) that serve --rate with >= 90 %% SLO attainment (ties: "
-        "highest goodput per GPU, dollar or watt), and explain the choice in numbers.",
+        "decode TP x P:D ratio, x prefill pipeline stages for long prompts, x EP for MoE, x "
+        "each pool's hardware with --prefill-gpu / --decode-gpu) deployments by simulation for "
+        "the fewest GPUs (--optimize cost: least $ per hour; power: least watts) that serve "
+        "--rate with >= 90 %% SLO attainment (ties: highest goodput per GPU, dollar or watt), "
+        "and explain the choice in numbers.",
     )
     _add_cluster_args(p)
     _add_workload_args(p, (0.5, 0.025))

@@ -246,12 +246,16 @@ def deployment_of(args: argparse.Namespace) -> Deployment:
     if len(prefill) > 1 or len(decode) > 1:
         raise ValueError("simulate runs one deployment: give one --prefill-gpu and one "
                          "--decode-gpu (lists are for `pdserve plan`)")  # fmt: skip
+    if args.decode_pp != 1:
+        raise ValueError(f"--decode-pp {args.decode_pp}: pipeline parallelism is for the prefill "
+                         "pool (a decode step through a pipeline pays a hop per stage for every "
+                         "token); give the decode pool --decode-tp instead")  # fmt: skip
     return Deployment(
         args.mode, args.tp, args.replicas, args.chunk, args.prefill_tp, args.num_prefill,
         args.decode_tp, args.num_decode, args.max_num_seqs, args.max_batched_tokens,
         args.local_prefill_threshold, gpu=None,
         prefill_gpu=prefill[0] if prefill else None, decode_gpu=decode[0] if decode else None,
-        prefill_ep=args.prefill_ep, decode_ep=args.decode_ep,
+        prefill_ep=args.prefill_ep, decode_ep=args.decode_ep, prefill_pp=args.prefill_pp,
     )  # fmt: skip
 
 

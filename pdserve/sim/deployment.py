@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from pdserve.config import DECODE_CHUNK_SIZE, WORKER_CHUNK_SIZE, EngineConfig
 from pdserve.router.config import RouterConfig
-from pdserve.sim.hardware import Accelerator, Link
+from pdserve.sim.hardware import Accelerator, Link, get_link
 from pdserve.sim.kvmath import dtype_bits, kv_bytes
 from pdserve.sim.latency import Efficiency, LatencyModel
 from pdserve.sim.models import ModelSpec
@@ -90,24 +91,35 @@ class Cluster:
         return self.serving.get(mode, ServingOverhead())
 
     def latency(
-        self, tp: int, mode: str | None = None, gpu: str | None = None, ep: int = 1
+        self, tp: int, mode: str | None = None, gpu: str | None = None, ep: int = 1, pp: int = 1
     ) -> LatencyModel:
-        """Iteration times at TP `tp` (and EP `ep`) on device `gpu` (None: `accel`); with a
-        `mode`, every iteration also pays that mode's serving overhead per step and per
-        sequence."""
+        """Iteration times at TP `tp` (EP `ep`, `pp` pipeline stages) on device `gpu` (None:
+        `accel`); with a `mode`, every iteration also pays that mode's serving overhead per step
+        and per sequence."""
         dev = self.device(gpu)
         eff = dev.eff
         if mode and mode in self.serving:
             over = self.serving[mode]
             eff = replace(eff, iteration_overhead_s=eff.iteration_overhead_s + over.step_s,
                           per_seq_overhead_s=eff.per_seq_overhead_s + over.seq_s)  # fmt: skip
-        return LatencyModel(self.model, dev.accel, tp, eff, dev.weight_dtype, self.kv_dtype, ep)
+        return LatencyModel(self.model, dev.accel, tp, eff, dev.weight_dtype, self.kv_dtype, ep,
+                            pp, self.stage_link(gpu, _group(tp, ep) * pp))  # fmt: skip
+
+    def stage_link(self, gpu: str | None, devices: int) -> Link:
+        """The link between a pipeline's stages on device `gpu`: the node's own (NVLink) while
+        the instance's `devices` fit one node, else the network the KV moves over (every hop
+        is costed at it, although stages sharing a node would hop faster)."""
+        dev = self.device(gpu)
+        return get_link(dev.accel.tp_link) if devices <= dev.accel.max_tp else dev.link
 
 
 @dataclass(frozen=True)
 class Deployment:
     """How instances are laid out. Co-located: `replicas` x TP `tp`, optional `chunk` size.
-    Disaggregated: `num_prefill` x TP `prefill_tp` and `num_decode` x TP `decode_tp`."""
+    Disaggregated: `num_prefill` x TP `prefill_tp` (x `prefill_pp` pipeline stages, whose
+    micro-batches are `chunk`-token prefill chunks) and `num_decode` x TP `decode_tp`. More
+    stages than the model has layers are refused when the instances are built
+    (`Cluster.latency`)."""
 
     mode: str = "colocated"
     tp: int = 1
@@ -131,6 +143,8 @@ class Deployment:
     # Expert parallelism per pool (MoE): experts over this many ranks, a multiple of the TP.
     prefill_ep: int = 1
     decode_ep: int = 1
+    # Pipeline parallelism of the prefill pool (`--prefill-pp`): stages of prefill_tp x EP each.
+    prefill_pp: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -138,7 +152,7 @@ class Deployment:
                 f"deployment mode must be one of {', '.join(MODES)}, got {self.mode!r}"
             )
         counts = ("tp", "replicas", "prefill_tp", "num_prefill", "decode_tp", "num_decode",
-                  "prefill_ep", "decode_ep")  # fmt: skip
+                  "prefill_ep", "decode_ep", "prefill_pp")  # fmt: skip
         for name in (*counts, "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -148,6 +162,11 @@ class Deployment:
                 raise ValueError(f"--{flag}-ep {ep} must be a multiple of --{flag}-tp {tp}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0 tokens")
+        if self.prefill_pp > 1 and self.mode != "disagg":
+            raise ValueError(
+                f"--prefill-pp {self.prefill_pp} pipelines the prefill pool of --mode disagg; "
+                "a co-located deployment has none (use --tp)"
+            )
         for name in ("chunk", "decode_chunk"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -174,19 +193,18 @@ class Deployment:
         }
         return cls(mode, **router, decode_chunk=DECODE_CHUNK_SIZE, **engine)
 
-    def pools(self) -> list[tuple[str, str | None, int, int, int]]:
-        """(pool, device name, instances, TP, EP) of each pool: "colocated", or "prefill" and
-        "decode"."""
+    def pools(self) -> list[Pool]:
+        """Each pool: "colocated", or "prefill" and "decode"."""
         if self.mode == "colocated":
-            return [("colocated", self.gpu, self.replicas, self.tp, 1)]
-        return [
-            ("prefill", self.prefill_gpu, self.num_prefill, self.prefill_tp, self.prefill_ep),
-            ("decode", self.decode_gpu, self.num_decode, self.decode_tp, self.decode_ep),
-        ]
+            return [Pool("colocated", self.gpu, self.replicas, self.tp, 1)]
+        prefill = Pool("prefill", self.prefill_gpu, self.num_prefill, self.prefill_tp,
+                       self.prefill_ep, self.prefill_pp)  # fmt: skip
+        decode = Pool("decode", self.decode_gpu, self.num_decode, self.decode_tp, self.decode_ep)
+        return [prefill, decode]
 
     @property
     def num_gpus(self) -> int:
-        return sum(n * _group(tp, ep) for _, _, n, tp, ep in self.pools())
+        return sum(p.devices for p in self.pools())
 
     @property
     def heterogeneous(self) -> bool:
@@ -196,20 +214,18 @@ class Deployment:
     def gpus_by_device(self, cluster: Cluster) -> dict[str, int]:
         """Devices of each hardware type the deployment holds, by name."""
         out: dict[str, int] = {}
-        for _, gpu, n, tp, ep in self.pools():
-            name = cluster.device(gpu).name
-            out[name] = out.get(name, 0) + n * _group(tp, ep)
+        for p in self.pools():
+            name = cluster.device(p.gpu).name
+            out[name] = out.get(name, 0) + p.devices
         return out
 
     def cost_per_hour(self, cluster: Cluster) -> float:
         """$ per hour of all its devices (each device's `cost_per_hour`, an assumption)."""
-        return sum(n * _group(tp, ep) * cluster.device(gpu).accel.cost_per_hour
-                   for _, gpu, n, tp, ep in self.pools())  # fmt: skip
+        return sum(p.devices * cluster.device(p.gpu).accel.cost_per_hour for p in self.pools())
 
     def power_w(self, cluster: Cluster) -> float:
         """Watts of all its devices at board power."""
-        return sum(n * _group(tp, ep) * cluster.device(gpu).accel.power_w
-                   for _, gpu, n, tp, ep in self.pools())  # fmt: skip
+        return sum(p.devices * cluster.device(p.gpu).accel.power_w for p in self.pools())
 
     @property
     def label(self) -> str:
@@ -220,11 +236,33 @@ class Deployment:
             chunk = f", chunked prefill {self.chunk}" if self.chunk else ""
             return f"co-located {self.replicas} x TP{self.tp}{on(self.gpu)}{chunk}"
         pep = f" EP{self.prefill_ep}" if self.prefill_ep > 1 else ""
+        pep += f" PP{self.prefill_pp}" if self.prefill_pp > 1 else ""
         dep = f" EP{self.decode_ep}" if self.decode_ep > 1 else ""
         return (
             f"disaggregated {self.num_prefill}P x TP{self.prefill_tp}{pep}{on(self.prefill_gpu)} : "
             f"{self.num_decode}D x TP{self.decode_tp}{dep}{on(self.decode_gpu)}"
         )
+
+
+class Pool(NamedTuple):
+    """One pool of a deployment: its device name (None: the cluster's `accel`), instances and
+    each instance's TP, EP and pipeline stages."""
+
+    name: str
+    gpu: str | None
+    instances: int
+    tp: int
+    ep: int
+    pp: int = 1
+
+    @property
+    def instance_devices(self) -> int:
+        """Devices of one instance: `pp` stages of a TP group (or EP ranks when wider)."""
+        return _group(self.tp, self.ep) * self.pp
+
+    @property
+    def devices(self) -> int:
+        return self.instances * self.instance_devices
 
 
 def _group(tp: int, ep: int) -> int:

@@ -22,6 +22,19 @@ sequences with its own KV cache, so an instance holds max(tp, ep) GPUs. Per GPU 
 dense weights / tp and the experts / ep; each MoE layer dispatches every token's hidden state
 to its top-k experts and combines them back (two all-to-alls over the node's link) instead of
 the all-reduce. Balanced expert load is assumed (no hot experts).
+
+Pipeline parallelism (`pp` > 1, a prefill pool's `--prefill-pp`) cuts the layers into `pp`
+stages, each a TP (x EP) group holding ceil(layers / pp) consecutive layers, their weights and
+their KV: the slowest (largest) stage sets the pace, so a stage's pass costs that share of the
+layer work (GEMMs, attention, KV reads, all-reduces) plus the per-pass overheads. A prompt in m
+micro-batches (prefill chunks) flows through the stages, as the engine's pipeline runs it: a
+chunk that samples nothing frees stage 0 once it has computed its layers, and the step that
+samples waits for its chunk to come back through every stage, so the prompt takes
+`pipeline_s`: (m + pp - 1) x stage + (pp - 1) x the activations' hop between two stages
+(hidden x tokens x activation bytes over the stage link: the node's when the instance fits one
+node, the network's otherwise). The output head, which runs once on stage 0, is costed in each
+stage's pass of a sampling step (< 1 % of a chunk's FLOPs); the last stage's hidden states of
+the sampled tokens going back to stage 0 (a few kB) are left out.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdserve.sim.hardware import Accelerator, get_link
+from pdserve.sim.hardware import Accelerator, Link, get_link
 from pdserve.sim.kvmath import dtype_bits, kv_bytes_per_token, kv_shape_of
 from pdserve.sim.models import ModelSpec
 
@@ -106,13 +119,21 @@ class LatencyModel:
         weight_dtype: str = "bf16",
         kv_dtype: str = "bf16",
         ep: int = 1,
+        pp: int = 1,
+        stage_link: Link | None = None,
     ) -> None:
         if tp < 1:
             raise ValueError(f"tensor parallelism must be >= 1, got {tp}")
         check_ep(model, tp, ep)
-        self.model, self.accel, self.tp, self.ep = model, accel, tp, ep
+        check_pp(model, pp)
+        self.model, self.accel, self.tp, self.ep, self.pp = model, accel, tp, ep, pp
         self.dp = ep // tp if ep > 1 else 1  # data-parallel attention groups
-        self.gpus = tp * self.dp
+        self.gpus = tp * self.dp  # one stage's devices
+        self.devices = self.gpus * pp  # the instance's
+        self.stage_layers = -(-model.num_layers // pp)  # the largest stage's
+        self._share = self.stage_layers / model.num_layers  # of the layer work, per stage
+        # Activations between stages: each of a stage's GPUs sends its part of the hidden states.
+        self.stage_link = stage_link or get_link(accel.tp_link)
         self.eff = eff or Efficiency()
         self.weight_bytes = model.num_params * dtype_bits(weight_dtype) / 8
         self._act_bytes = 2 if dtype_bits(weight_dtype) <= 16 else 4
@@ -120,11 +141,12 @@ class LatencyModel:
         # KV heads are split over TP ranks; past the head count (and for MLA's single latent)
         # every rank keeps a copy. Data-parallel groups each hold their own sequences' KV.
         shards = 1 if kv_shape_of(model).is_latent else min(tp, model.num_kv_heads)
-        self.kv_bytes_per_token_gpu = kv_token / shards / self.dp
+        self.kv_bytes_per_token_gpu = kv_token / shards / self.dp * self._share
         self._flops_s = accel.peak_flops * self.gpus * self.eff.mfu
         self._attn_s = accel.peak_flops * self.gpus * self.eff.attn_eff
         self._bytes_s = accel.mem_bytes_per_s * self.eff.mbu
-        self._attn_flops = 4 * model.num_layers * model.num_heads * model.head_dim
+        self._attn_flops = 4 * self.stage_layers * model.num_heads * model.head_dim
+        self._hop_bytes_s = self.stage_link.instance_bytes_per_s(self.gpus)
         self._head_flops = 2 * model.vocab_size * model.hidden_size
         self._init_costs()
 
@@ -152,10 +174,10 @@ class LatencyModel:
     def _init_costs(self) -> None:
         """Per-instance constants of `weights_read` and `allreduce_s` (hot in the simulator)."""
         expert = self.model.expert_params * self.weight_bytes / self.model.num_params
-        self._dense_w = (self.weight_bytes - expert) / self.tp
-        self._expert_w = expert / (self.ep if self.ep > 1 else self.tp)
+        self._dense_w = (self.weight_bytes - expert) / self.tp * self._share
+        self._expert_w = expert / (self.ep if self.ep > 1 else self.tp) * self._share
         link = get_link(self.accel.tp_link)
-        layers, per_token = self.model.num_layers, self.model.hidden_size * self._act_bytes
+        layers, per_token = self.stage_layers, self.model.hidden_size * self._act_bytes
         steps = 2 * (self.tp - 1)
         all_reduces = 2 if self.ep == 1 else 1
         # A ring all-reduce of a DP group's tokens (tokens / dp of the pass) ...
@@ -177,7 +199,7 @@ class LatencyModel:
 
     def work(self, batch: Batch) -> Work:
         """The raw FLOPs and bytes of one pass over `batch`."""
-        gemm = 2 * self.model.layer_params_per_token * batch.tokens
+        gemm = 2 * self.model.layer_params_per_token * self._share * batch.tokens
         gemm += self._head_flops * batch.sampled
         kv = self.kv_bytes_per_token_gpu * (batch.kv_read + batch.tokens)
         return Work(gemm, self._attn_flops * batch.attn_pairs, self.weights_read(batch.tokens) + kv)
@@ -187,16 +209,39 @@ class LatencyModel:
             return 0.0  # a data-parallel group's GEMMs have its share of the rows
         return flops / self._flops_s * (1 + self.eff.half_tokens * self.dp / tokens)
 
-    def iteration(self, batch: Batch) -> float:
-        """Seconds for one forward pass over `batch`."""
+    def stage(self, batch: Batch) -> float:
+        """Seconds one pipeline stage takes over `batch` (its layers; all of them at pp 1)."""
         w = self.work(batch)
         roof = max(self._gemm_s(w.gemm_flops, batch.tokens), w.bytes / self._bytes_s)
         return self._fixed(batch) + roof + w.attn_flops / self._attn_s
 
-    def prefill(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
-        """Seconds to prefill one prompt alone (for reports)."""
-        n, c = prompt_tokens, cached_tokens
-        return self.iteration(Batch(n, 1, n * (c + n / 2), c, 1))
+    def activation_bytes(self, tokens: int) -> float:
+        """Bytes of `tokens` tokens' hidden states, what one stage passes to the next."""
+        return tokens * self.model.hidden_size * self._act_bytes
+
+    def hop_s(self, tokens: int) -> float:
+        """Seconds to pass `tokens` tokens' hidden states from one stage to the next."""
+        return self.stage_link.latency_s + self.activation_bytes(tokens) / self._hop_bytes_s
+
+    def iteration(self, batch: Batch) -> float:
+        """Seconds the instance is busy with one step over `batch`: one stage's pass, or, for a
+        step that samples through a pipeline, its chunk's way through every stage."""
+        stage = self.stage(batch)
+        if self.pp == 1 or not batch.sampled:
+            return stage
+        return pipeline_s(stage, 1, self.pp, self.hop_s(batch.tokens))
+
+    def prefill(
+        self, prompt_tokens: int, cached_tokens: int = 0, chunk: int | None = None
+    ) -> float:
+        """Seconds to prefill one prompt alone (for reports), in chunks of `chunk` tokens
+        (None: one step), as the simulator steps it."""
+        total, done, end = 0.0, cached_tokens, cached_tokens + prompt_tokens
+        while done < end:
+            n = min(chunk or end, end - done)
+            total += self.iteration(Batch(n, int(done + n == end), n * (done + n / 2), done, 1))
+            done += n
+        return total
 
     def iteration_decode(self, seqs: int, ctx_sum: float) -> float:
         """Seconds for one decode step of `seqs` sequences holding `ctx_sum` cached tokens."""
@@ -231,6 +276,23 @@ def check_ep(model: ModelSpec, tp: int, ep: int) -> None:
         raise ValueError(f"EP {ep} does not divide {model.name}'s {model.num_experts} experts")
     if ep % tp:
         raise ValueError(f"EP {ep} must be a multiple of TP {tp} (attention's groups)")
+
+
+def pipeline_s(stage_s: float, micro_batches: int, stages: int, hop_s: float) -> float:
+    """Seconds for `micro_batches` equal micro-batches to flow through `stages` pipeline stages
+    of `stage_s` each, `hop_s` between two: the last enters stage 0 after m - 1 stage times and
+    then crosses every stage and hop (the bubble: P - 1 stage times and hops)."""
+    return (micro_batches + stages - 1) * stage_s + (stages - 1) * hop_s
+
+
+def check_pp(model: ModelSpec, pp: int) -> None:
+    """ValueError unless `pp` pipeline stages can each hold at least one of `model`'s layers."""
+    if pp < 1:
+        raise ValueError(f"--prefill-pp must be >= 1, got {pp}")
+    if pp > model.num_layers:
+        raise ValueError(f"--prefill-pp {pp} is more stages than {model.name}'s "
+                         f"{model.num_layers} layers (each stage needs one): use at most "
+                         f"{model.num_layers}")  # fmt: skip
 
 
 def _linear_sum(a: float, b: float, i0: int, i1: int) -> float:

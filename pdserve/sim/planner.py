@@ -19,7 +19,10 @@ names of `Cluster.devices`) every type is searched on its own (co-located and di
 homogeneous) and every prefill type with every decode type; a pool's capacity is measured on
 its own hardware, and the KV transfer between two types runs at the slower end's link. For
 mixture-of-experts models each pool's shapes include expert parallelism (EP 2..8 over
-data-parallel attention, `LatencyModel`), so a plan may recommend `--decode-ep`.
+data-parallel attention, `LatencyModel`), so a plan may recommend `--decode-ep`. The prefill
+pool's shapes include pipelines (`--prefill-pp` 2, 4 stages of the widest shape, within the GPU
+budget) whose micro-batch is a prefill chunk (`micro_batch`): a pipeline spans nodes, where a
+prompt too long for one node's TTFT can still be prefilled in time.
 
 Over 300 lines on purpose: the three steps above are one search over one `_Search` (its cache of
 measured capacities), read top to bottom; what `pdserve plan` prints is `sim/report.py`.
@@ -34,14 +37,12 @@ from typing import NamedTuple
 from pdserve.bench.metrics import GOODPUT_ATTAINMENT, SLO
 from pdserve.bench.workload import Workload, generate_requests
 from pdserve.sim.deployment import Cluster, Deployment
+from pdserve.sim.shapes import Shape, pipelines, valid_shapes, widest
 from pdserve.sim.simulator import SimResult, simulate
 
-TP_CHOICES = (1, 2, 4, 8)
-EP_CHOICES = (2, 4, 8)  # expert parallelism over data-parallel attention (MoE only)
 CHUNK_CHOICES = (None, 256, 512, 1024, 2048)
 OBJECTIVES = ("gpus", "cost", "power")
 _LOOSE = 1e9  # an SLO target that never binds
-Shape = tuple[int, int]  # (TP, EP) of one instance
 
 
 @dataclass(frozen=True)
@@ -193,27 +194,17 @@ class _Search:
         return lo
 
 
-def _valid_shapes(cluster: Cluster, workload: Workload, gpu: str | None) -> list[Shape]:
-    """(TP, EP) shapes on device `gpu` whose weights fit with room for at least one long
-    request's KV: every TP, and for MoE models EP over TP-1 attention groups."""
-    need = max(c.prompt.expected + c.output.expected for c in workload.classes)
-    model, accel = cluster.model, cluster.device(gpu).accel
-    shapes = [(tp, 1) for tp in TP_CHOICES if model.num_heads % tp == 0]
-    if model.num_experts > 1:
-        shapes += [(1, ep) for ep in EP_CHOICES if model.num_experts % ep == 0]
-    return [
-        (tp, ep)
-        for tp, ep in shapes
-        if max(tp, ep) <= accel.max_tp
-        and cluster.latency(tp, gpu=gpu, ep=ep).kv_capacity_tokens >= 2 * need
-    ]
+def _pipelines(req: PlanRequest, shapes: list[Shape]) -> list[Shape]:
+    """The prefill pipelines searched for `req` (`pipelines`, within its GPU budget)."""
+    prompt = mean_lengths(req.workload)[0]
+    return pipelines(req.cluster.model, shapes, prompt, _gpu_cap(req))
 
 
 def plan(req: PlanRequest) -> Plan:
     """Search every device type x mode x shape x chunk (co-located) and every prefill device
     and shape x decode device and shape (disaggregated); rank by `req.objective`."""
     search = _Search(req)
-    shapes = {gpu: _valid_shapes(req.cluster, req.workload, gpu) for gpu in req.kinds}
+    shapes = {gpu: valid_shapes(req.cluster, req.workload, gpu) for gpu in req.kinds}
     for gpu, found in shapes.items():
         if not found:
             accel = req.cluster.device(gpu).accel
@@ -224,7 +215,8 @@ def plan(req: PlanRequest) -> Plan:
     pairs = [(p, d) for p in req.prefill_gpus for d in req.decode_gpus]
     pairs = list(dict.fromkeys([*((g, g) for g in req.kinds), *pairs]))
     candidates = [c for gpu in req.kinds for c in _colocated(search, gpu, shapes[gpu]) if c]
-    candidates += [c for c in _disaggregated(search, shapes, pairs) if c]
+    prefill = {gpu: [*found, *_pipelines(req, found)] for gpu, found in shapes.items()}
+    candidates += [c for c in _disaggregated(search, prefill, shapes, pairs) if c]
     ok = [c for c in candidates if c.attainment >= req.target and _within_budget(req, c)]
     ok.sort(key=lambda c: rank_key(c, req.cluster, req.objective))
     closest = None
@@ -252,7 +244,7 @@ def _gpu_cap(req: PlanRequest) -> int:
 
 def _colocated(search: _Search, gpu: str | None, shapes: list[Shape]) -> list[Candidate | None]:
     out = []
-    for tp in sorted({tp for tp, ep in shapes if ep == 1}):
+    for tp in sorted({s.tp for s in shapes if s.ep == 1}):
         for chunk in CHUNK_CHOICES:
             one = Deployment("colocated", tp=tp, chunk=chunk, gpu=gpu)
             cap = search.capacity(one, search.req.slo)
@@ -265,36 +257,39 @@ def _colocated(search: _Search, gpu: str | None, shapes: list[Shape]) -> list[Ca
 
 
 def _prefill(gpu: str | None, shape: Shape, n: int = 1) -> dict:
-    return {"prefill_gpu": gpu, "prefill_tp": shape[0], "prefill_ep": shape[1], "num_prefill": n}
+    return {"prefill_gpu": gpu, "prefill_tp": shape.tp, "prefill_ep": shape.ep,
+            "prefill_pp": shape.pp, "chunk": shape.chunk, "num_prefill": n}  # fmt: skip
 
 
 def _decode(gpu: str | None, shape: Shape, n: int = 1) -> dict:
-    return {"decode_gpu": gpu, "decode_tp": shape[0], "decode_ep": shape[1], "num_decode": n}
+    return {"decode_gpu": gpu, "decode_tp": shape.tp, "decode_ep": shape.ep, "num_decode": n}
 
 
 def _disaggregated(
-    search: _Search, shapes: dict[str | None, list[Shape]], pairs: list[tuple]
-) -> list[Candidate | None]:
+    search: _Search, prefill: dict[str | None, list[Shape]],
+    one_node: dict[str | None, list[Shape]], pairs: list[tuple],
+) -> list[Candidate | None]:  # fmt: skip
+    """Every prefill shape (pipelines included) with every one-node decode shape of each
+    device pair."""
     slo = search.req.slo
 
     # Each pool is measured on its own hardware with the other made ample on the other
-    # pool's hardware in that pair (the widest shape). Prefill against TTFT alone; decode
-    # against both targets, since KV arriving over its ports delays first tokens too.
-    def widest(gpu):
-        return max(shapes[gpu], key=lambda s: (max(s), -s[1]))
-
+    # pool's hardware in that pair (the widest one-node shape). Prefill against TTFT alone;
+    # decode against both targets, since KV arriving over its ports delays first tokens too.
     p_caps, d_caps = {}, {}
     for pg, dg in pairs:
-        for shape in shapes[pg]:
-            dep = Deployment("disagg", **_prefill(pg, shape), **_decode(dg, widest(dg), 4))
+        for shape in prefill[pg]:
+            ample = _decode(dg, widest(one_node[dg]), 4)
+            dep = Deployment("disagg", **_prefill(pg, shape), **ample)
             p_caps[pg, dg, shape] = search.capacity(dep, SLO(slo.ttft_s, _LOOSE))
-        for shape in shapes[dg]:
-            dep = Deployment("disagg", **_prefill(pg, widest(pg), 8), **_decode(dg, shape))
+        for shape in one_node[dg]:
+            ample = _prefill(pg, _ample_prefill(search.req, pg, one_node[pg], prefill[pg]), 8)
+            dep = Deployment("disagg", **ample, **_decode(dg, shape))
             d_caps[pg, dg, shape] = search.capacity(dep, slo)
     out = []
     for pg, dg in pairs:
-        for ps in shapes[pg]:
-            for ds in shapes[dg]:
+        for ps in prefill[pg]:
+            for ds in one_node[dg]:
                 base = Deployment("disagg", **_prefill(pg, ps), **_decode(dg, ds))
                 p_cap, d_cap = p_caps[pg, dg, ps], d_caps[pg, dg, ds]
                 if not p_cap or not d_cap:
@@ -306,6 +301,21 @@ def _disaggregated(
                 dep = replace(base, num_prefill=n_p, num_decode=n_d)
                 out.append(_grow(search, dep, goodput))
     return out
+
+
+def _ample_prefill(
+    req: PlanRequest, gpu: str | None, one_node: list[Shape], shapes: list[Shape]
+) -> Shape:
+    """The prefill shape that makes a prefill pool ample while decode is measured: the widest
+    one-node shape, or, when that cannot prefill the mean prompt within the TTFT target (only
+    a pipeline can), the fastest of `shapes`."""
+    prompt = mean_lengths(req.workload)[0]
+
+    def prefill_s(s: Shape) -> float:
+        return req.cluster.latency(s.tp, gpu=gpu, ep=s.ep, pp=s.pp).prefill(prompt, chunk=s.chunk)
+
+    wide = widest(one_node)
+    return wide if prefill_s(wide) <= req.slo.ttft_s else min(shapes, key=prefill_s)
 
 
 def _unmet(search: _Search, dep: Deployment) -> Candidate:

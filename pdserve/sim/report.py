@@ -1,13 +1,15 @@
 """What `pdserve plan` prints: the recommendation, its reasons in numbers, the runner-ups.
 
-A little over 300 lines: every sentence of the plan's report, text and JSON, in one place.
+About 350 lines: every sentence of the plan's report, text and JSON, in one place.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
+from pdserve.sim.deployment import Pool
 from pdserve.sim.kvmath import format_duration
+from pdserve.sim.latency import Batch
 from pdserve.sim.planner import (
     Candidate,
     Plan,
@@ -75,22 +77,25 @@ def reasons(req: PlanRequest, plan: Plan) -> list[str]:
     best = plan.feasible[0] if plan.feasible else plan.closest
     dep = best.deployment
     pools = dep.pools()  # co-located: one pool does both phases
-    (_, pgpu, _, ptp, pep), (_, dgpu, _, dtp, dep_) = pools[0], pools[-1]
-    lat = cl.latency(ptp, gpu=pgpu, ep=pep)
-    where = f"TP{ptp}{f' EP{pep}' if pep > 1 else ''} on {lat.accel.name}"
+    pre, dec = pools[0], pools[-1]
+    lat = cl.latency(pre.tp, gpu=pre.gpu, ep=pre.ep, pp=pre.pp)
+    chunk = dep.chunk if pre.pp > 1 else None  # a pipeline's micro-batches
+    took = lat.prefill(prompt, chunk=chunk)
     out = [
-        f"prefill of a {prompt:,}-token prompt takes {format_duration(lat.prefill(prompt))} at "
-        f"{where} ({lat.prefill(prompt) / slo.ttft_s:.0%} of the {format_duration(slo.ttft_s)} "
-        f"TTFT budget)"
+        f"prefill of a {prompt:,}-token prompt takes {format_duration(took)} at "
+        f"{_shape(pre)} on {lat.accel.name} ({took / slo.ttft_s:.0%} of the "
+        f"{format_duration(slo.ttft_s)} TTFT budget)"
     ]
-    dlat = cl.latency(dtp, gpu=dgpu, ep=dep_)
+    if pre.pp > 1:
+        out.append(_pipeline_reason(req, pre, prompt, chunk))
+    dlat = cl.latency(dec.tp, gpu=dec.gpu, ep=dec.ep)
     step = dlat.iteration_decode(32, 32 * (prompt + output / 2))
     out.append(
         f"a decode step of 32 sequences at ~{prompt + output // 2:,} tokens takes "
-        f"{format_duration(step)} at TP{dtp}{f' EP{dep_}' if dep_ > 1 else ''} on "
+        f"{format_duration(step)} at {_shape(dec)} on "
         f"{dlat.accel.name} (TPOT budget {format_duration(slo.tpot_s)})"
     )
-    out.append(_transfer_reason(req, prompt, ptp, pgpu, dgpu))
+    out.append(_transfer_reason(req, prompt, pre, dec.gpu))
     for mode, c in best_per_mode(plan).items():
         out.append(f"best {_MODE_NAMES[mode]}: {_line(c, slo, req)}")
     if plan.feasible:
@@ -114,6 +119,34 @@ def reasons(req: PlanRequest, plan: Plan) -> list[str]:
 
 
 _MODE_NAMES = {"colocated": "co-located", "disagg": "disaggregated"}
+
+
+def _shape(pool: Pool) -> str:
+    """ "TP8", "TP1 EP8", "TP8 PP2": one instance's parallelism."""
+    ep = f" EP{pool.ep}" if pool.ep > 1 else ""
+    return f"TP{pool.tp}{ep}{f' PP{pool.pp}' if pool.pp > 1 else ''}"
+
+
+def _pipeline_reason(req: PlanRequest, pool: Pool, prompt: int, chunk: int) -> str:
+    """A prefill pipeline's time for the mean prompt: its micro-batches, stage times, bubble
+    and activation hops, against one stage's shape alone."""
+    cl = req.cluster
+    lat = cl.latency(pool.tp, gpu=pool.gpu, ep=pool.ep, pp=pool.pp)
+    alone = cl.latency(pool.tp, gpu=pool.gpu, ep=pool.ep).prefill(prompt)
+    m, last = -(-prompt // chunk), prompt - chunk  # the last micro-batch's first token
+    first = lat.stage(Batch(chunk, 0, chunk * chunk / 2, 0, 1))
+    final = lat.stage(Batch(chunk, 0, chunk * (last + chunk / 2), last, 1))
+    nodes = "across nodes" if lat.devices > lat.accel.max_tp else "within a node"
+    return (
+        f"pipeline of {pool.pp} stages of {lat.stage_layers} layers on {lat.gpus} devices each "
+        f"({lat.devices} in all): the {prompt:,}-token prompt in {m} micro-batches of "
+        f"{chunk:,} tokens takes {format_duration(lat.prefill(prompt, chunk=chunk))} = "
+        f"(m + {pool.pp - 1}) stage times of {format_duration(first)}-{format_duration(final)} "
+        f"+ {pool.pp - 1} x {format_duration(lat.hop_s(chunk))} to pass "
+        f"{lat.activation_bytes(chunk) / 1e6:.3g} MB of activations over "
+        f"{lat.stage_link.name} ({nodes}); one {_shape(pool._replace(pp=1))} instance alone "
+        f"takes {format_duration(alone)}"
+    )
 
 
 def mixed_vs_homogeneous(req: PlanRequest, plan: Plan) -> str:
@@ -186,18 +219,20 @@ def _per_phase_reason(plan: Plan, best: Candidate, slo) -> str:
     return f"{head} against the best with one TP for both phases, {_line(other, slo)}: {verdict}"
 
 
-def _transfer_reason(req: PlanRequest, prompt: int, ptp: int, pgpu=None, dgpu=None) -> str:
-    cl, slo = req.cluster, req.slo
+def _transfer_reason(req: PlanRequest, prompt: int, pre: Pool, dgpu=None) -> str:
+    """The KV of a prompt over the link from one prefill instance (a pipeline's stages each
+    push their own layers over their own ports)."""
+    cl, slo, devices = req.cluster, req.slo, pre.instance_devices
     nbytes = cl.wire_bytes(prompt)
-    link = min((cl.device(pgpu).link, cl.device(dgpu).link),
-               key=lambda k: k.instance_bytes_per_s(ptp))  # the slower end's  # fmt: skip
-    bw = link.instance_bytes_per_s(ptp)
+    link = min((cl.device(pre.gpu).link, cl.device(dgpu).link),
+               key=lambda k: k.instance_bytes_per_s(devices))  # the slower end's  # fmt: skip
+    bw = link.instance_bytes_per_s(devices)
     t = nbytes / bw
     last = t / cl.model.num_layers
     demand = req.rate * nbytes
     return (
         f"KV transfer of a {prompt:,}-token prompt ({nbytes / 1e9:.3g} GB) over {link.name} "
-        f"from a TP{ptp} instance ({bw / 1e9:.3g} GB/s) takes {format_duration(t)} = "
+        f"from a {_shape(pre)} instance ({bw / 1e9:.3g} GB/s) takes {format_duration(t)} = "
         f"{t / slo.ttft_s:.0%} of the TTFT budget; streamed layer by layer, "
         f"{format_duration(last)} of it (the last layer) adds to TTFT while a layer transfers "
         f"faster than it computes; at {req.rate:g} req/s the KV stream is "
@@ -265,6 +300,11 @@ def serve_command(dep) -> tuple[str | None, str]:
         for flag, ep in (("--prefill-ep", dep.prefill_ep), ("--decode-ep", dep.decode_ep)):
             if ep > 1:
                 cmd += f" {flag} {ep}"
+        if dep.prefill_pp > 1:
+            cmd += f" --prefill-pp {dep.prefill_pp}"
+            note += ("; each prefill worker is a pipeline of --prefill-pp stages, each pushing its "
+                     "own layers' KV (the engine's stages run on one host, and not yet with "
+                     "--prefill-tp > 1)")  # fmt: skip
         if dep.heterogeneous:
             note += (f"; run the prefill pool on {dep.prefill_gpu or 'the --gpu'} and the decode "
                      f"pool on {dep.decode_gpu or 'the --gpu'} (per pool: --prefill-args / "

@@ -9,7 +9,7 @@ applies the (prefill, decode) counts it returns. An instance moves through
 
 A pool that grows starts new instances; one that shrinks first cancels instances still
 starting (newest first), then drains the live ones with the least work (the router's last
-choices). An instance costs device-seconds from its start until it is gone (x its TP degree):
+choices). An instance costs device-seconds from its start until it is gone (x its devices):
 what a cluster manager bills; the initial instances start at 0, live ones end with the run.
 """
 
@@ -61,7 +61,7 @@ class Lease:
 
     @property
     def device_s(self) -> float:
-        return (self.ended - self.started) * self.inst.lat.gpus
+        return (self.ended - self.started) * self.inst.lat.devices
 
 
 class Sample(NamedTuple):

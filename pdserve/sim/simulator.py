@@ -73,13 +73,13 @@ class Loop:
 
     def new_instance(self, pool: str, index: int) -> Instance:
         """Instance `index` of `pool` ("colocated", "prefill" or "decode") as `dep` lays it out."""
-        dep, budget = self.dep, self.budget
+        dep, budget, pp = self.dep, self.budget, 1
         if pool == "colocated":
             name, role, tp, budget = f"c{index}", "both", dep.tp, dep.chunk or budget
             gpu, ep = dep.gpu, 1
         elif pool == "prefill":
             name, role, tp, budget = f"p{index}", "prefill", dep.prefill_tp, dep.chunk or budget
-            gpu, ep = dep.prefill_gpu, dep.prefill_ep
+            gpu, ep, pp = dep.prefill_gpu, dep.prefill_ep, dep.prefill_pp
         elif dep.local_prefill_threshold > 0:  # conditional disaggregation: D prefills short ones
             name, role, tp = f"d{index}", "both", dep.decode_tp
             budget = dep.decode_chunk or dep.chunk or budget
@@ -87,10 +87,11 @@ class Loop:
         else:
             name, role, tp, budget = f"d{index}", "decode", dep.decode_tp, 1
             gpu, ep = dep.decode_gpu, dep.decode_ep
-        lat = self.cluster.latency(tp, dep.mode, gpu, ep)
+        lat = self.cluster.latency(tp, dep.mode, gpu, ep, pp)
         inst = Instance(name, role, lat, budget, dep.max_num_seqs, self.itl)
-        # Each end's own link; a flow runs at the slower end's share (`Fabric._rerate`).
-        inst.link_bw = self.cluster.device(gpu).link.instance_bytes_per_s(lat.gpus)
+        # Each end's own link; a flow runs at the slower end's share (`Fabric._rerate`). A
+        # pipeline's stages each push their own layers' KV over their own devices' ports.
+        inst.link_bw = self.cluster.device(gpu).link.instance_bytes_per_s(lat.devices)
         inst.finished = self.finished
         if pool == "decode" and dep.decode_chunk:  # as the engine: chunked only beside streams
             inst.idle_budget = self.budget

@@ -12,8 +12,9 @@ from pdserve.sim.hardware import get_gpu, get_link
 from pdserve.sim.kvmath import kv_bytes, kv_bytes_per_token
 from pdserve.sim.latency import Batch, LatencyModel
 from pdserve.sim.models import get_model, load_hf_config
-from pdserve.sim.planner import PlanRequest, _valid_shapes
+from pdserve.sim.planner import PlanRequest
 from pdserve.sim.report import serve_command
+from pdserve.sim.shapes import Shape, valid_shapes
 
 
 @pytest.mark.parametrize(
@@ -89,8 +90,8 @@ def test_the_search_offers_ep_for_moe_only_and_the_plan_says_the_flag():
     dense = Cluster(get_model("qwen3-32b"), get_gpu("h200"), get_link("ib-ndr"))
     # 470 GB of weights: 4 or 8 H200s hold them with TP; with EP every GPU also holds all
     # 16 GB of dense weights, so only EP 8 fits (EP 4: 16 + 114 GB > 0.9 x 141 GB).
-    assert _valid_shapes(moe, work, None) == [(4, 1), (8, 1), (1, 8)]
-    assert all(ep == 1 for _, ep in _valid_shapes(dense, work, None))
+    assert valid_shapes(moe, work, None) == [Shape(4), Shape(8), Shape(1, 8)]
+    assert all(s.ep == 1 for s in valid_shapes(dense, work, None))
     dep = Deployment("disagg", prefill_tp=8, decode_tp=1, decode_ep=8)
     assert dep.num_gpus == 16
     assert "--prefill-tp 8 --decode-tp 1 --decode-ep 8" in serve_command(dep)[0]

@@ -2,12 +2,13 @@
 the bubble, the activations' hop, memory per stage, KV over every stage's ports, refusals."""
 
 import json
+import shlex
 
 import pytest
 
 from pdserve.bench.metrics import SLO
 from pdserve.bench.workload import RequestSpec
-from pdserve.cli import main
+from pdserve.cli import build_parser, main
 from pdserve.sim.deployment import Cluster, Deployment
 from pdserve.sim.hardware import Accelerator, Link, get_gpu, get_link
 from pdserve.sim.kvmath import kv_bytes
@@ -167,6 +168,9 @@ def test_plan_pipelines_prefill_across_nodes_when_one_node_misses_the_ttft(capsy
     assert "in 16 micro-batches of 1,024 tokens takes 267.9 ms" in pipe
     assert "over ib-ndr (across nodes); one TP8 instance alone takes 673.8 ms" in pipe
     assert "no co-located deployment met the SLOs within the GPU budget" in out["reasons"]
+    # the command it prints is one `pdserve serve` reads
+    args = build_parser().parse_args(shlex.split(out["serve_command"])[1:])
+    assert (args.prefill_pp, args.prefill_tp, args.decode_tp) == (4, 8, 4)
 
 
 def test_plan_keeps_prefill_on_one_node_when_the_ttft_allows():

@@ -36,10 +36,12 @@ from pdserve.engine.sequence import Sequence
 # (docs/serving.md); `disable_by_batch_size` overrides it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 MAX_BACKOFF = 16  # decode steps a sequence whose proposals keep failing goes without
-# What one more verified row costs, as a share of a plain decode step (the few-row kernels:
-# ~0.25 on a Zen 5, 2 threads): the i-th proposal is worth its row while its chance of being
-# accepted, r^i for a per-proposal acceptance r, is above it.
-ROW_COST = 0.25
+# The i-th proposal is made while its chance of acceptance, r^i for a per-proposal acceptance
+# r, stays above ROW_COST. One more verified row costs ~0.2-0.25 of a plain step with the
+# few-row kernels (Zen 5, 2 threads), but acceptance comes in bursts (a copy runs, then
+# diverges): benchmarks/spec_decode.py at c=1 gave rewrite / free chat 1.30x / 1.03x at 0.25,
+# 1.41x / 0.98x at 0.15.
+ROW_COST = 0.15
 DECAY = 0.7  # of a sequence's acceptance counts per verify step: recent proposals weigh most
 
 

@@ -82,7 +82,7 @@ def reference(x, q, scales, inv_smooth) -> torch.Tensor:
 def _kernels():
     """The quantize/dequantize kernels of the fused step's C++ extension (csrc/decode.cpp),
     built by `make install`; None where it cannot load (then the torch ops above)."""
-    from pdserve.model.fused import extension_or_none
+    from pdserve.model.extension import extension_or_none
 
     return extension_or_none()
 

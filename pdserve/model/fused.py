@@ -1,48 +1,27 @@
-"""The fused decode step: `csrc/decode.cpp` compiled with the machine's C++ compiler at first
-use and cached, so the second start loads it in well under a second.
+"""The fused decode step: `csrc/decode.cpp`, built and loaded by `model/extension.py`.
 
 A decode-only step (one new token per sequence, no KV hooks) runs as one C++ call: every
 layer's norms, attention parts (`FUSED_PARTS`: q/k/v biases, per-head q/k RMSNorm), RoPE, cache
 write, paged attention over the block table (no gather; over the sliding window where the
 config sets one), SwiGLU and residuals fused, the linears as model/quant.py runs them (the
-few-row int4/int8 kernels of csrc/few_rows.h, or torch's). Prefills and
+few-row int4/int8 kernels of csrc/few_rows.h, or torch's). Prefills and the prefill chunks of
 mixed steps stay on the eager model. `--enforce-eager` turns this off; a machine without a
 working compiler falls back to eager with a warning that says so.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import logging
-import platform
-import time
-from pathlib import Path
 
 import torch
 
-from pdserve import envs
+from pdserve.model import extension
 from pdserve.model.parts import HeadQKNorm, QKVBias
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
-# -fopenmp: at::parallel_for is a header template, compiled here; without it its loops run on
-# one thread. Only the compile step gets it: the OpenMP runtime is torch's own, already loaded.
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
 # The attention parts the step applies, in the order it applies them (after the qkv linear,
 # before RoPE); a layer may have any of them, in this order.
 FUSED_PARTS = (QKVBias, HeadQKNorm)
-_module = None
-load_note = ""  # "built in 21.3 s" / "loaded in 0.2 s": how long the extension took here
-
-
-def cpu_flags() -> str:
-    """The CPU's feature flags: the build uses -march=native, so a cached build is only reused
-    on a CPU with the same features."""
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    return next((line for line in lines if line.startswith("flags")), platform.processor())
 
 
 def unfused_parts(parts: list) -> str | None:
@@ -55,83 +34,12 @@ def unfused_parts(parts: list) -> str | None:
     return None
 
 
-def build_dir() -> Path:
-    """The build's folder: named by a hash of the source, so a changed decode.cpp builds anew
-    (and of everything else the build depends on)."""
-    key = hashlib.sha256()
-    for part in sorted(p for p in SOURCE.parent.iterdir() if p.is_file()):  # + its headers
-        key.update(part.name.encode() + part.read_bytes())
-    # The paths of the source and of torch too: the build files name them, so two checkouts
-    # or virtual environments sharing one folder would rebuild each other's.
-    where = f"{SOURCE.resolve()}|{Path(torch.__file__).parent}|{platform.python_version()}"
-    key.update(f"{where}|{FLAGS}|{torch.__version__}".encode())
-    key.update(cpu_flags().encode())
-    return envs.cache_dir() / "ext" / f"decode-{key.hexdigest()[:16]}"
-
-
-def load_extension():
-    """The compiled module (built on first call, ~20 s on 2 cores; then cached on disk)."""
-    global _module, load_note
-    if _module is None:
-        from torch.utils import cpp_extension
-
-        path = build_dir()
-        path.mkdir(parents=True, exist_ok=True)
-        built = {p: p.stat().st_mtime_ns for p in path.glob("*.so")}
-        start = time.perf_counter()
-        if not built:
-            log.info("compiling the fused decode step into %s (once per machine, ~20 s)", path)
-        with _only_builder(path):
-            _module = cpp_extension.load(
-                name="pdserve_decode",
-                sources=[str(SOURCE)],
-                extra_cflags=FLAGS,
-                build_directory=str(path),
-                verbose=False,
-            )
-        now = {p: p.stat().st_mtime_ns for p in path.glob("*.so")}
-        verb = "loaded" if built and now == built else "built"
-        load_note = f"{verb} in {time.perf_counter() - start:.1f} s"
-        log.info("fused decode step %s", load_note)
-    return _module
-
-
-@contextlib.contextmanager
-def _only_builder(path: Path):
-    """One process at a time builds or loads in `path`, under a kernel lock that dies with its
-    holder. torch's own lock is a file that a process killed mid-build leaves behind, and every
-    later start then waits on it forever: held here, such a file can only be stale."""
-    with open(path / "pdserve.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        stale = path / "lock"
-        if stale.exists():
-            log.warning("removing %s, left by a build that was killed", stale)
-            stale.unlink(missing_ok=True)
-        yield
-
-
-_tried: list = []  # [the extension module, or None where it does not build]
-
-
-def extension_or_none():
-    """The extension (`load_extension`), or None where it cannot be built here (no compiler):
-    for the kernels beside the fused step (few-row int4, int8 activations), whose callers then
-    use torch's own. Tried once per process; a failure is logged once."""
-    if not _tried:
-        try:
-            _tried.append(load_extension())
-        except Exception as exc:
-            log.warning("the C++ kernels could not be built, using torch's (slower): %s", exc)
-            _tried.append(None)
-    return _tried[0]
-
-
 class FusedDecode:
     """One C++ object holding the model's weights and KV caches (no copies: the same tensors)."""
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        ext = load_extension()
-        self.load_note = load_note  # how long this process took to build or load it
+        ext = extension.load_extension()
+        self.load_note = extension.load_note  # how long this process took to build or load it
 
         def linear(lin):
             return ext.Linear(*lin.kernel_spec())
@@ -178,4 +86,4 @@ class FusedDecode:
 
 if __name__ == "__main__":  # `python -m pdserve.model.fused`: build now (make install does)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    load_extension()
+    extension.load_extension()

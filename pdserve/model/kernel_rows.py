@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pdserve import envs
-from pdserve.model.fused import cpu_flags
+from pdserve.model.extension import cpu_flags
 
 log = logging.getLogger(__name__)
 VERSION = 2  # of the measurement (2: the few-row int4/int8 kernels); a new one re-measures

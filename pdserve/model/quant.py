@@ -157,7 +157,7 @@ def few_rows_extension(weight: torch.Tensor):
     or None (then torch's int4 kernel)."""
     if weight.dtype != torch.bfloat16 or weight.shape[0] % FEW_ROWS_TILE:
         return None
-    from pdserve.model.fused import extension_or_none
+    from pdserve.model.extension import extension_or_none
 
     return extension_or_none()
 

@@ -105,11 +105,11 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start():
     import subprocess
     import sys
 
-    from pdserve.model import fused
+    from pdserve.model import extension as fused
 
     fused.load_extension()  # built (or loaded) here first
     (fused.build_dir() / "lock").touch()
-    code = "from pdserve.model import fused; fused.load_extension(); print(fused.load_note)"
+    code = "from pdserve.model import extension as e; e.load_extension(); print(e.load_note)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("loaded in"), done.stdout
@@ -119,7 +119,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start():
 def test_a_changed_source_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
     """The build is cached in a folder named by a hash of decode.cpp: an edited source never
     loads the build of the one before."""
-    from pdserve.model import fused
+    from pdserve.model import extension as fused
 
     source = tmp_path / "decode.cpp"
     source.write_bytes(fused.SOURCE.read_bytes())
@@ -133,7 +133,7 @@ def test_a_changed_source_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
 
 def test_an_edited_header_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
     """decode.cpp includes few_rows.h: the build's hash covers every file beside it."""
-    from pdserve.model import fused
+    from pdserve.model import extension as fused
 
     for part in fused.SOURCE.parent.iterdir():
         (tmp_path / part.name).write_bytes(part.read_bytes())

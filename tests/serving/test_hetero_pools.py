@@ -1,8 +1,9 @@
 """Pools on different "hardware" on this machine (issue 39): the prefill pool on dense bf16
 weights, the decode pool on int4 with its own thread count, chosen per pool with
 --prefill-args / --decode-args. Greedy requests get the text the co-located engine gives with
-the decode pool's weights (a prefill computes on the dense weights in every format, so the
-prompt's KV and first token do not depend on the prefill pool's format)."""
+the decode pool's weights (a prefill of more rows than any quantized kernel takes, LADDER's
+last, computes on the dense weights in every format, so the prompt's KV and first token do not
+depend on the prefill pool's format)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
-    "Counting to twenty: one, two, three, four, five, six, seven, eight, nine, ten,",
+PROMPTS = [  # each longer than LADDER[-1] tokens (test_the_prompts_prefill_on_the_dense_weights)
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is "
+    "Madrid. The capital of Portugal is Lisbon. The capital of Austria is Vienna. The capital "
+    "of Poland is Warsaw. The capital of Greece is Athens. The capital of Norway is Oslo. The "
+    "capital of Denmark is Copenhagen. The capital of Sweden is Stockholm. The capital of Italy "
+    "is",
+    "Counting to fifty: one, two, three, four, five, six, seven, eight, nine, ten, eleven, "
+    "twelve, thirteen, fourteen, fifteen, sixteen, seventeen, eighteen, nineteen, twenty, "
+    "twenty-one, twenty-two, twenty-three, twenty-four, twenty-five, twenty-six, twenty-seven,",
 ]
 MAX_TOKENS = 12
 
@@ -28,6 +35,17 @@ def colocated_texts() -> list[str]:
     llm = LLM(dtype="bfloat16", weights="int4", num_threads=1)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     return [llm.generate(p, params)[0].text for p in PROMPTS]
+
+
+def test_the_prompts_prefill_on_the_dense_weights():
+    """The few-row int4 kernel serves up to LADDER[-1] rows where it wins (kernel_rows.py): a
+    shorter prompt would prefill partly on int4 in the co-located reference and on bf16 in
+    the prefill pool, and their texts could differ for that alone."""
+    from pdserve.model.kernel_rows import LADDER
+    from pdserve.model.loader import load_tokenizer
+
+    tok = load_tokenizer()
+    assert all(len(tok.encode(p)) > LADDER[-1] for p in PROMPTS)
 
 
 def test_pools_with_their_own_weight_formats_and_threads_give_the_colocated_text():

@@ -9,14 +9,13 @@ order they were sent, so every stage runs the steps in stage 0's order."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import msgspec
 import torch
 
 from pdserve.engine.tp.codec import Step, decode, encode
-from pdserve.engine.tp.group import gloo_group
+from pdserve.engine.tp.group import gloo_group, reap
 from pdserve.engine.tp.shm import map_caches, shared_caches
 
 _TAG = 0
@@ -142,13 +141,5 @@ class PPGroup:
             except (RuntimeError, StageLost):
                 pass  # a stage is gone already
         self._pg = self._store = None
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if self.restore is not None:  # this process lives on (tests): unpin it
-            os.sched_setaffinity(0, self.restore[0])
-            torch.set_num_threads(self.restore[1])
-            self.restore = None
+        reap(self.procs, self.restore)
+        self.restore = None

@@ -94,15 +94,8 @@ class TPGroup:
             except RuntimeError:
                 pass  # a rank is gone already
         self._pg = self._store = None
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if self.restore is not None:  # this process lives on (tests): unpin it
-            os.sched_setaffinity(0, self.restore[0])
-            torch.set_num_threads(self.restore[1])
-            self.restore = None
+        reap(self.procs, self.restore)
+        self.restore = None
 
 
 def gloo_group(rank: int, size: int, port: int):
@@ -124,3 +117,18 @@ def gloo_group(rank: int, size: int, port: int):
 
 def _split(tensors: list[torch.Tensor], num_layers: int):
     return tensors[:num_layers], tensors[num_layers:]
+
+
+def reap(procs, restore) -> None:
+    """Wait for a group's other processes (TP ranks, pipeline stages) to exit, killing any
+    that have not within 10 s; then unpin this process where it lives on (tests): `restore`
+    is its (cpus, threads) before the group pinned it, or None."""
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    if restore is not None:
+        os.sched_setaffinity(0, restore[0])
+        torch.set_num_threads(restore[1])

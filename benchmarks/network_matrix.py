@@ -16,8 +16,8 @@ measured prompts (random token ids, so no prefix cache answers) arrive one after
 each generating 16 tokens. Co-located, each long prefill pauses the streams (their ITL p99);
 disaggregated, the streams are undisturbed but each prompt's KV crosses the link first (its
 TTFT). Needs root and iproute2 (bench/netns.py); the link rate 0 means unshaped (a veth pair:
-a few Gbit/s of this machine's CPU). Delay and loss are not shaped: this kernel may have no
-netem qdisc (reported).
+a few Gbit/s of this machine's CPU). --delay-ms and --loss-pct add a one-way delay and a loss
+rate to the prefill link in every disaggregated cell (bench/wire.py).
 """
 
 from __future__ import annotations
@@ -183,6 +183,10 @@ def main() -> int:
                         help="prefill link rates, Mbit/s (0: unshaped)")  # fmt: skip
     parser.add_argument("--lengths", default="512,2048")
     parser.add_argument("--requests", type=int, default=3, help="measured prompts per cell")
+    parser.add_argument("--delay-ms", type=float, default=0.0,
+                        help="one-way delay on the prefill link, each way")  # fmt: skip
+    parser.add_argument("--loss-pct", type=float, default=0.0,
+                        help="frames dropped on the prefill link, each way")  # fmt: skip
     parser.add_argument("--profile", help="`pdserve profile` JSON: print simulate's prediction")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument(
@@ -202,15 +206,16 @@ def main() -> int:
         if why := netns.unavailable():
             print(f"network_matrix: cannot make hosts: {why}")
             return 2
-        results = measure(rates, lengths, args.requests)
+        results = measure(rates, lengths, args.requests, args.delay_ms, args.loss_pct)
     table(results, rates, lengths, args.profile, args.requests)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0
 
 
-def measure(rates: list[float], lengths: list[int], requests: int) -> dict:
-    print(f"delay/loss: {netns.netem_unavailable() or 'netem available (not used)'}")
+def measure(
+    rates: list[float], lengths: list[int], requests: int, delay_ms: float, loss_pct: float
+) -> dict:
     env = {"PDSERVE_SECRET": secrets.token_hex(16)}
     rng = random.Random(0)
     results: dict = {"colocated": {}, "disagg": {}}
@@ -231,8 +236,8 @@ def measure(rates: list[float], lengths: list[int], requests: int) -> dict:
                 print(f"colocated {n}: {results['colocated'][n]}", flush=True)
                 for rate in rates:
                     prefill = net.hosts["prefill"]
-                    if rate:
-                        prefill.shape(rate * 1e6)
+                    if rate or delay_ms or loss_pct:
+                        prefill.shape(rate * 1e6 or None, delay_ms=delay_ms, loss_pct=loss_pct)
                     sent = prefill.bytes_sent()
                     try:
                         got = cell(client, disagg.url, n, requests, rng)

@@ -5,6 +5,7 @@ benchmarks/network_matrix.py; the recipe: docs/serving.md#multi-host).
     with Network() as net:
         router, decode = net.add_host("router"), net.add_host("decode")
         decode.shape(rate_bit=1e9)          # its link, both ways, 1 Gbit/s (tc tbf)
+        decode.shape(delay_ms=50, loss_pct=5)  # ...or 50 ms late and 5 % lost (bench/wire.py)
         proc = decode.popen([sys.executable, "-m", "pdserve.cli", "worker", ...])
         decode.partition(); decode.heal()   # its switch port down, then up
         router.call(httpx.get, f"http://{router.address}:8000/health")  # a socket in its ns
@@ -18,8 +19,8 @@ and deletes them, which removes their links; a run that was killed leaves them b
 next `Network()` removes every `pdn<pid>-` namespace whose pid is gone (`remove_stale`).
 
 Needs root and iproute2 (`ip`, `tc`): `unavailable()` says why not. Rates use tbf; delay and
-loss need the netem qdisc, which some kernels lack: `netem_unavailable()` says so, and
-`shape(delay_ms=..)` then raises `ShapingUnavailable` rather than shape without it.
+loss use a user-space wire (bench/wire.py: raw sockets relaying the host's frames to the bridge,
+late or not at all), since some kernels have no netem qdisc and its results would differ.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -44,7 +46,7 @@ _CLONE_NEWNET = 0x40000000
 
 
 class ShapingUnavailable(RuntimeError):
-    """This kernel cannot shape a link that way (e.g. no netem qdisc for delay or loss)."""
+    """The link cannot be shaped that way here (the user-space wire did not start)."""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -71,25 +73,6 @@ def unavailable() -> str | None:
         return f"`ip netns add` failed: {made.stderr.strip()}"
     _ip("netns", "del", probe, check=False)
     return None
-
-
-_netem: list[str | None] = []
-
-
-def netem_unavailable() -> str | None:
-    """Why delay and loss cannot be shaped here (the kernel has no netem qdisc), or None."""
-    if not _netem:
-        probe = f"{PREFIX}{os.getpid()}-netem"
-        _ip("netns", "add", probe)
-        try:
-            tried = _ip("-n", probe, "link", "set", "lo", "up", check=False)
-            tried = _run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo",
-                          "root", "netem", "delay", "1ms"], check=False)  # fmt: skip
-        finally:
-            _ip("netns", "del", probe, check=False)
-        why = tried.stderr.strip()
-        _netem.append(f"this kernel has no netem qdisc (tc: {why!r})" if tried.returncode else None)
-    return _netem[0]
 
 
 def _alive(pid: int) -> bool:
@@ -134,6 +117,8 @@ class Host:
         self.ns = f"{net.prefix}{name}"
         self.address = f"{SUBNET}.{index}"
         self.port = f"p{index}"  # its end on the switch
+        self.index = index
+        self.wire: subprocess.Popen | None = None  # bench/wire.py, while delay/loss are shaped
         _ip("netns", "add", self.ns)
         net.made.append(self.ns)
         _ip("-n", net.switch, "link", "add", self.port, "type", "veth",
@@ -183,25 +168,69 @@ class Host:
 
     # -- the link --------------------------------------------------------------------------
     def shape(
-        self, rate_bit: float, *, delay_ms: float | None = None, loss_pct: float | None = None
+        self,
+        rate_bit: float | None = None,
+        *,
+        delay_ms: float | None = None,
+        loss_pct: float | None = None,
+        seed: int | None = None,
     ) -> None:
-        """Limit this host's link to `rate_bit` bits/s each way (tbf on `eth0` and on its
-        switch port). Delay or loss need netem: ShapingUnavailable where the kernel lacks it."""
-        if delay_ms is not None or loss_pct is not None:
-            if why := netem_unavailable():
-                raise ShapingUnavailable(f"cannot add delay or loss: {why}")
-            raise ShapingUnavailable("delay and loss are not implemented yet (netem exists)")
-        rate = int(rate_bit)
-        # The bucket: >= one MTU, and ~1 ms of the rate so that fast links are not held back
-        # by timer resolution (tbf segments GSO packets larger than it).
-        burst = max(16 * 1024, rate // 8 // 1000)
-        for ns, dev in ((self.ns, "eth0"), (self.net.switch, self.port)):
-            _ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                "rate", f"{rate}bit", "burst", str(burst), "latency", "100ms")  # fmt: skip
+        """Shape this host's link, both ways: at most `rate_bit` bits/s (tbf on `eth0` and on
+        its switch port), each frame `delay_ms` late and `loss_pct` % of frames dropped (a
+        user-space wire, bench/wire.py, between the switch port and the bridge: it works the
+        same on kernels built without the netem qdisc). Replaces any earlier shaping."""
+        self.unshape()
+        if rate_bit is not None:
+            rate = int(rate_bit)
+            # The bucket: >= one MTU, and ~1 ms of the rate so that fast links are not held
+            # back by timer resolution (tbf segments GSO packets larger than it).
+            burst = max(16 * 1024, rate // 8 // 1000)
+            for ns, dev in self._ends():
+                _ip("netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                    "rate", f"{rate}bit", "burst", str(burst), "latency", "100ms")  # fmt: skip
+        if delay_ms or loss_pct:
+            self._wire_in(delay_ms or 0.0, loss_pct or 0.0, seed)
+
+    def _ends(self) -> tuple[tuple[str, str], ...]:
+        return (self.ns, "eth0"), (self.net.switch, self.port)
+
+    def _wire_in(self, delay_ms: float, loss_pct: float, seed: int | None) -> None:
+        """Move the switch port off the bridge and relay its frames to a new bridge port
+        (`b<i>`, a veth pair with `w<i>`) through bench/wire.py."""
+        sw, wire, bridged = self.net.switch, f"w{self.index}", f"b{self.index}"
+        _ip("-n", sw, "link", "set", self.port, "nomaster")
+        _ip("-n", sw, "link", "add", wire, "type", "veth", "peer", "name", bridged)
+        _ip("-n", sw, "link", "set", bridged, "master", "br0", "up")
+        for dev in (self.port, wire):
+            _ip("-n", sw, "link", "set", dev, "promisc", "on", "up")
+        argv = [sys.executable, "-m", "pdserve.bench.wire", self.port, wire,
+                "--delay-ms", str(delay_ms), "--loss-pct", str(loss_pct)]  # fmt: skip
+        if seed is not None:
+            argv += ["--seed", str(seed)]
+        proc = subprocess.Popen(["ip", "netns", "exec", sw, *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        ready = proc.stdout.readline()
+        if "wire ready" not in ready:
+            proc.kill()
+            err = proc.communicate()[1].strip()
+            self._wire_out()
+            raise ShapingUnavailable(f"the user-space wire did not start: {err or ready!r}")
+        self.wire = proc
+
+    def _wire_out(self) -> None:
+        sw = self.net.switch
+        if self.wire is not None:
+            self.wire.kill()
+            self.wire.wait()
+            self.wire = None
+        _ip("-n", sw, "link", "del", f"w{self.index}", check=False)  # its peer goes with it
+        _ip("-n", sw, "link", "set", self.port, "master", "br0", check=False)
 
     def unshape(self) -> None:
-        for ns, dev in ((self.ns, "eth0"), (self.net.switch, self.port)):
+        for ns, dev in self._ends():
             _ip("netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+        if self.wire is not None:
+            self._wire_out()
 
     def partition(self) -> None:
         """Cut this host off: its switch port down (its `eth0` loses carrier; packets either

@@ -4,8 +4,8 @@ real (virtual) link. The greedy text is the offline engine's; the KV bytes the p
 reports are the bytes that left its host and reached the decode host; a partition of the decode
 host mid-stream ends the stream with a clear error and leaks nothing once healed; a link cut to
 10 Mbit/s makes the push give up after --transfer-timeout-s and the decode worker prefill the
-prompt itself (docs/serving.md). Delay and loss need the netem qdisc: skipped where the kernel
-has none."""
+prompt itself (docs/serving.md); 50 ms of delay and 5 % loss on the prefill link slow the push
+and lose nothing."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ import httpx
 import pytest
 from waiting import wait_until
 
-from pdserve.bench import netns
-
 from .conftest import TRANSFER_TIMEOUT_S, URL
 
 
@@ -32,7 +30,7 @@ def notes(seed: int, n: int = 24) -> str:
     )  # fmt: skip
 
 
-PROMPTS = [notes(1), notes(2), notes(3, 32)]
+PROMPTS = [notes(1), notes(2), notes(3, 32), notes(5)]
 MAX_TOKENS = 12
 
 
@@ -179,20 +177,25 @@ def test_a_partition_of_the_decode_host_mid_stream_ends_it_clearly_and_leaks_not
     cluster.wait_clean()
 
 
+def complete_shaped(cluster, prompt: str, **shape) -> tuple[dict, float]:
+    """One completion while the prefill host's link is shaped so: its reply and seconds."""
+    prefill = cluster.hosts["prefill"]
+    prefill.shape(**shape)
+    try:
+        start = time.monotonic()
+        reply = cluster.complete(body(prompt))
+        return reply, time.monotonic() - start
+    finally:
+        prefill.unshape()
+
+
 def test_a_link_cut_to_10_mbit_gives_up_the_push_and_the_decode_worker_prefills(cluster, offline):
     """--transfer-timeout-s after the prompt was computed the prefill worker gives up a push its
     decode worker has not acknowledged; the decode worker then prefills it (docs/serving.md)."""
     texts, per_token = offline
     prompt = PROMPTS[2]
-    prefill = cluster.hosts["prefill"]
     failures = cluster.metric("pdserve_kv_transfer_failures_total")
-    prefill.shape(rate_bit=10e6)
-    try:
-        start = time.monotonic()
-        reply = cluster.complete(body(prompt))
-        took = time.monotonic() - start
-    finally:
-        prefill.unshape()
+    reply, took = complete_shaped(cluster, prompt, rate_bit=10e6)
     assert reply["choices"][0]["text"] == texts[prompt]
     wire_s = reply["usage"]["prompt_tokens"] * per_token * 8 / 10e6
     assert wire_s > 3 * TRANSFER_TIMEOUT_S  # the link really is too slow for this push
@@ -201,7 +204,27 @@ def test_a_link_cut_to_10_mbit_gives_up_the_push_and_the_decode_worker_prefills(
     cluster.wait_clean()
 
 
-def test_delay_and_loss_need_netem(cluster):
-    if why := netns.netem_unavailable():
-        pytest.skip(f"delay/loss shaping is blocked by the kernel: {why}")
-    pytest.fail("netem exists here: write the 50 ms / 5 % loss test (bench/netns.py shape)")
+def test_50_ms_and_5_percent_loss_on_the_prefill_link_slow_the_push_and_lose_nothing(
+    cluster, offline
+):
+    """The prefill host's link delays every frame 50 ms each way and drops 5 % of them
+    (bench/wire.py): the request completes with the offline text, its push either lands (and
+    took at least the round trip its acknowledgement needs) or is given up after
+    --transfer-timeout-s and prefilled on the decode worker; nothing is left held."""
+    texts, per_token = offline
+    prompt = PROMPTS[3]  # its own: no cached prefix shortens the push
+    names = ("pdserve_kv_transfer_seconds_total", "pdserve_kv_transfer_bytes_total",
+             "pdserve_kv_transfer_failures_total")  # fmt: skip
+    before = [cluster.metric(x) for x in names]
+    reply, took = complete_shaped(cluster, prompt, delay_ms=50, loss_pct=5, seed=7)
+    assert reply["choices"][0]["text"] == texts[prompt]
+    push_s, pushed, failed = (cluster.metric(x) - b for x, b in zip(names, before, strict=True))
+    print(f"50 ms + 5 % loss: request {took:.2f} s, push {push_s:.2f} s for {pushed / 1e6:.1f} "
+          f"MB, {failed:g} given up")  # fmt: skip
+    assert took >= 0.1  # the router's message to the prefill host and the KV crossed its link
+    if failed:
+        assert failed == 1 and took >= TRANSFER_TIMEOUT_S
+    else:
+        assert pushed >= reply["usage"]["prompt_tokens"] * per_token
+        assert push_s >= 0.1  # its acknowledgement came back over the delayed link
+    cluster.wait_clean()

@@ -1,5 +1,6 @@
 """The harness itself (bench/netns.py): hosts reach each other and nothing else, the machine's
-own namespace gets no interface, shaping limits a link, and every namespace goes at close,
+own namespace gets no interface, shaping limits a link's rate, delays and drops its frames, and
+every namespace goes at close,
 also a crashed run's (its pid gone) at the next start."""
 
 from __future__ import annotations
@@ -64,6 +65,54 @@ def test_hosts_reach_each_other_only_and_leave_nothing_behind():
         listening.close()
         names = list(net.made)
     assert not set(names) & set(netns._namespaces())
+    assert _links() == before
+
+
+def _connect_ms(a: netns.Host, b: netns.Host, port: int) -> float:
+    """One TCP handshake from a to b: a round trip, in ms."""
+    start = time.perf_counter()
+    a.call(socket.create_connection, (b.address, port), 10).close()
+    return (time.perf_counter() - start) * 1e3
+
+
+def test_delay_and_loss_shape_a_link_and_unshaping_restores_it():
+    before = _links()
+    with netns.Network() as net:
+        a, b = net.add_host("a"), net.add_host("b")
+        listening = b.call(socket.create_server, (b.address, 0), backlog=64)
+        port = listening.getsockname()[1]
+        b.shape(delay_ms=40)
+        rtts = sorted(_connect_ms(a, b, port) for _ in range(5))
+        assert rtts[0] >= 80, rtts  # 40 ms each way, on every frame
+        b.shape(loss_pct=20, seed=3)  # replaces the delay
+        assert sorted(_connect_ms(a, b, port) for _ in range(3))[0] < 80
+        receiver = b.call(socket.socket, socket.AF_INET, socket.SOCK_DGRAM)
+        receiver.bind((b.address, 0))
+        receiver.settimeout(2)
+        sender = a.call(socket.socket, socket.AF_INET, socket.SOCK_DGRAM)
+        n, got = 1000, []
+
+        def receive() -> None:  # until 2 s pass with nothing
+            try:
+                while True:
+                    got.append(receiver.recv(64))
+            except TimeoutError:
+                pass
+
+        counting = threading.Thread(target=receive)
+        counting.start()
+        for i in range(n):
+            sender.sendto(b"%d" % i, receiver.getsockname())
+            if i % 20 == 19:
+                time.sleep(0.005)  # no burst larger than the sockets' buffers
+        counting.join(30)
+        got = len(got)
+        assert 0.7 * n < got < 0.9 * n, got  # 20 % of frames dropped (binomial: +-8 sd)
+        assert _links() == before  # the wire's interfaces are in the switch's namespace
+        b.unshape()
+        assert sorted(_connect_ms(a, b, port) for _ in range(3))[0] < 40
+        for s in (receiver, sender, listening):
+            s.close()
     assert _links() == before
 
 

@@ -36,13 +36,16 @@ def test_workers_rejoin_a_restarted_router_which_serves_the_same_tokens():
         first = httpx.post(url + "/v1/completions", json=BODY, timeout=60).json()
         long = {**BODY, "max_tokens": 5000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=long, timeout=60) as stream:
-            next(stream.iter_lines())  # the stream is running on the worker
+            # Hold the iterator: a dropped one is closed at once, and closing it closes the
+            # connection, so the router would abort the stream itself before it is killed.
+            lines = stream.iter_lines()
+            next(lines)  # the stream is running on the worker
             router.kill()
         wait_until(
             lambda: any("dropped 1 requests and freed their blocks" in x for x in worker.lines),
             30,
             "the worker to drop the dead router's stream",
-            state=lambda: worker.lines[-5:],
+            state=lambda: worker.lines[-30:],
         )
         with _router(port) as again:
             url = again.match[1]

@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _servers import server, stream_timings  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from factories import hand_off  # noqa: E402
+
 
 def variants(model_config) -> dict[str, tuple[str, tuple[str, ...]]]:
     """name -> (what the table calls it, serve flags). TP 2 where the model's heads split by
@@ -84,8 +87,6 @@ def stage_bytes(model: str | None, tokens: int) -> tuple[list[int], list[int]]:
     from pdserve.kv_transfer import make_receiver
     from pdserve.protocol import messages as m
     from pdserve.serving.build import kv_layout, prefill_sender
-    from pdserve.serving.decode_side import DecodeSide
-    from pdserve.serving.prefill_side import PrefillSide
     from pdserve.serving.worker_config import WorkerConfig
 
     d_engine = LLMEngine(EngineConfig(model=model, role="decode"))
@@ -95,25 +96,10 @@ def stage_bytes(model: str | None, tokens: int) -> tuple[list[int], list[int]]:
     receiver.start()
     config = WorkerConfig(p_engine.config, ("tcp://127.0.0.1:1",), "p0")
     sender = prefill_sender(config, p_engine, p_layout, p_engine.runner.rank_caches)
-    sent, done = [], []
-    decode = DecodeSide(d_engine, d_layout, sent.append, "d0", receiver)
-    prefill = PrefillSide(p_engine, sender, done.append, transfer_timeout_s=60)
-    d_engine.connect(decode)
-    p_engine.connect(prefill)
     try:
         ids = prompt_ids(random.Random(1), tokens)
         params = m.Params(max_tokens=1, ignore_eos=True)
-        decode.on_admit(m.Admit("kv", ids, params, remote_prefill=True, lease_s=120))
-        [placement] = sent
-        prefill.on_prefill(m.Prefill("kv", ids, params, placement.kv_endpoints,
-                                     placement.block_ids, placement.num_cached_tokens))  # fmt: skip
-        while p_engine.has_work():
-            prefill.finish(p_engine.step())
-        while prefill.pushing:
-            prefill.wait_settle(0.05)
-        decode.on_kv_ready(m.KVReady("kv", done[0].first_token))
-        while d_engine.has_work():
-            decode.emit(d_engine.step())
+        _, _, placement = hand_off(p_engine, d_engine, sender, receiver, ids, params, "kv")
         blocks = len(placement.block_ids) - placement.num_cached_tokens // p_layout.block_size
         share = [len(r) * p_layout.tensors * blocks * p_layout.block_bytes
                  for r in p_engine.runner.pp.layers]  # fmt: skip

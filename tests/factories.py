@@ -93,3 +93,35 @@ def spin(us: float) -> None:
     end = time.perf_counter() + us / 1e6
     while time.perf_counter() < end:
         pass
+
+
+def hand_off(p_engine, d_engine, sender, receiver, prompt, params, rid: str = "r0"):
+    """One prompt through a prefill engine into a decode engine, in this process, as the
+    router would relay it (Admit -> Placement -> Prefill -> pushed -> KVReady -> decode):
+    returns (tokens the decode side emitted, the prefill side's PrefillDone, the Placement).
+    The sides stay connected to the engines; the caller closes sender, receiver and engines."""
+    from pdserve.protocol import messages as m
+    from pdserve.serving.build import kv_layout
+    from pdserve.serving.decode_side import DecodeSide
+    from pdserve.serving.prefill_side import PrefillSide
+
+    d_sent, p_sent = [], []
+    decode = DecodeSide(d_engine, kv_layout(d_engine), d_sent.append, "d0", receiver)
+    prefill = PrefillSide(p_engine, sender, p_sent.append, transfer_timeout_s=60)
+    d_engine.connect(decode)
+    p_engine.connect(prefill)
+    decode.on_admit(m.Admit(rid, prompt, params, remote_prefill=True, lease_s=120))
+    [placement] = d_sent
+    prefill.on_prefill(m.Prefill(rid, prompt, params, placement.kv_endpoints,
+                                 placement.block_ids, placement.num_cached_tokens))  # fmt: skip
+    while p_engine.has_work():
+        prefill.finish(p_engine.step())
+    while prefill.pushing:
+        prefill.wait_settle(0.05)
+    [done] = p_sent
+    d_sent.clear()
+    decode.on_kv_ready(m.KVReady(rid, done.first_token))
+    while d_engine.has_work():
+        decode.emit(d_engine.step())
+    tokens = [i.token for msg in d_sent if isinstance(msg, m.Tokens) for i in msg.items]
+    return tokens, done, placement

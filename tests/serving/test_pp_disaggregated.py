@@ -9,7 +9,7 @@ would); the prompt is chunked, so its earlier chunks go down the pipeline withou
 from __future__ import annotations
 
 import pytest
-from factories import make_engine, make_model_files, run_to_completion
+from factories import hand_off, make_engine, make_model_files, run_to_completion
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import make_receiver
@@ -17,8 +17,6 @@ from pdserve.kv_transfer.group import ReceiverGroup
 from pdserve.kv_transfer.stage_senders import StageSenders
 from pdserve.protocol import messages as m
 from pdserve.serving.build import kv_layout, prefill_sender
-from pdserve.serving.decode_side import DecodeSide
-from pdserve.serving.prefill_side import PrefillSide
 from pdserve.serving.worker_config import WorkerConfig
 from serving.test_tp_disaggregated import NO_NIXL
 
@@ -51,26 +49,8 @@ def handoff(files, backend: str, partition: str | None, d: int):
     config = WorkerConfig(p_engine.config, ("tcp://127.0.0.1:1",), "p0", kv_transport=backend)
     sender = prefill_sender(config, p_engine, p_layout, p_engine.runner.rank_caches)
     assert isinstance(sender, StageSenders) and len(sender.senders) == 2
-    d_sent, p_sent = [], []
-    decode = DecodeSide(d_engine, d_layout, d_sent.append, "d0", receiver)
-    prefill = PrefillSide(p_engine, sender, p_sent.append, transfer_timeout_s=30)
-    d_engine.connect(decode)
-    p_engine.connect(prefill)
     try:
-        decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
-        [placement] = d_sent
-        prefill.on_prefill(m.Prefill("r0", PROMPT, PARAMS, placement.kv_endpoints,
-                                     placement.block_ids, placement.num_cached_tokens))  # fmt: skip
-        while p_engine.has_work():
-            prefill.finish(p_engine.step())
-        while prefill.pushing:
-            prefill.wait_settle(0.05)
-        [done] = p_sent
-        d_sent.clear()
-        decode.on_kv_ready(m.KVReady("r0", done.first_token))
-        while d_engine.has_work():
-            decode.emit(d_engine.step())
-        tokens = [i.token for msg in d_sent if isinstance(msg, m.Tokens) for i in msg.items]
+        tokens, done, placement = hand_off(p_engine, d_engine, sender, receiver, PROMPT, PARAMS)
         for engine in (p_engine, d_engine):
             engine.check_integrity()
             assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

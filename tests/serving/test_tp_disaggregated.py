@@ -10,15 +10,13 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from factories import make_engine, make_model_files, run_to_completion
+from factories import hand_off, make_engine, make_model_files, run_to_completion
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVLayout, make_receiver, make_sender
 from pdserve.kv_transfer.group import ReceiverGroup
 from pdserve.protocol import messages as m
 from pdserve.serving.build import kv_layout
-from pdserve.serving.decode_side import DecodeSide
-from pdserve.serving.prefill_side import PrefillSide
 
 HAS_NIXL = any(importlib.util.find_spec(n) for n in ("nixl", "nixl_cu12", "nixl_cu13"))
 PROMPT = list(range(3, 24))  # 21 tokens: 6 blocks of 4
@@ -61,27 +59,9 @@ def handoff(files, backend: str, p: int, d: int, ep: tuple[int, int] = (1, 1)):
     receiver.start()
     sender = make_sender(backend, p_layout, *p_engine.runner.rank_caches[0],
                          ranks=p_engine.runner.rank_caches)  # fmt: skip
-    d_sent, p_sent = [], []
-    decode = DecodeSide(d_engine, d_layout, d_sent.append, "d0", receiver)
-    prefill = PrefillSide(p_engine, sender, p_sent.append, transfer_timeout_s=30)
-    d_engine.connect(decode)
-    p_engine.connect(prefill)
     try:
-        decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
-        [placement] = d_sent
+        tokens, done, placement = hand_off(p_engine, d_engine, sender, receiver, PROMPT, PARAMS)
         assert len(placement.kv_endpoints) == d  # one endpoint per decode rank
-        prefill.on_prefill(m.Prefill("r0", PROMPT, PARAMS, placement.kv_endpoints,
-                                     placement.block_ids, placement.num_cached_tokens))  # fmt: skip
-        while p_engine.has_work():
-            prefill.finish(p_engine.step())
-        while prefill.pushing:
-            prefill.wait_settle(0.05)
-        [done] = p_sent
-        d_sent.clear()
-        decode.on_kv_ready(m.KVReady("r0", done.first_token))
-        while d_engine.has_work():
-            decode.emit(d_engine.step())
-        tokens = [i.token for msg in d_sent if isinstance(msg, m.Tokens) for i in msg.items]
         received = [r.stats().bytes for r in receiver.receivers]
         for engine in (p_engine, d_engine):
             engine.check_integrity()

@@ -4,8 +4,8 @@ The connectors move host memory: tcp sockets read and write it, NIXL registers i
 in-process connector copies it. A worker whose cache lives on a GPU therefore stages each
 transfer through a pool of host blocks with the cache's own block shape:
 
-* prefill: right after layer `l`'s forward pass, that layer's blocks of every prompt finishing
-  in the step are copied device -> host into the transfer's host blocks, which are then queued
+* prefill: right after layer `l`'s forward pass, that layer's blocks that the step completed
+  (a chunk's) are copied device -> host into the transfer's host blocks, which are then queued
   (`KVSender.send_layer`) exactly as cache blocks would be; they go back to the pool once the
   transfer is acknowledged or aborted;
 * decode: the KV lands in host blocks (`KVReceiver.expect` is given them); when the prefill
@@ -46,8 +46,10 @@ class HostStaging:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks))
         self._held: dict[str, list[int]] = {}
-        # per transfer: its device block index and host blocks, built at its first copy
-        self._index: dict[str, tuple[torch.Tensor, slice | torch.Tensor]] = {}
+        # per transfer: the (first, count) of its host blocks last copied, their device block
+        # index and host blocks (built at a chunk's first layer, used by its other layers)
+        self._index: dict[str, tuple[tuple[int, int], tuple[torch.Tensor, slice | torch.Tensor]]]
+        self._index = {}
 
     @classmethod
     def sized(cls, device_k, device_v, max_model_len: int, gb: float = DEFAULT_GB) -> HostStaging:
@@ -85,9 +87,13 @@ class HostStaging:
     def held(self, transfer_id: str) -> list[int]:
         return self._held[transfer_id]
 
-    def to_host(self, transfer_id: str, layer: int, device_ids: list[int]) -> None:
-        """Copy layer `layer` of cache blocks `device_ids` into the transfer's host blocks."""
-        src, host = self._indexes(transfer_id, device_ids)
+    def to_host(
+        self, transfer_id: str, layer: int, device_ids: list[int], at: int = 0
+    ) -> list[int]:
+        """Copy layer `layer` of cache blocks `device_ids` into the transfer's host blocks from
+        its `at`-th on (a chunk's blocks, as each chunk of a prompt is computed); returns
+        those host blocks."""
+        src, host = self._indexes(transfer_id, device_ids, at)
         pairs = zip(
             layer_caches(self.device_k, self.device_v, layer),
             layer_caches(self.k_caches, self.v_caches, layer),
@@ -99,9 +105,14 @@ class HostStaging:
                 stage[host].copy_(gathered)
             else:
                 stage.index_copy_(0, host, gathered.cpu())
+        return self._held[transfer_id][at : at + len(device_ids)]
 
     def to_device(self, transfer_id: str, device_ids: list[int]) -> None:
         """Copy every layer of the transfer's host blocks into cache blocks `device_ids`."""
+        if len(held := self._held[transfer_id]) != len(device_ids):
+            raise ValueError(
+                f"transfer {transfer_id!r} holds {len(held)} host blocks, not {len(device_ids)}"
+            )
         dst, host = self._indexes(transfer_id, device_ids)
         pinned = isinstance(host, slice) and self.device.type == "cuda"  # copies can queue up
         for dev, stage in ((self.device_k, self.k_caches), (self.device_v, self.v_caches)):
@@ -111,22 +122,24 @@ class HostStaging:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _indexes(
-        self, transfer_id: str, device_ids: list[int]
+        self, transfer_id: str, device_ids: list[int], at: int = 0
     ) -> tuple[torch.Tensor, slice | torch.Tensor]:
-        """(`device_ids` as an index on the device, the transfer's host blocks: a slice if they
-        are one run, else an index tensor), built once per transfer: a prompt's blocks are the
-        same for each of its layers."""
-        held = self._held[transfer_id]
+        """(`device_ids` as an index on the device, the transfer's host blocks from its `at`-th:
+        a slice if they are one run, else an index tensor), built once per transfer and chunk:
+        a prompt's blocks are the same for each of its layers."""
+        held = self._held[transfer_id][at : at + len(device_ids)]
         if len(held) != len(device_ids):
             raise ValueError(
-                f"transfer {transfer_id!r} holds {len(held)} host blocks, not {len(device_ids)}"
+                f"transfer {transfer_id!r} holds {len(self._held[transfer_id])} host blocks, "
+                f"not {at} + {len(device_ids)}"
             )
-        if (cached := self._index.get(transfer_id)) is not None:
-            return cached
+        cached = self._index.get(transfer_id)
+        if cached is not None and cached[0] == (at, len(held)):
+            return cached[1]
         one_run = held and held[-1] - held[0] == len(held) - 1
         host = slice(held[0], held[-1] + 1) if one_run else torch.tensor(held, dtype=torch.long)
         device = torch.tensor(device_ids, dtype=torch.long, device=self.device)
-        self._index[transfer_id] = device, host
+        self._index[transfer_id] = (at, len(held)), (device, host)
         return device, host
 
     def check(self) -> None:

@@ -1,12 +1,13 @@
 """The prefill side of a worker (role prefill): computes prompts and pushes each layer's KV
 into the decode worker's blocks as soon as that layer's forward pass ends.
 
-It is the engine's KV connector: `after_layer` queues the layer's blocks of every prompt that
-completes in the step (a long prompt is computed in chunks, `config.WORKER_CHUNK_SIZE` by default,
-and an Abort read between them stops it), and `request_finished` keeps a finished prompt's
-blocks held until the push is acknowledged (`settle`), when the router gets PrefillDone with
-the first token. Pushes are awaited without blocking the loop: a decode worker that stops
-reading costs its own requests the transfer timeout, never the other prompts queued here.
+It is the engine's KV connector: `after_layer` queues the layer's blocks each prompt completed
+in the step (a long prompt is computed in chunks, `config.WORKER_CHUNK_SIZE` by default, each
+chunk's blocks pushed under the next chunks, and an Abort read between them stops it), and
+`request_finished` keeps a finished prompt's blocks held until the push is acknowledged
+(`settle`), when the router gets PrefillDone with the first token. Pushes are awaited without
+blocking the loop: a decode worker that stops reading costs its own requests the transfer
+timeout, never the other prompts queued here.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Outgoing:
     trace: str = ""  # the router's traceparent: its phases are recorded as spans (tracing.py)
     chunks: int = 0  # steps that computed part of it
     pushed: float = 0.0  # when its first layer was queued on the sender
+    sent: list[int] = field(default_factory=list)  # per layer: the blocks before this are queued
     done: StepOutput | None = None  # the prompt is computed; its push awaits acknowledgement
     computed: float = 0.0  # when; its push is given up transfer_timeout_s later
 
@@ -92,21 +94,32 @@ class PrefillSide(KVConnector):
         return True
 
     def after_layer(self, batch: ScheduledBatch, layer: int) -> None:
-        """Queue layer `layer`'s KV of every prompt that completes in this step."""
+        """Queue layer `layer`'s KV of the blocks each prompt completed in this step: a chunk's
+        whole blocks at once, so the push runs under the next chunks (the last chunk adds the
+        partial block at the end), and what a layer has not sent yet (a pipeline's later
+        stages hear only of steps that sample). A step that recomputes tokens already sent
+        (a prefix load fell short) sends their blocks again."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             out = self.outgoing.get(seq.request_id)
-            if out is None or seq.num_computed_tokens + n < seq.num_tokens:
+            if out is None:
+                continue
+            if not out.sent:
+                out.sent = [out.first_block] * self.engine.model_config.num_layers
+            end = seq.num_computed_tokens + n
+            stop = len(out.dst_block_ids) if end >= seq.num_tokens else end // self.block_size
+            redo = max(out.first_block, seq.num_computed_tokens // self.block_size)
+            start = min(out.sent[layer], redo)
+            if stop <= start:
                 continue
             if not out.pushed:
                 out.pushed = time.monotonic()
-            end = len(out.dst_block_ids)
-            src = seq.block_table[out.first_block : end]
+            src = seq.block_table[start:stop]
             if self.staging is not None:
-                self.staging.to_host(seq.request_id, layer, src)
-                src = self.staging.held(seq.request_id)
-            dst = out.dst_block_ids[out.first_block : end]
+                src = self.staging.to_host(seq.request_id, layer, src, start - out.first_block)
+            dst = out.dst_block_ids[start:stop]
             for endpoint in out.endpoints:
                 self.sender.send_layer(endpoint, seq.request_id, layer, src, dst)
+            out.sent[layer] = stop
 
     def request_finished(self, seq: Sequence) -> bool:
         return seq.request_id in self.outgoing  # held until its push is acknowledged

@@ -80,7 +80,11 @@ def test_blocks_go_to_host_and_back_exactly(device, fragmented):
     host = sender.take("t", 3)
     assert (host[-1] - host[0] == 2) != fragmented
     for layer in range(3):
-        sender.to_host("t", layer, [5, 0, 2])
+        if layer == 1:  # as a chunked prompt's are: a block, then the next chunk's two
+            assert sender.to_host("t", layer, [5]) == host[:1]
+            assert sender.to_host("t", layer, [0, 2], at=1) == host[1:]
+        else:
+            assert sender.to_host("t", layer, [5, 0, 2]) == host
         for dev, stage in ((k, sender.k_caches), (v, sender.v_caches)):
             assert torch.equal(stage[layer][host], dev[layer][[5, 0, 2]].cpu())
     k2, v2 = caches(seed=2, device=device)

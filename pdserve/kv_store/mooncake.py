@@ -17,7 +17,7 @@ at most `timeout_s` (`kv_store/mooncake_calls.py`). A call past its deadline fai
 and the client fails fast (no new calls) until that call returns. An abandoned call may still
 write or read its buffers later, so:
 
-* a load under an engine step (`start_load`) reads each layer object straight into the
+* with `zero_copy=1`, a load under an engine step (`start_load`) reads each layer object into the
   sequence's new K and V blocks (zero-copy: the cache tensors are registered with the
   transfer engine, `batch_get_into_multi_buffers` scatters an object's K and V halves), after
   its meta object was read into a staging buffer and verified. Those blocks are the loading
@@ -111,7 +111,7 @@ class MooncakeStoreClient(BlockStoreClient):
         for buf in (self._load_buf, self._put_buf):
             if self._store.register_buffer(buf.ptr, buf.size) != 0:
                 raise ConnectionError("Mooncake refused to register this client's buffers")
-        self._into_cache = self._register_cache()
+        self._into_cache = params.get("zero_copy") == "1" and self._register_cache()
         self._late: frozenset[int] = frozenset()  # blocks an abandoned zero-copy call may write
         self._lock = threading.Lock()  # one lookup/load at a time (they share _load_buf)
         self._removed: deque[int] = deque(maxlen=1 << 16)

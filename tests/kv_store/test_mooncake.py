@@ -112,7 +112,8 @@ def local(files, master):
     """This process's engine (no local prefix cache: a hit can only come from the pool)."""
     engine = make_engine(files, kv_cache_gb=0.001, enable_prefix_caching=False)
     layout = layout_of(engine.fingerprint, engine.runner.k_caches)
-    client = mooncake.MooncakeStoreClient(master.endpoint, layout, engine.runner.k_caches,
+    endpoint = master.endpoint + "&zero_copy=1"  # loads under a step: straight into the cache
+    client = mooncake.MooncakeStoreClient(endpoint, layout, engine.runner.k_caches,
                                           engine.runner.v_caches, timeout_s=3.0)  # fmt: skip
     link = StoreLink(client, engine.block_manager, offload_finished=False)
     engine.connect(link)
@@ -161,7 +162,12 @@ def test_a_call_past_its_deadline_fails_and_holds_off_the_next_until_it_returns(
 
 
 def test_the_endpoint_is_checked_and_the_pool_counters_are_served(local, master):
-    for bad in ("mooncake://127.0.0.1", "mooncake://h:1?replica=2", "mooncake://h:1?replicas=x"):
+    for bad in (
+        "mooncake://127.0.0.1",
+        "mooncake://h:1?replica=2",
+        "mooncake://h:1?replicas=x",
+        "mooncake://h:1?zero_copy=yes",
+    ):
         with pytest.raises(ValueError, match="mooncake"):
             mooncake_setup.parse_endpoint(bad)
     engine, link = local

@@ -15,6 +15,7 @@ on a third).
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import socket
 import subprocess
@@ -98,6 +99,12 @@ def load(endpoint: str, n: int, repeats: int) -> None:
     client.close()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _listening(address: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1)
@@ -120,19 +127,16 @@ def measure(backend: str, n: int, repeats: int, hosts=None) -> dict[str, list[fl
     addr = hosts["pool"].address if hosts else "127.0.0.1"
     where = {role: (hosts[role].prefix() if hosts else []) for role in ("pool", "putter", "loader")}
     probe = hosts["loader"].call if hosts else (lambda fn, *a: fn(*a))
-    port, started = 7500, []
+    port, started = (7500 if hosts else _free_port()), []
     if backend == "mooncake":
-        cmd = mooncake_setup.master_command(addr, port, port + 1)
+        cmd = mooncake_setup.master_command(addr, port, port + 1 if hosts else _free_port())
         endpoint = f"mooncake://{addr}:{port}?segment_mb=256&buffer_mb=64&zero_copy=1"
     else:
         store_dir = tempfile.mkdtemp(prefix="pdserve-bench-store-")
         cmd = [sys.executable, "-m", "pdserve.cli", "store", "--host", addr, "--port", str(port),
                "--store-dir", store_dir, "--dram-gb", "0.5", "--ssd-gb", "0"]  # fmt: skip
         endpoint = f"tcp://{addr}:{port}"
-    env = {"PDSERVE_SECRET": secrets.token_hex(16)} if backend != "mooncake" else {}
-    import os
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_SECRET": secrets.token_hex(16)}
     me = [sys.executable, __file__, endpoint]
     try:
         started.append(subprocess.Popen([*where["pool"], *cmd], env=env,

@@ -42,10 +42,14 @@ class Pool:
         self.procs: list[Command] = []
 
     def worker(self, worker_id: str, host: str, *flags: str) -> None:
+        """A worker on `host` in the pool, its transfer ports bound to its address only."""
+        address = self.hosts[host].address
+        env = {**self.env, "MC_TCP_BIND_ADDRESS": address}
         self.procs.append(Command(
             "worker", "--role", "both", "--worker-id", worker_id,
-            "--router", f"tcp://{MASTER}:{CONTROL_PORT}", "--kv-store", POOL, *ENGINE, *flags,
-            ready=r"worker \w+ \(\w+\) ready", env=self.env, prefix=self.hosts[host].prefix(),
+            "--router", f"tcp://{MASTER}:{CONTROL_PORT}", "--kv-store", f"{POOL}&host={address}",
+            *ENGINE, *flags, ready=r"worker \w+ \(\w+\) ready", env=env,
+            prefix=self.hosts[host].prefix(),
         ))  # fmt: skip
 
     def get(self, path: str) -> httpx.Response:

@@ -9,6 +9,12 @@ store off, `pdserve store` and (with `--mooncake`, needs pdserve[mooncake]) a Mo
 pool started by `--kv-store-backend mooncake`, side by side.
 
     .venv/bin/python benchmarks/kv_store.py [--sessions 6 --turns 4] [--mooncake]
+
+`--load` instead measures load throughput per block, both backends side by side (`pdserve
+store`; Mooncake staged and zero-copy): on loopback, and with `--hosts` (root, iproute2) also
+across network hosts (benchmarks/_kv_load.py).
+
+    .venv/bin/python benchmarks/kv_store.py --load [--blocks 64 --repeats 9] [--hosts]
 """
 
 from __future__ import annotations
@@ -55,7 +61,13 @@ def main() -> int:
     ap.add_argument("--user-tokens", type=int, default=96)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--mooncake", action="store_true", help="add a Mooncake Store pool row")
+    ap.add_argument("--load", action="store_true", help="load throughput per block instead")
+    ap.add_argument("--hosts", action="store_true", help="--load across network hosts too")
+    ap.add_argument("--blocks", type=int, default=64, help="--load: blocks per load call")
+    ap.add_argument("--repeats", type=int, default=9, help="--load: calls per way of loading")
     args = ap.parse_args()
+    if args.load:
+        return load_table(args)
     rows = []
     cases = [("store off", ()), ("store on", ("--kv-store",))]
     if args.mooncake:
@@ -76,6 +88,28 @@ def main() -> int:
         "warm = turns >= 2 of a session (its history was seen before); cold = fresh tokens of the "
         "same length, sent right after. wall/tokens/s include the cold probes."
     )
+    return 0
+
+
+def load_table(args) -> int:
+    import _kv_load
+
+    places = [("loopback", None)]
+    if args.hosts:
+        from pdserve.bench import netns
+
+        net = netns.Network()
+        places.append(("3 hosts", {r: net.add_host(r) for r in ("pool", "putter", "loader")}))
+    try:
+        rows = [(where, *row) for where, hosts in places
+                for row in _kv_load.rows(args.blocks, args.repeats, hosts)]  # fmt: skip
+    finally:
+        if args.hosts:
+            net.close()
+    print(f"\n{args.blocks} blocks of 360 KiB per load call, median of {args.repeats} calls")
+    print(f"{'':<9} {'backend':<14} {'load':<10} {'ms/block':>9} {'MB/s':>8}")
+    for where, backend, mode, ms, mbs in rows:
+        print(f"{where:<9} {backend:<14} {mode:<10} {ms:>9.3f} {mbs:>8.0f}")
     return 0
 
 

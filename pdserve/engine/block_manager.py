@@ -4,7 +4,8 @@ A block is *cached* when its chained hash is registered: it then survives being 
 0) in the free queue until it is reused, oldest first. A prefix hit is confirmed by comparing
 token ids, so a hash collision can never serve wrong KV.
 Invariants (checked by `check_integrity`): every block is either referenced (ref > 0) or in the
-free queue, never both; the hash index points only at blocks carrying that hash.
+free queue, never both; the hash index points only at blocks carrying that hash; a block's ref
+count is the tables naming it plus the references set aside (`set_aside`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class BlockManager:
         self.events: list[tuple[str, int]] = []  # ("stored"|"removed", hash), drained by workers
         self.connector = connector or KVConnector()  # told of each eviction (KVConnector.on_evict)
         self.hits = self.queries = 0  # prefix-cache hit rate, in tokens
+        self.aside: dict[int, int] = {}  # block id -> references held outside any table
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,11 +103,39 @@ class BlockManager:
         that only held rejected speculative tokens: never hashed)."""
         keep = -(-num_tokens // self.block_size)
         for block_id in reversed(seq.block_table[keep:]):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+            self._unref(block_id)
         del seq.block_table[keep:]
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+
+    def set_aside(self, seq: Sequence, index: int, block_ids: set[int]) -> list[int]:
+        """Cut seq's table at `index` (it has computed nothing there or after): of the blocks
+        cut, those in `block_ids` stay referenced, out of every table, until `give_back`
+        (a store load that may still write into them); the others are freed. The scheduler
+        gives seq new blocks as it computes on (`append_slots`). Returns the blocks kept."""
+        bs = self.block_size
+        assert len(seq.block_hashes) <= index and seq.num_computed_tokens <= index * bs
+        cut, kept = seq.block_table[index:], []
+        del seq.block_table[index:]
+        for block_id in reversed(cut):
+            if block_id in block_ids:
+                self.aside[block_id] = self.aside.get(block_id, 0) + 1
+                kept.append(block_id)
+            else:
+                self._unref(block_id)
+        return kept
+
+    def give_back(self, block_ids: list[int]) -> None:
+        """Drop the references `set_aside` kept."""
+        for block_id in block_ids:
+            self.aside[block_id] -= 1
+            if not self.aside[block_id]:
+                del self.aside[block_id]
+            self._unref(block_id)
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish seq's newly computed full blocks in the prefix cache."""
@@ -136,7 +166,7 @@ class BlockManager:
     def check_integrity(self, live: list[Sequence] | None = None) -> None:
         """Raise AssertionError naming the first broken invariant. `live`: every sequence that
         holds blocks; with it, ref counts must equal the number of tables naming each block."""
-        refs = [0] * self.num_blocks
+        refs = [self.aside.get(b, 0) for b in range(self.num_blocks)]
         for seq in live or ():
             for block_id in seq.block_table:
                 refs[block_id] += 1

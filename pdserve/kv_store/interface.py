@@ -48,8 +48,8 @@ class BlockStoreClient:
         def run() -> None:
             landed = 0
             try:
-                landed = self.load(block_hashes, dst_block_ids, None, token_ids_per_block,
-                                   parent, on_layer=job.layer_done)  # fmt: skip
+                landed = self._threaded_load(block_hashes, dst_block_ids, token_ids_per_block,
+                                             parent, job.layer_done)  # fmt: skip
             except Exception:  # load() turns store failures into 0; anything else is a bug
                 log.exception("KV store load thread failed")
             finally:
@@ -57,6 +57,20 @@ class BlockStoreClient:
 
         threading.Thread(target=run, name="kv-store-load", daemon=True).start()
         return job
+
+    def _threaded_load(self, block_hashes, dst_block_ids, token_ids_per_block, parent,
+                       on_layer) -> int:  # fmt: skip
+        """The load `start_load` runs. A client may write straight into the cache here (its
+        caller reads `late_writes()` once the load has ended); `load` never does."""
+        return self.load(block_hashes, dst_block_ids, None, token_ids_per_block, parent,
+                         on_layer=on_layer)  # fmt: skip
+
+    def late_writes(self) -> frozenset[int]:
+        """Destination blocks of a `start_load` whose call passed its deadline and may still
+        write into them until it returns: nothing may use them until this no longer names
+        them (`StoreLink` sets them aside). Empty for a client that never abandons a call
+        writing into the cache."""
+        return frozenset()
 
     def _check_load(self, block_hashes: Sequence[int], dst_block_ids: Sequence[int]) -> list[int]:
         dst = list(dst_block_ids)

@@ -14,12 +14,21 @@ prefix there: those blocks are a miss and are computed.
 
 Mooncake's calls are blocking C++ calls; each runs on a thread of this client and is waited for
 at most `timeout_s` (`kv_store/mooncake_calls.py`). A call past its deadline fails the operation,
-and the client fails fast (no new calls) until that call returns. Because an abandoned call may
-still write or read its buffers later, block bytes never move straight between the pool and the
-engine's cache: they go through registered staging buffers of this client (one copy each way)
-that no later call reuses while one is outstanding, so that a late write can never land in a
-cache block the engine has since reused, and a late read never stores a reused block's bytes
-under a hash.
+and the client fails fast (no new calls) until that call returns. An abandoned call may still
+write or read its buffers later, so:
+
+* with `zero_copy=1`, a load under an engine step (`start_load`) reads each layer object into the
+  sequence's new K and V blocks (zero-copy: the cache tensors are registered with the
+  transfer engine, `batch_get_into_multi_buffers` scatters an object's K and V halves), after
+  its meta object was read into a staging buffer and verified. Those blocks are the loading
+  sequence's own, not yet in the prefix cache, so nothing else reads them; if a layer call is
+  abandoned, `late_writes()` names its blocks until it returns and `StoreLink` sets them aside
+  (the sequence computes into new ones);
+* a synchronous `load` (a prefill worker; a decode worker's remote-prefill admission, whose
+  block table a prefill worker is told to write into) and every put go through registered
+  staging buffers (one copy each way) that no later call reuses while one is outstanding: a
+  late write never lands in a cache block, and a late read never stores a reused block's bytes
+  under a hash. (Puts: 0.3.13 has no multi-buffer upsert either.)
 
 The master restarting empties the pool (it keeps metadata in memory); the client re-registers
 by itself (Mooncake's heartbeat) and the pool refills from new offloads. Exposure: the master
@@ -102,6 +111,8 @@ class MooncakeStoreClient(BlockStoreClient):
         for buf in (self._load_buf, self._put_buf):
             if self._store.register_buffer(buf.ptr, buf.size) != 0:
                 raise ConnectionError("Mooncake refused to register this client's buffers")
+        self._into_cache = params.get("zero_copy") == "1" and self._register_cache()
+        self._late: frozenset[int] = frozenset()  # blocks an abandoned zero-copy call may write
         self._lock = threading.Lock()  # one lookup/load at a time (they share _load_buf)
         self._removed: deque[int] = deque(maxlen=1 << 16)
         self.counters = PoolCounters()
@@ -111,6 +122,14 @@ class MooncakeStoreClient(BlockStoreClient):
         self.metrics_port = None
         if "metrics_port" in params:  # this client's counters as Prometheus /metrics
             self.metrics_port = serve_counters(self.counters, host, int(params["metrics_port"]))
+
+    def _register_cache(self) -> bool:
+        """Register the cache tensors for zero-copy loads; False (loads staged) if refused."""
+        for arr in (*self._k, *self._v):
+            if self._store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
+                log.warning("Mooncake refused to register the KV cache: loads are staged")
+                return False
+        return True
 
     # --- offload ----------------------------------------------------------------------------
 
@@ -217,19 +236,22 @@ class MooncakeStoreClient(BlockStoreClient):
         token_ids_per_block=None,
         parent: int | None = None,
         on_layer: Callable[[int], None] | None = None,
+        into_cache: bool = False,
     ) -> int:
-        """As `StoreClient.load`: blocks [0, n) hold verified pool KV; 0 on any failure."""
+        """As `StoreClient.load`: blocks [0, n) hold verified pool KV; 0 on any failure.
+        `into_cache`: layers are read straight into the cache (see `late_writes`)."""
         dst = self._check_load(block_hashes, dst_block_ids)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         landed = 0
         with self._lock:
             try:
-                per_round = max(1, self._load_buf.size // payload_bytes(self.layout))
+                staged = payload_bytes(self.layout) if not into_cache else META_ROOM
+                per_round = max(1, self._load_buf.size // staged)
                 while landed < len(dst):
                     end = min(landed + per_round, len(dst))
                     last = on_layer if end == len(dst) else None
                     got = self._load_round(block_hashes, token_ids_per_block, parent, dst,
-                                           landed, end, deadline, last)  # fmt: skip
+                                           landed, end, deadline, last, into_cache)  # fmt: skip
                     landed += got
                     if landed < end:
                         break
@@ -241,48 +263,77 @@ class MooncakeStoreClient(BlockStoreClient):
             self.counters.misses += 1
         return landed
 
-    def _load_round(self, hashes, tokens, parent, dst, start, end, deadline, on_layer) -> int:
-        """Load blocks start..end-1: verify their meta objects, then layer by layer through
-        the load buffer into the cache. Returns how many leading blocks landed whole."""
-        n, lb, buf = end - start, self.layer_bytes, self._load_buf
-        meta_room = META_ROOM
-        keys = [self._key(hashes[i], "m") for i in range(start, end)]
-        ptrs = [buf.ptr + j * meta_room for j in range(n)]
-        if n * meta_room > buf.size:
-            n = buf.size // meta_room
-            keys, ptrs = keys[:n], ptrs[:n]
-        sizes = self._call(deadline, self._store.batch_get_into, keys, ptrs, [meta_room] * n)
-        good = 0
-        for j, size in enumerate(sizes):
-            i = start + j
-            want_parent = parent if i == 0 else hashes[i - 1]
-            want_tokens = None if tokens is None else list(tokens[i])
-            if not self.blocks.meta_ok(buf.view[j * meta_room : j * meta_room + max(size, 0)],
-                                 hashes[i], want_parent, want_tokens):  # fmt: skip
-                break
-            good += 1
-        if good < n:
-            self._evicted(hashes[start + good])
-        if good == 0:
-            return 0
-        for layer in range(self.layout.num_layers):
+    def _load_round(self, hashes, tokens, parent, dst, start, end, deadline, on_layer,
+                    into_cache: bool) -> int:  # fmt: skip
+        """Load blocks start..end-1: verify their meta objects, then layer by layer into the
+        cache (through the load buffer, or straight in). Returns how many leading blocks
+        landed whole."""
+        good = self._verified_metas(hashes, tokens, parent, start, end, deadline)
+        for layer in range(self.layout.num_layers if good else 0):
             keys = [self._key(hashes[start + j], layer) for j in range(good)]
-            ptrs = [buf.ptr + j * lb for j in range(good)]
-            sizes = self._call(deadline, self._store.batch_get_into, keys, ptrs, [lb] * good)
-            whole = next((j for j, s in enumerate(sizes) if s != lb), good)
+            blocks = dst[start : start + good]
+            if into_cache:
+                sizes = self._layer_into_cache(deadline, layer, keys, blocks)
+            else:
+                sizes = self._layer_staged(deadline, layer, keys, blocks)
+            whole = next((j for j, s in enumerate(sizes) if s != self.layer_bytes), good)
             if whole < good:  # evicted under us, or a peer gone: the rest is computed
                 self._evicted(hashes[start + whole])
                 good = whole
-            half = lb // 2
-            for j in range(good):
-                d = dst[start + j]
-                self._k[layer][d] = buf.view[j * lb : j * lb + half]
-                self._v[layer][d] = buf.view[j * lb + half : (j + 1) * lb]
             if on_layer is not None:
                 on_layer(layer)
             if good == 0:
                 return 0
         return good
+
+    def _verified_metas(self, hashes, tokens, parent, start, end, deadline) -> int:
+        """Read the meta objects of blocks start..end-1 into the load buffer; how many leading
+        ones verify (before any byte of theirs is written into the cache)."""
+        n, room, buf = min(end - start, self._load_buf.size // META_ROOM), META_ROOM, self._load_buf
+        keys = [self._key(hashes[i], "m") for i in range(start, start + n)]
+        ptrs = [buf.ptr + j * room for j in range(n)]
+        sizes = self._call(deadline, self._store.batch_get_into, keys, ptrs, [room] * n)
+        good = 0
+        for j, size in enumerate(sizes):
+            i = start + j
+            want_parent = parent if i == 0 else hashes[i - 1]
+            want_tokens = None if tokens is None else list(tokens[i])
+            blob = buf.view[j * room : j * room + max(size, 0)]
+            if not self.blocks.meta_ok(blob, hashes[i], want_parent, want_tokens):
+                break
+            good += 1
+        if good < n:
+            self._evicted(hashes[start + good])
+        return good
+
+    def _layer_staged(self, deadline, layer: int, keys, blocks) -> list[int]:
+        """Read one layer of `blocks` into the load buffer, then copy what is whole."""
+        lb, half, buf = self.layer_bytes, self.layer_bytes // 2, self._load_buf
+        ptrs = [buf.ptr + j * lb for j in range(len(keys))]
+        sizes = self._call(deadline, self._store.batch_get_into, keys, ptrs, [lb] * len(keys))
+        for j, d in enumerate(blocks):
+            if sizes[j] == lb:
+                self._k[layer][d] = buf.view[j * lb : j * lb + half]
+                self._v[layer][d] = buf.view[j * lb + half : (j + 1) * lb]
+        return sizes
+
+    def _layer_into_cache(self, deadline, layer: int, keys, blocks) -> list[int]:
+        """Read one layer of `blocks` straight into their K and V (an object's two halves)."""
+        half = self.layer_bytes // 2
+        k, v = self._k[layer], self._v[layer]
+        ptrs = [[k.ctypes.data + d * half, v.ctypes.data + d * half] for d in blocks]
+        try:
+            return self._call(deadline, self._store.batch_get_into_multi_buffers, keys, ptrs,
+                              [[half, half]] * len(keys))  # fmt: skip
+        except PoolError:
+            if self._load_call.stuck:  # it may still write into these blocks
+                self._late = frozenset(blocks)
+            raise
+
+    def late_writes(self) -> frozenset[int]:
+        if self._late and not self._load_call.stuck:
+            self._late = frozenset()
+        return self._late
 
     def _call(self, deadline: float, fn: Callable, *args):
         left = deadline - time.monotonic()
@@ -293,6 +344,11 @@ class MooncakeStoreClient(BlockStoreClient):
     def _evicted(self, block_hash: int) -> None:
         self.counters.evictions_seen += 1
         self._removed.append(block_hash)
+
+    def _threaded_load(self, block_hashes, dst_block_ids, token_ids_per_block, parent,
+                       on_layer) -> int:  # fmt: skip
+        return self.load(block_hashes, dst_block_ids, None, token_ids_per_block, parent,
+                         on_layer, into_cache=self._into_cache)  # fmt: skip
 
     # --- misc -------------------------------------------------------------------------------
 

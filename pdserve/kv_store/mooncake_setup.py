@@ -4,11 +4,14 @@ libraries (the wheel, and libibverbs/libnl kept out of the system's library path
 command that `pdserve serve` starts.
 
 `mooncake://MASTER_HOST:PORT[?replicas=N&prefer=SEGMENT&segment_mb=M&buffer_mb=B&host=ADDR
-&metrics_port=P]`: `mooncake_master` at MASTER_HOST:PORT (its RPC port); each worker
+&metrics_port=P&zero_copy=1]`: `mooncake_master` at MASTER_HOST:PORT (its RPC port); each worker
 contributes `segment_mb` of DRAM to the pool, the master places objects (with `replicas`
 copies, preferring segment `prefer`, e.g. a decode host's `ADDR:PORT`) and evicts at its high
 watermark; `buffer_mb` of staging buffers; with `metrics_port` the client's counters are
-Prometheus /metrics.
+Prometheus /metrics; `zero_copy=1` registers the KV cache and loads under an engine step read
+straight into it (off by default: over TCP each contiguous piece is a transfer of its own, and
+a layer object's K and V halves are two pieces in the cache, so it measured slower than one
+staged read and a copy: docs/serving.md).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from urllib.parse import parse_qs, urlsplit
 from pdserve import envs
 
 SCHEME = "mooncake://"
-PARAMS = {"replicas", "prefer", "segment_mb", "buffer_mb", "host", "rank", "metrics_port"}
+PARAMS = {"replicas", "prefer", "segment_mb", "buffer_mb", "host", "rank", "metrics_port",
+          "zero_copy"}  # fmt: skip
 MISSING_LIBRARY = (
     "the Mooncake Store client is not installed: `pip install 'pdserve[mooncake]'` (wheel "
     "mooncake-transfer-engine-non-cuda) and libibverbs.so.1 (needed even without RDMA): `make "
@@ -70,6 +74,8 @@ def parse_endpoint(endpoint: str) -> tuple[str, dict[str, str]]:
         raise ValueError(
             f"unknown mooncake:// parameter(s) {sorted(unknown)}: use {sorted(PARAMS)}"
         )
+    if params.get("zero_copy", "0") not in ("0", "1"):
+        raise ValueError(f"mooncake:// zero_copy is 0 or 1, got {params['zero_copy']}")
     for name in ("replicas", "segment_mb", "buffer_mb", "rank", "metrics_port"):
         if name in params and not params[name].isdigit():
             raise ValueError(f"mooncake:// parameter {name} must be an integer, got {params[name]}")

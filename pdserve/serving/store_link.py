@@ -73,6 +73,7 @@ class StoreLink(PrefixLoader):
         self.lookups: dict[str, tuple[int, int]] | None = None
         self.evicted_offloads = 0  # evicted blocks whose copies the store took
         self.load_s = 0.0
+        self.aside: list[int] = []  # blocks an abandoned load may still write (StoreLoad.finish)
 
     @classmethod
     def for_role(cls, client: StoreClient, block_manager: BlockManager, role: str) -> StoreLink:
@@ -111,7 +112,7 @@ class StoreLink(PrefixLoader):
         parent = hashes[start - 1] if start else None
         if overlap:
             job = self.client.start_load(wanted, dst, tokens, parent)
-            seq.prefix_load = StoreLoad(self, job, wanted, start * bs, n * bs, t)
+            seq.prefix_load = StoreLoad(self, seq, job, wanted, start * bs, n * bs, t)
             seq.num_cached_tokens = seq.num_computed_tokens = (start + n) * bs
             return n * bs
         loaded = self.client.load(wanted, dst, token_ids_per_block=tokens, parent=parent)
@@ -161,6 +162,9 @@ class StoreLink(PrefixLoader):
     def poll(self) -> list[str]:
         """Queue evicted copies; return the requests whose blocks the store has finished
         reading (ok or not), which the caller may release now. Cheap when nothing is pending."""
+        if self.aside and not self.client.late_writes():  # the late call has returned
+            self.bm.give_back(self.aside)
+            self.aside = []
         if self.copies:
             self._queue_copies()
         for job in [j for j in self.evicting if j[0].done()]:
@@ -217,16 +221,23 @@ class StoreLink(PrefixLoader):
 class StoreLoad:
     """A prefix load running under an engine step (the engine's `PrefixLoad`)."""
 
-    def __init__(self, link: StoreLink, job: LayerLoad, hashes, first_token, num_tokens, t):
-        self.link, self.job, self.hashes, self.started = link, job, hashes, t
+    def __init__(self, link: StoreLink, seq: Sequence, job: LayerLoad, hashes, first_token,
+                 num_tokens, t):  # fmt: skip
+        self.link, self.seq, self.job, self.hashes, self.started = link, seq, job, hashes, t
         self.first_token, self.num_tokens = first_token, num_tokens
 
     def wait_layer(self, layer: int) -> None:
         self.job.wait_layer(layer)
 
     def finish(self) -> int:
-        landed = self.link._landed(self.hashes, self.job.result(), self.started)
-        return landed * self.link.block_size
+        link, seq = self.link, self.seq
+        landed = link._landed(self.hashes, self.job.result(), self.started) * link.block_size
+        late = link.client.late_writes()  # an abandoned call may still write these blocks
+        cut = [i for i, b in enumerate(seq.block_table) if b in late]
+        if cut:  # the sequence computes on in new blocks; these wait for the call to return
+            seq.num_computed_tokens = seq.num_cached_tokens = self.first_token + landed
+            link.aside += link.bm.set_aside(seq, min(cut), set(late))
+        return landed
 
 
 def split_index_events(events: list[tuple[int, bool]]) -> tuple[list[int], list[int]]:

@@ -99,3 +99,20 @@ def test_hashes_agree_across_processes():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(block_hashes(list(range(40)), 16))
+
+
+def test_blocks_set_aside_leave_the_table_and_stay_out_of_the_free_queue_until_given_back():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    seq = make_sequence(range(1, 10))  # 9 tokens -> blocks 0..4
+    assert bm.allocate(seq) and seq.block_table == [0, 1, 2, 3, 4]
+    assert bm.set_aside(seq, 1, {1, 2}) == [2, 1]  # a late load may still write 1 and 2
+    assert seq.block_table == [0] and list(bm.free_queue) == [5, 4, 3]
+    bm.check_integrity([seq])
+    assert not bm.append_slots(seq, 9)  # 4 more: only 3 are free, 1 and 2 are held
+    assert bm.append_slots(seq, 8) and seq.block_table == [0, 5, 4, 3]
+    bm.give_back([2, 1])
+    assert list(bm.free_queue) == [2, 1]
+    bm.check_integrity([seq])
+    bm.free(seq)
+    bm.check_integrity([])
+    assert bm.num_free_blocks == 6

@@ -6,6 +6,7 @@ Mooncake wheel or its system library (libibverbs1) is missing."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import socket
 import subprocess
@@ -111,7 +112,8 @@ def local(files, master):
     """This process's engine (no local prefix cache: a hit can only come from the pool)."""
     engine = make_engine(files, kv_cache_gb=0.001, enable_prefix_caching=False)
     layout = layout_of(engine.fingerprint, engine.runner.k_caches)
-    client = mooncake.MooncakeStoreClient(master.endpoint, layout, engine.runner.k_caches,
+    endpoint = master.endpoint + "&zero_copy=1"  # loads under a step: straight into the cache
+    client = mooncake.MooncakeStoreClient(endpoint, layout, engine.runner.k_caches,
                                           engine.runner.v_caches, timeout_s=3.0)  # fmt: skip
     link = StoreLink(client, engine.block_manager, offload_finished=False)
     engine.connect(link)
@@ -160,7 +162,12 @@ def test_a_call_past_its_deadline_fails_and_holds_off_the_next_until_it_returns(
 
 
 def test_the_endpoint_is_checked_and_the_pool_counters_are_served(local, master):
-    for bad in ("mooncake://127.0.0.1", "mooncake://h:1?replica=2", "mooncake://h:1?replicas=x"):
+    for bad in (
+        "mooncake://127.0.0.1",
+        "mooncake://h:1?replica=2",
+        "mooncake://h:1?replicas=x",
+        "mooncake://h:1?zero_copy=yes",
+    ):
         with pytest.raises(ValueError, match="mooncake"):
             mooncake_setup.parse_endpoint(bad)
     engine, link = local
@@ -230,11 +237,15 @@ def test_master_killed_mid_load_computes_and_a_restarted_master_refills(
         def __getattr__(self, name):
             return getattr(real, name)
 
-        def batch_get_into(self, *args):
-            calls.append(1)
-            if len(calls) == 2:
-                master.kill()
+        def batch_get_into(self, *args):  # the meta objects
+            calls.append("metas")
             return real.batch_get_into(*args)
+
+        def batch_get_into_multi_buffers(self, *args):  # a layer, straight into the cache
+            calls.append("layer")
+            if calls.count("layer") == 1:
+                master.kill()
+            return real.batch_get_into_multi_buffers(*args)
 
     client._store = KillAfterTheMetas()
     try:
@@ -247,7 +258,7 @@ def test_master_killed_mid_load_computes_and_a_restarted_master_refills(
         )
     finally:
         client._store = real
-    assert link.hit_tokens == before and len(calls) >= 2  # nothing loaded: computed
+    assert link.hit_tokens == before and calls[:2] == ["metas", "layer"]  # computed
     clean(engine)
     assert generate(engine, link, A) == reference[tuple(A)]  # master down: computed, bounded
     clean(engine)
@@ -267,4 +278,45 @@ def test_master_killed_mid_load_computes_and_a_restarted_master_refills(
     before = link.hit_tokens
     assert generate(engine, link, A) == reference[tuple(A)]
     assert link.hit_tokens - before == 20  # refilled from the new offload
+    clean(engine)
+
+
+def test_a_zero_copy_load_past_its_deadline_writes_only_into_blocks_set_aside(
+    local, peer, reference
+):
+    engine, link = local
+    client = link.client
+    assert client._into_cache  # the cache is registered: loads under a step are zero-copy
+    prompt = C[:4] + A[4:]  # a prefix of its own
+    want = run_to_completion(make_engine(make_model_files(seed=1), enable_prefix_caching=False),
+                             [prompt], GREEDY)[0]  # fmt: skip
+    peer(prompt)
+    real, late = client._store, threading.Event()
+    written = []
+
+    class LateWriter:  # the first layer call outlives its deadline, then writes garbage
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def batch_get_into_multi_buffers(self, keys, ptrs, sizes):
+            late.wait(30)
+            for k_ptr, v_ptr in ptrs:
+                for ptr, size in zip((k_ptr, v_ptr), sizes[0], strict=True):
+                    ctypes.memset(ptr, 0x7F, size)
+                    written.append(ptr)
+            return [-1] * len(keys)
+
+    client._store, client.timeout_s = LateWriter(), 0.5
+    try:
+        assert generate(engine, link, prompt) == want  # computed in other blocks, exact
+        aside = list(link.aside)
+        assert aside and client.late_writes() == set(aside)
+        assert not set(aside) & set(engine.block_manager.free_queue)  # nobody can reuse them
+        engine.check_integrity()
+        assert generate(engine, link, A) == reference[tuple(A)]  # fails fast, computed
+    finally:
+        late.set()
+        client._store, client.timeout_s = real, 3.0
+    wait_until(lambda: written and not client.late_writes(), 10, "the late call to return")
+    assert link.poll() == [] and not link.aside  # given back once the call has returned
     clean(engine)

@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -90,13 +91,17 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _kill_inside(ns: str) -> None:
     """SIGKILL every process still running in namespace `ns`."""
     for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+        _signal(int(pid), signal.SIGKILL)
 
 
 def remove_stale() -> list[str]:
@@ -165,6 +170,24 @@ class Host:
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def pids(self) -> list[int]:
+        """The processes running in this host (`ip netns pids`: those whose network namespace
+        is this host's)."""
+        return [int(pid) for pid in _ip("netns", "pids", self.ns, check=False).stdout.split()]
+
+    def terminate(self, timeout_s: float = 20.0) -> list[int]:
+        """SIGTERM every process in this host, then SIGKILL those still there after
+        `timeout_s`; return the pids that needed SIGKILL. Unlike a tool that finds its
+        processes by name (`ray stop`), it touches nothing outside this host."""
+        for pid in self.pids():
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while (left := self.pids()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in left:
+            _signal(pid, signal.SIGKILL)
+        return left
 
     # -- the link --------------------------------------------------------------------------
     def shape(

@@ -129,15 +129,19 @@ class Cluster(Service):
         self.second = Service(self.client, URL2, {"p0", "d0"})
 
 
-def start_all(host_argv: dict[str, tuple[netns.Host, list[str], str]]) -> dict[str, Command]:
+def start_all(
+    host_argv: dict[str, tuple[netns.Host, list[str], str]], env: dict[str, str] | None = None
+) -> dict[str, Command]:
     """Start `pdserve ARGV` on each host at once (name -> host, argv, ready pattern), with the
-    secret; return them once all are ready, or stop those that started and raise."""
+    secret (and `env`); return them once all are ready, or stop those that started and raise."""
     procs: dict[str, Command] = {}
     errors: list[BaseException] = []
 
     def start(name: str, host: netns.Host, argv: list[str], ready: str) -> None:
         try:
-            procs[name] = Command(*argv, ready=ready, env=SECRET, prefix=host.prefix())
+            procs[name] = Command(
+                *argv, ready=ready, env={**SECRET, **(env or {})}, prefix=host.prefix()
+            )
         except BaseException as exc:  # noqa: BLE001 - raised below, after the others
             errors.append(exc)
 

@@ -1,7 +1,8 @@
 """pdserve across network hosts (Linux network namespaces, bench/netns.py): the router, the
 prefill worker, the decode worker and the KV store each on a host of its own, the KV crossing a
 real (virtual) link. The greedy text is the offline engine's; the KV bytes the prefill worker
-reports are the bytes that left its host and reached the decode host; a partition of the decode
+reports are the bytes that left its host and reached the decode host; a second router on a
+host of its own serves with the same workers (active-active); a partition of the decode
 host mid-stream ends the stream with a clear error and leaks nothing once healed; a link cut to
 10 Mbit/s makes the push give up after --transfer-timeout-s and the decode worker prefill the
 prompt itself (docs/serving.md); 50 ms of delay and 5 % loss on the prefill link slow the push

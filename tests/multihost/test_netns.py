@@ -138,7 +138,7 @@ def test_terminate_stops_a_hosts_processes_in_its_rounds_and_nothing_else():
         try:
             started = {polite: "sleep 301", stubborn: "sleep 302", other: "sleep 303"}
             wait_until(  # each in its host (`ip netns exec` enters it, then execs), the trap set
-                lambda: all(cmd in netns._cmdline(p.pid) for p, cmd in started.items()),
+                lambda: all(netns._cmdline(p.pid).startswith(c) for p, c in started.items()),
                 10,
                 "the sleeps to start in their hosts",
             )

@@ -1,7 +1,8 @@
 """pdserve across network hosts (Linux network namespaces, bench/netns.py): the router, the
 prefill worker, the decode worker and the KV store each on a host of its own, the KV crossing a
 real (virtual) link. The greedy text is the offline engine's; the KV bytes the prefill worker
-reports are the bytes that left its host and reached the decode host; a partition of the decode
+reports are the bytes that left its host and reached the decode host; a second router on a
+host of its own serves with the same workers (active-active); a partition of the decode
 host mid-stream ends the stream with a clear error and leaks nothing once healed; a link cut to
 10 Mbit/s makes the push give up after --transfer-timeout-s and the decode worker prefill the
 prompt itself (docs/serving.md); 50 ms of delay and 5 % loss on the prefill link slow the push
@@ -16,71 +17,48 @@ import threading
 import time
 
 import httpx
-import pytest
 from waiting import wait_until
 
-from .conftest import TRANSFER_TIMEOUT_S, URL
-
-
-# ~300 tokens of distinct text per prompt (the prefix cache must not answer for the link)
-def notes(seed: int, n: int = 24) -> str:
-    return f"Summarize the following notes ({seed}). " + " ".join(
-        f"Note {i}: the warehouse in district {(i * seed) % 7} shipped {i * 13 % 97} crates "
-        f"on day {i + seed}." for i in range(n)
-    )  # fmt: skip
-
+from .conftest import TRANSFER_TIMEOUT_S, URL, assert_kv_crossed, body, notes
 
 PROMPTS = [notes(1), notes(2), notes(3, 32), notes(5)]
-MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def offline():
-    """The offline engine's greedy text for each prompt, and the bundled model's KV bytes per
-    token (float32 K and V, every layer)."""
-    from pdserve.engine.llm import LLM
-    from pdserve.engine.sampling_params import SamplingParams
-
-    llm = LLM(dtype="float32", device="cpu")
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    mc = llm.engine.model_config
-    texts = {p: llm.generate(p, params)[0].text for p in PROMPTS}
-    return texts, 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
-
-
-def body(prompt: str, **extra) -> dict:
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            **extra}  # fmt: skip
 
 
 def test_greedy_text_across_hosts_is_the_offline_one_and_kv_bytes_cross_the_link(cluster, offline):
-    texts, per_token = offline
     prefill, decode = cluster.hosts["prefill"], cluster.hosts["decode"]
-    pushed, sent, received = (
-        cluster.metric("pdserve_kv_transfer_bytes_total"),
-        prefill.bytes_sent(),
-        decode.bytes_received(),
-    )
-    prompt = PROMPTS[0]
-    reply = cluster.complete(body(prompt))
-    assert reply["choices"][0]["text"] == texts[prompt]
-    tokens = reply["usage"]["prompt_tokens"]
-    pushed = cluster.metric("pdserve_kv_transfer_bytes_total") - pushed
-    # the prefill worker's count: at least the prompt's KV (whole blocks: a little more)
-    assert tokens * per_token <= pushed < (tokens + 32) * per_token, (tokens, pushed)
-    # ...and the kernel's on both ends of the link: those bytes left one host, reached the other
-    assert prefill.bytes_sent() - sent >= pushed
-    assert decode.bytes_received() - received >= pushed
+    assert_kv_crossed(cluster, offline, PROMPTS[0], prefill, decode)
     workers = cluster.wait_clean()
     assert workers["d0"]["role"] == "decode" and workers["p0"]["role"] == "prefill"
 
 
+def test_a_second_router_on_its_own_host_serves_with_the_same_workers(cluster, offline):
+    """Active-active across hosts: p0 and d0 took --router twice and registered with both
+    routers; the second serves clients on the client host the offline text, its KV pushed from
+    the prefill host to the decode host, and requests through both routers at once complete
+    with the offline text (prompts already served: the workers' caches keep this one short)."""
+    second, hosts = cluster.second, cluster.hosts
+    assert {w: v["role"] for w, v in second.workers().items()} == {"p0": "prefill", "d0": "decode"}
+    assert_kv_crossed(second, offline, notes(6), hosts["prefill"], hosts["decode"])
+    prompts = {cluster: notes(6), second: PROMPTS[0]}  # each router the other's (cached)
+    expected = {router: offline.text(p) for router, p in prompts.items()}
+    got: dict = {}
+    both = [threading.Thread(target=lambda r=r: got.setdefault(r, r.text(prompts[r])))
+            for r in prompts]  # fmt: skip
+    for thread in both:
+        thread.start()
+    for thread in both:
+        thread.join()
+    assert got == expected
+    cluster.wait_clean()
+    second.wait_clean()
+
+
 def test_the_kv_store_on_its_own_host_receives_the_finished_blocks(cluster, offline):
-    texts, per_token = offline
+    per_token = offline.per_token
     store = cluster.hosts["store"]
     received = store.bytes_received()
     prompt = PROMPTS[1]
-    assert cluster.complete(body(prompt))["choices"][0]["text"] == texts[prompt]
+    assert cluster.complete(body(prompt))["choices"][0]["text"] == offline.text(prompt)
     known = wait_until(
         lambda: cluster.get("/health").json().get("kv_store_blocks_known", 0),
         30,
@@ -126,7 +104,6 @@ def _stream(cluster, prompt: str, seen: list, started: threading.Event) -> None:
 def test_a_partition_of_the_decode_host_mid_stream_ends_it_clearly_and_leaks_nothing(
     cluster, offline
 ):
-    texts, _ = offline
     seen: list[str] = []
     started = threading.Event()
     client = threading.Thread(target=_stream, args=(cluster, notes(4), seen, started))
@@ -169,7 +146,7 @@ def test_a_partition_of_the_decode_host_mid_stream_ends_it_clearly_and_leaks_not
     wait_until(steady, 60, "the workers steady for 4 s after the heal")
     prompt = PROMPTS[0]
     try:
-        assert cluster.complete(body(prompt))["choices"][0]["text"] == texts[prompt]
+        assert cluster.complete(body(prompt))["choices"][0]["text"] == offline.text(prompt)
     except AssertionError:
         for name in ("router", "prefill", "decode"):
             print(f"--- {name}:", "".join(cluster.procs[name].lines[-15:]))
@@ -192,11 +169,11 @@ def complete_shaped(cluster, prompt: str, **shape) -> tuple[dict, float]:
 def test_a_link_cut_to_10_mbit_gives_up_the_push_and_the_decode_worker_prefills(cluster, offline):
     """--transfer-timeout-s after the prompt was computed the prefill worker gives up a push its
     decode worker has not acknowledged; the decode worker then prefills it (docs/serving.md)."""
-    texts, per_token = offline
+    per_token = offline.per_token
     prompt = PROMPTS[2]
     failures = cluster.metric("pdserve_kv_transfer_failures_total")
     reply, took = complete_shaped(cluster, prompt, rate_bit=10e6)
-    assert reply["choices"][0]["text"] == texts[prompt]
+    assert reply["choices"][0]["text"] == offline.text(prompt)
     wire_s = reply["usage"]["prompt_tokens"] * per_token * 8 / 10e6
     assert wire_s > 3 * TRANSFER_TIMEOUT_S  # the link really is too slow for this push
     assert took < wire_s, (took, wire_s)  # it did not wait for the push
@@ -211,13 +188,13 @@ def test_50_ms_and_5_percent_loss_on_the_prefill_link_slow_the_push_and_lose_not
     (bench/wire.py): the request completes with the offline text, its push either lands (and
     took at least the round trip its acknowledgement needs) or is given up after
     --transfer-timeout-s and prefilled on the decode worker; nothing is left held."""
-    texts, per_token = offline
+    per_token = offline.per_token
     prompt = PROMPTS[3]  # its own: no cached prefix shortens the push
     names = ("pdserve_kv_transfer_seconds_total", "pdserve_kv_transfer_bytes_total",
              "pdserve_kv_transfer_failures_total")  # fmt: skip
     before = [cluster.metric(x) for x in names]
     reply, took = complete_shaped(cluster, prompt, delay_ms=50, loss_pct=5, seed=7)
-    assert reply["choices"][0]["text"] == texts[prompt]
+    assert reply["choices"][0]["text"] == offline.text(prompt)
     push_s, pushed, failed = (cluster.metric(x) - b for x, b in zip(names, before, strict=True))
     print(f"50 ms + 5 % loss: request {took:.2f} s, push {push_s:.2f} s for {pushed / 1e6:.1f} "
           f"MB, {failed:g} given up")  # fmt: skip

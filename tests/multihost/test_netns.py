@@ -5,12 +5,14 @@ also a crashed run's (its pid gone) at the next start."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import threading
 import time
 
 import pytest
+from waiting import wait_until
 
 from pdserve.bench import netns
 
@@ -125,3 +127,25 @@ def test_a_crashed_runs_namespaces_are_removed_at_the_next_start():
     with netns.Network():
         assert stale not in netns._namespaces()
     assert sleeper.wait(10) != 0  # what ran in it was killed
+
+
+def test_terminate_stops_a_hosts_processes_in_its_rounds_and_nothing_else():
+    with netns.Network() as net:
+        a, b = net.add_host("a"), net.add_host("b")
+        polite = a.popen(["sleep", "301"])
+        stubborn = a.popen(["sh", "-c", "trap '' TERM; exec sleep 302"])  # ignores SIGTERM
+        other = b.popen(["sleep", "303"])
+        try:
+            started = {polite: "sleep 301", stubborn: "sleep 302", other: "sleep 303"}
+            wait_until(  # each in its host (`ip netns exec` enters it, then execs), the trap set
+                lambda: all(netns._cmdline(p.pid).startswith(c) for p, c in started.items()),
+                10,
+                "the sleeps to start in their hosts",
+            )
+            assert sorted(a.pids()) == sorted([polite.pid, stubborn.pid])
+            assert a.terminate(first=("301",), timeout_s=0.5) == [stubborn.pid]
+            assert (polite.wait(5), stubborn.wait(5)) == (-signal.SIGTERM, -signal.SIGKILL)
+            assert a.pids() == [] and other.poll() is None and b.pids() == [other.pid]
+        finally:
+            other.kill()
+            other.wait()

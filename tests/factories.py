@@ -95,11 +95,12 @@ def spin(us: float) -> None:
         pass
 
 
-def hand_off(p_engine, d_engine, sender, receiver, prompt, params, rid: str = "r0"):
+def hand_off(p_engine, d_engine, sender, receiver, prompt, params, rid="r0", whole=False):
     """One prompt through a prefill engine into a decode engine, in this process, as the
     router would relay it (Admit -> Placement -> Prefill -> pushed -> KVReady -> decode):
     returns (tokens the decode side emitted, the prefill side's PrefillDone, the Placement).
-    The sides stay connected to the engines; the caller closes sender, receiver and engines."""
+    `whole`: the prefill side's --kv-push whole. The sides stay connected to the engines; the
+    caller closes sender, receiver and engines."""
     from pdserve.protocol import messages as m
     from pdserve.serving.build import kv_layout
     from pdserve.serving.decode_side import DecodeSide
@@ -107,7 +108,7 @@ def hand_off(p_engine, d_engine, sender, receiver, prompt, params, rid: str = "r
 
     d_sent, p_sent = [], []
     decode = DecodeSide(d_engine, kv_layout(d_engine), d_sent.append, "d0", receiver)
-    prefill = PrefillSide(p_engine, sender, p_sent.append, transfer_timeout_s=60)
+    prefill = PrefillSide(p_engine, sender, p_sent.append, transfer_timeout_s=60, whole=whole)
     d_engine.connect(decode)
     p_engine.connect(prefill)
     decode.on_admit(m.Admit(rid, prompt, params, remote_prefill=True, lease_s=120))

@@ -297,7 +297,7 @@ def serve(args) -> int:
     if store_endpoint:
         base_argv += ["--kv-store", store_endpoint]
     base_argv += ["--transfer-timeout-s", str(args.transfer_timeout_s)]
-    base_argv += ["--kv-compression", args.kv_compression]
+    base_argv += ["--kv-compression", args.kv_compression, "--kv-push", args.kv_push]
     base_argv += ["--drain-timeout-s", str(args.drain_timeout_s)]
 
     gpus = visible_gpus() if args.device in ("auto", "cuda") and args.launcher == "local" else 0

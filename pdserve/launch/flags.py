@@ -75,6 +75,13 @@ KV_PUSH_FLAGS = (  # serve and worker
         "docs/results.md for its effect on outputs); tcp only (default none)",
     ),
     Flag(
+        "--kv-push", default="layers", choices=("layers", "whole"),
+        help="when a prefill worker sends a prompt's KV: layers (default) sends each layer's "
+        "blocks as soon as that layer has computed them (each chunk's, under the next "
+        "chunks); whole sends the whole cache once the prompt is computed, the baseline "
+        "layer-wise streaming is measured against (benchmarks/network_matrix.py)",
+    ),
+    Flag(
         "--transfer-timeout-s", float, TRANSFER_TIMEOUT_S, metavar="S",
         help="a prefill worker gives up a KV push that its decode worker has not acknowledged "
         f"S seconds after the prompt was computed (default {TRANSFER_TIMEOUT_S:g}); the decode "

@@ -53,6 +53,7 @@ def worker_config(args, threads: int | None = None, placement: tuple = ()):
         transfer_timeout_s=args.transfer_timeout_s,
         placement=placement,
         kv_compression=args.kv_compression,
+        kv_push=args.kv_push,
         drain_timeout_s=args.drain_timeout_s,
     )
 

@@ -45,7 +45,8 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
     decode = prefill = store = None
     if role == "prefill":
         sender = prefill_sender(config, engine, layout, ranks)
-        prefill = PrefillSide(engine, sender, routers.send, config.transfer_timeout_s, staging)
+        prefill = PrefillSide(engine, sender, routers.send, config.transfer_timeout_s, staging,
+                              whole=config.kv_push == "whole")  # fmt: skip
     else:
         receiver = None
         if role == "decode":

@@ -53,9 +53,12 @@ class PrefillSide(KVConnector):
         send: Callable[[object], None],
         transfer_timeout_s: float,
         staging: HostStaging | None = None,
+        whole: bool = False,
     ):
         self.engine, self.sender, self.send = engine, sender, send
         self.transfer_timeout_s, self.staging = transfer_timeout_s, staging
+        self.whole = whole  # --kv-push whole: every layer once the last one is computed
+        self.last_layer = engine.model_config.num_layers - 1
         self.block_size = engine.config.block_size
         self.outgoing: dict[str, Outgoing] = {}  # request -> push destination
         self.pushing: dict[str, Outgoing] = {}  # computed, push not yet acknowledged
@@ -98,28 +101,38 @@ class PrefillSide(KVConnector):
         whole blocks at once, so the push runs under the next chunks (the last chunk adds the
         partial block at the end), and what a layer has not sent yet (a pipeline's later
         stages hear only of steps that sample). A step that recomputes tokens already sent
-        (a prefix load fell short) sends their blocks again."""
+        (a prefix load fell short) sends their blocks again. With `whole`, every layer's
+        blocks go after the last layer of the prompt's last step."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             out = self.outgoing.get(seq.request_id)
             if out is None:
                 continue
             if not out.sent:
-                out.sent = [out.first_block] * self.engine.model_config.num_layers
+                out.sent = [out.first_block] * (self.last_layer + 1)
             end = seq.num_computed_tokens + n
+            if self.whole:
+                if end >= seq.num_tokens and layer == self.last_layer:
+                    for each in range(self.last_layer + 1):
+                        self._queue(seq, out, each, out.first_block, len(out.dst_block_ids))
+                continue
             stop = len(out.dst_block_ids) if end >= seq.num_tokens else end // self.block_size
             redo = max(out.first_block, seq.num_computed_tokens // self.block_size)
             start = min(out.sent[layer], redo)
-            if stop <= start:
-                continue
-            if not out.pushed:
-                out.pushed = time.monotonic()
-            src = seq.block_table[start:stop]
-            if self.staging is not None:
-                src = self.staging.to_host(seq.request_id, layer, src, start - out.first_block)
-            dst = out.dst_block_ids[start:stop]
-            for endpoint in out.endpoints:
-                self.sender.send_layer(endpoint, seq.request_id, layer, src, dst)
-            out.sent[layer] = stop
+            self._queue(seq, out, layer, start, stop)
+
+    def _queue(self, seq: Sequence, out: Outgoing, layer: int, start: int, stop: int) -> None:
+        """Queue layer `layer`'s blocks [start, stop) of `seq` for each of its endpoints."""
+        if stop <= start:
+            return
+        if not out.pushed:
+            out.pushed = time.monotonic()
+        src = seq.block_table[start:stop]
+        if self.staging is not None:
+            src = self.staging.to_host(seq.request_id, layer, src, start - out.first_block)
+        dst = out.dst_block_ids[start:stop]
+        for endpoint in out.endpoints:
+            self.sender.send_layer(endpoint, seq.request_id, layer, src, dst)
+        out.sent[layer] = stop
 
     def request_finished(self, seq: Sequence) -> bool:
         return seq.request_id in self.outgoing  # held until its push is acknowledged

@@ -13,6 +13,7 @@ from pdserve.protocol import messages as m
 
 KV_TRANSPORTS = ("tcp", "nixl")
 KV_COMPRESSIONS = ("none", "fp8")
+KV_PUSHES = ("layers", "whole")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class WorkerConfig:
     kv_store: str | None = None  # endpoint of a `pdserve store` (tcp://host:port)
     placement: tuple[tuple[str, str], ...] = ()  # reported in /health (e.g. Ray node, actor)
     kv_compression: str = "none"  # --kv-compression: fp8 on the wire (tcp only)
+    kv_push: str = "layers"  # --kv-push: each layer as computed, or the whole cache at the end
     drain_timeout_s: float = m.DRAIN_TIMEOUT_S  # --drain-timeout-s: SIGTERM -> finish, exit
 
     def __post_init__(self) -> None:
@@ -41,6 +43,8 @@ class WorkerConfig:
                 f"unknown --kv-compression {self.kv_compression!r}: choose one of {KV_COMPRESSIONS}"
             )
         check_kv_compression(self.kv_compression, self.kv_transport)
+        if self.kv_push not in KV_PUSHES:
+            raise ValueError(f"unknown --kv-push {self.kv_push!r}: choose one of {KV_PUSHES}")
         check_tensor_parallel(self.engine.tensor_parallel_size, self.kv_store)
         check_pipeline(self.engine.pipeline_parallel_size, self.kv_store)
         for name in ("transfer_timeout_s", "router_timeout_s", "drain_timeout_s"):

@@ -89,29 +89,36 @@ def test_prefill_and_decode_of_different_tp_give_the_tokens_of_tp1(files, refere
     assert done.transfer_bytes == sum(share)
 
 
-def test_a_chunked_prompts_blocks_are_pushed_as_each_chunk_completes_them(files, reference):
+@pytest.mark.parametrize("whole", [False, True], ids=["layers", "whole"])
+def test_a_chunked_prompts_blocks_are_pushed_as_each_chunk_completes_them(files, reference, whole):
     """Chunks of 6 tokens (blocks of 4: chunks end mid-block): each layer sends the blocks a
     chunk completed under the next chunks, the partial block once it is whole, the last
-    block with the last chunk; every block of every layer exactly once."""
+    block with the last chunk; every block of every layer exactly once. `--kv-push whole`
+    sends each layer's blocks at once, after the prompt's last layer."""
     d_engine = make_engine(files, role="decode")
     p_engine = make_engine(files, role="prefill", chunk_size=6)
     d_layout, p_layout = layout_of(d_engine, 1), layout_of(p_engine, 1)
     receiver = make_receiver("tcp", d_layout, d_engine.runner.k_caches, d_engine.runner.v_caches)
     receiver.start()
     sender = make_sender("tcp", p_layout, p_engine.runner.k_caches, p_engine.runner.v_caches)
+    layers = p_layout.num_layers
     calls = []
     send_layer = sender.send_layer
     sender.send_layer = lambda *a: calls.append(a[2:]) or send_layer(*a)  # layer, src, dst
     try:
-        tokens, done, placement = hand_off(p_engine, d_engine, sender, receiver, PROMPT, PARAMS)
+        hand = (p_engine, d_engine, sender, receiver, PROMPT, PARAMS)
+        tokens, done, placement = hand_off(*hand, whole=whole)
         assert done.error is None and tokens == reference
         blocks = placement.block_ids  # 21 tokens: 6 blocks, the last holding one token
-        for layer in range(p_layout.num_layers):
+        # chunks end at tokens 6, 12, 18, 21: blocks [0], [1, 2], [3], [4, 5]
+        chunks = [blocks[:1], blocks[1:3], blocks[3:4], blocks[4:]]
+        if whole:  # every layer at once, in order, after the last chunk's last layer
+            assert [(n, list(dst)) for n, _, dst in calls] == [(n, blocks) for n in range(layers)]
+        for layer in range(layers):
             sent = [list(dst) for n, _, dst in calls if n == layer]
-            # chunks end at tokens 6, 12, 18, 21: blocks [0], [1, 2], [3], [4, 5]
-            assert sent == [blocks[:1], blocks[1:3], blocks[3:4], blocks[4:]], sent
+            assert sent == ([blocks] if whole else chunks), sent
         assert receiver.stats().bytes == done.transfer_bytes
-        assert done.transfer_bytes == p_layout.num_layers * 2 * len(blocks) * p_layout.block_bytes
+        assert done.transfer_bytes == layers * 2 * len(blocks) * p_layout.block_bytes
         for engine in (p_engine, d_engine):
             engine.check_integrity()
             assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

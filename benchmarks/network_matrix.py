@@ -3,13 +3,16 @@
 host's link) and co-located (one `both` worker on its own host, the same cores), while the
 prefill host's link is shaped (tc tbf) to each rate; TTFT of the measured prompts and ITL of
 the streams running beside them, p50/p99, and the crossover bandwidth: the link rate under
-which the disaggregated TTFT p50 exceeds the co-located one (log-interpolated between rates).
-Where `pdserve simulate` can be calibrated (a `pdserve profile` of this machine, --profile), its
-prediction for the same link and lengths is printed beside each cell.
+which the disaggregated TTFT p50 exceeds --ttft-slack times the co-located one (the TTFT
+disaggregation may give for removing the co-located ITL stalls; log-interpolated between
+rates). With --profile (`pdserve profile --threads 1` of this machine), each worker's logged
+steps refit it per pool (the compute speed the processes had beside each other on these
+cores), and `pdserve simulate` predicts every cell and the crossover (on a fine grid of rates)
+beside the measured ones: the link model is what that tests.
 
     .venv/bin/python benchmarks/network_matrix.py                 # ~5 min on 2 cores
-    .venv/bin/python benchmarks/network_matrix.py --rates 1000,200,50 --lengths 512,2048 \\
-        --requests 3 --profile profile-1t.json --json out.json
+    .venv/bin/python benchmarks/network_matrix.py --rates 1000,200,100,50,25 \\
+        --lengths 512,2048 --requests 3 --profile profile-1t.json --json out.json
 
 Load per cell: two background streams (short prompts, long outputs) decode throughout; the
 measured prompts (random token ids, so no prefix cache answers) arrive one after the other,
@@ -17,7 +20,9 @@ each generating 16 tokens. Co-located, each long prefill pauses the streams (the
 disaggregated, the streams are undisturbed but each prompt's KV crosses the link first (its
 TTFT). Needs root and iproute2 (bench/netns.py); the link rate 0 means unshaped (a veth pair:
 a few Gbit/s of this machine's CPU). --delay-ms and --loss-pct add a one-way delay and a loss
-rate to the prefill link in every disaggregated cell (bench/wire.py).
+rate to the prefill link in every disaggregated cell (bench/wire.py); --prefill-args gives the
+prefill worker more flags: `--kv-push whole` (the whole cache once the prompt is computed,
+against layer-wise streaming) or `--kv-compression fp8` (half the bytes on the wire).
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ import math
 import os
 import random
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,7 +47,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from servers import Command  # noqa: E402
 
+from pdserve import envs  # noqa: E402
 from pdserve.bench import netns  # noqa: E402
+from pdserve.config import WORKER_CHUNK_SIZE  # noqa: E402
 
 ENGINE = ["--threads", "1", "--kv-cache-gb", "0.5", "--max-model-len", "4096"]
 OUTPUT_TOKENS, STREAM_TOKENS, BACKGROUND = 16, 100_000, 2
@@ -76,7 +85,9 @@ def stream(url: str, prompt: list[int], max_tokens: int, stop: threading.Event |
 class Deployment:
     """One router on `router_host` at `port` with its workers, each on a host of its own."""
 
-    def __init__(self, net, mode: str, port: int, workers: dict[str, list[str]], env: dict):
+    def __init__(
+        self, net, mode: str, port: int, workers: dict[str, list[str]], env: dict, steps: Path
+    ):
         router_host = net.hosts["router"]
         self.url = f"http://{router_host.address}:{port}"
         control = f"tcp://{router_host.address}:{port - 1000}"
@@ -103,7 +114,8 @@ class Deployment:
         for host, argv in workers.items():
             self.procs.append(
                 Command("worker", *argv, "--router", control, *ENGINE, ready=r"\) ready",
-                        env=env, prefix=net.hosts[host].prefix(), startup_timeout_s=600)
+                        env={**env, envs.STEP_LOG: str(steps / host)},
+                        prefix=net.hosts[host].prefix(), startup_timeout_s=600)
             )  # fmt: skip
         client = net.hosts["client"]
         deadline = time.monotonic() + 120
@@ -115,6 +127,17 @@ class Deployment:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
+
+
+CALIBRATION_PROMPTS = 20
+
+
+def calibration_round(url: str, longest: int, rng: random.Random) -> None:
+    """Prompts from 32 tokens to `longest`, log-spaced, one after the other: logged steps of
+    every shape for `calibrate` (a prefill worker logs one or two per prompt)."""
+    for i in range(CALIBRATION_PROMPTS):
+        n = round(32 * (longest / 32) ** (i / (CALIBRATION_PROMPTS - 1)))
+        stream(url, [rng.randrange(1000, 40000) for _ in range(n)], 4)
 
 
 def cell(client, url: str, length: int, requests: int, rng: random.Random) -> dict:
@@ -147,34 +170,102 @@ def cell(client, url: str, length: int, requests: int, rng: random.Random) -> di
             "itl_p50": pct(itls, 0.5), "itl_p99": pct(itls, 0.99), "ttfts": ttfts}  # fmt: skip
 
 
-def predict(profile: str, mode: str, length: int, gbps: float | None, requests: int) -> float:
-    """`pdserve simulate`'s TTFT p50 for these prompts at a low rate (one at a time, without
-    the background streams: the link and the prefill are what it predicts)."""
-    cmd = [sys.executable, "-m", "pdserve.cli", "simulate", "--gpu", "cpu", "--profile", profile,
-           "--mode", mode, "--prompt-tokens", f"fixed:{length}",
-           "--output-tokens", f"fixed:{OUTPUT_TOKENS}", "--rate", "0.05",
-           "--num-requests", str(max(requests, 20)), "--json"]  # fmt: skip
-    if mode == "disagg":
-        cmd += ["--bandwidth-gbps", str(gbps)] if gbps else ["--link", "loopback"]
+def calibrate(profile: str, steps: Path, out: Path) -> dict[str, str]:
+    """Per pool (co-located worker, prefill worker, decode worker), `profile` refitted to the
+    steps that worker logged while it served this run (`pdserve profile --from-steps`): the
+    compute speed the processes had beside each other on these cores. The link is what the
+    prediction then tests."""
+    out.mkdir(parents=True, exist_ok=True)
+    fitted = {}
+    for pool in ("colo", "prefill", "decode"):
+        target = out / f"profile-{pool}.json"
+        shutil.copyfile(profile, target)
+        done = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--from-steps",
+                               str(steps / pool), "--out", str(target)],
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        if done.returncode:
+            raise RuntimeError(f"calibrating {pool} from {steps / pool}: {done.stderr[-500:]}")
+        fitted[pool] = str(target)
+    return fitted
+
+
+def predict(profiles: dict[str, str], length: int, mbit: float | None) -> float:
+    """`pdserve simulate`'s TTFT p50 for these prompts arriving far apart (one at a time, as
+    measured; the background streams are not simulated), prefilled in the workers' chunks:
+    co-located (mbit None) or disaggregated over a link of `mbit` Mbit/s (0: loopback)."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "simulate", "--gpu", "cpu",
+           "--prompt-tokens", f"fixed:{length}", "--output-tokens", f"fixed:{OUTPUT_TOKENS}",
+           "--rate", "0.002", "--chunk", str(WORKER_CHUNK_SIZE["both"]),
+           "--num-requests", "20", "--json"]  # fmt: skip
+    if mbit is None:
+        cmd += ["--mode", "colocated", "--profile", profiles["colo"]]
+    else:
+        cmd += ["--mode", "disagg", "--profile", profiles["decode"],
+                "--prefill-gpu", profiles["prefill"]]  # fmt: skip
+        cmd += ["--bandwidth-gbps", str(mbit / 1000)] if mbit else ["--link", "loopback"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode:
-        return float("nan")
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr[-500:]}")
     return json.loads(done.stdout[done.stdout.index("{") :])["ttft_s"]["p50"]
 
 
-def crossover(rates: list[float], disagg: list[float], colocated: float) -> str:
-    """The link rate (Mbit/s) where the disagg TTFT p50 crosses the co-located one."""
-    points = sorted(zip(rates, disagg, strict=True), reverse=True)  # fastest first
-    if points[-1][1] <= colocated:
-        return f"none: within co-located down to {points[-1][0]:g} Mbit/s"
-    if points[0][1] > colocated:
-        return f"none: above co-located at every rate (from {points[0][0]:g} Mbit/s down)"
+def crossover(points: list[tuple[float, float]], limit: float) -> float | None:
+    """The link rate (Mbit/s) below which the disaggregated TTFT p50 exceeds `limit`,
+    log-interpolated between the (rate, TTFT) points; None when no two points straddle it."""
+    points = sorted(points, reverse=True)  # fastest first
     for (r1, t1), (r2, t2) in itertools.pairwise(points):
-        if t1 <= colocated < t2:
-            f = (colocated - t1) / (t2 - t1)
-            rate = math.exp(math.log(r1) + f * (math.log(r2) - math.log(r1)))
-            return f"{rate:.0f} Mbit/s (above it within co-located)"
-    return "n/a"
+        if t1 <= limit < t2:
+            f = (limit - t1) / (t2 - t1)
+            return math.exp(math.log(r1) + f * (math.log(r2) - math.log(r1)))
+    return None
+
+
+SIM_RATES = [10 * 10 ** (i / 8) for i in range(25)]  # 10 Mbit/s to 10 Gbit/s, 8 per decade
+
+
+def table(results: dict, rates, lengths, profiles: dict | None, slack: float) -> None:
+    """Measured (and predicted, with `profiles`) per cell; the crossover per prompt length:
+    where the disaggregated TTFT p50 passes `slack` x the co-located one, the TTFT
+    disaggregation may give for the decode stalls it removes (co-located ITL p99)."""
+    print()
+    header = ("prompt", "link", "mode", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+              "sim TTFT", "sim err")  # fmt: skip
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    sim = results.setdefault("predicted", {})
+    for n in lengths:
+        c = results["colocated"][n]
+        cells = [(None, "-", "colocated", c)]
+        cells += [(r, f"{r:g} Mbit/s" if r else "unshaped", "disagg", results["disagg"][n][r])
+                  for r in rates]  # fmt: skip
+        for rate, label, mode, got in cells:
+            key = f"{n}/{mode}/{rate}"
+            if profiles and key not in sim:
+                sim[key] = predict(profiles, n, rate)
+            p = sim.get(key)
+            err = f"{(p - got['ttft_p50']) / got['ttft_p50']:+.0%}" if p else "-"
+            print(_row([n, label, mode, got["ttft_p50"], got["ttft_p99"], got["itl_p50"],
+                        got["itl_p99"], p, err]))  # fmt: skip
+        limit = slack * c["ttft_p50"]
+        measured = crossover([(r, results["disagg"][n][r]["ttft_p50"]) for r in rates if r],
+                             limit)  # fmt: skip
+        line = f"\nprompt {n}: disaggregated TTFT p50 passes {slack:g} x co-located's " \
+               f"({limit:.2f} s) below {_mbit(measured, rates)}"  # fmt: skip
+        if profiles:
+            sim_limit = slack * sim[f"{n}/colocated/None"]
+            curve = [(r, sim.setdefault(f"{n}/disagg/{r:.4g}", predict(profiles, n, r)))
+                     for r in SIM_RATES]  # fmt: skip
+            predicted = crossover(curve, sim_limit)
+            line += f"; predicted below {_mbit(predicted, SIM_RATES)}"
+            if measured and predicted:
+                line += f" (x{max(measured, predicted) / min(measured, predicted):.2f} apart)"
+            results.setdefault("crossover", {})[n] = {"measured": measured, "predicted": predicted}
+        print(line + "\n")
+
+
+def _mbit(rate: float | None, rates: list[float]) -> str:
+    if rate is not None:
+        return f"{rate:.0f} Mbit/s"
+    return f"none between {max(rates):g} and {min(r for r in rates if r):g} Mbit/s"
 
 
 def main() -> int:
@@ -187,35 +278,56 @@ def main() -> int:
                         help="one-way delay on the prefill link, each way")  # fmt: skip
     parser.add_argument("--loss-pct", type=float, default=0.0,
                         help="frames dropped on the prefill link, each way")  # fmt: skip
-    parser.add_argument("--profile", help="`pdserve profile` JSON: print simulate's prediction")
+    parser.add_argument("--prefill-args", default="",
+                        help="more flags for the disaggregated prefill worker, e.g. "
+                        "'--kv-push whole' or '--kv-compression fp8'")  # fmt: skip
+    parser.add_argument("--profile", help="`pdserve profile --threads 1` JSON of this machine: "
+                        "refitted to the workers' logged steps, it predicts each cell")  # fmt: skip
+    parser.add_argument("--ttft-slack", type=float, default=1.5,
+                        help="the crossover: where disaggregated TTFT p50 passes this many "
+                        "times the co-located one (default 1.5)")  # fmt: skip
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--plot", help="draw TTFT against the link rate into this PNG")
     parser.add_argument(
-        "--results", help="print the table of an earlier --json run, measure nothing"
+        "--results", help="print the table (and --plot) of an earlier --json run, measure nothing"
     )
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
+    work = Path(args.json).with_suffix("") if args.json else Path(tempfile.mkdtemp())
     if args.results:
         saved = json.loads(Path(args.results).read_text())
         results = {
             "colocated": {int(n): c for n, c in saved["colocated"].items()},
             "disagg": {int(n): {float(r): c for r, c in by.items()}
                        for n, by in saved["disagg"].items()},
+            "predicted": saved.get("predicted", {}),
         }  # fmt: skip
+        profiles = saved.get("profiles")
+        lengths = sorted(results["colocated"])
+        rates = sorted(results["disagg"][lengths[0]], key=lambda r: (r != 0, -r))
     else:
         if why := netns.unavailable():
             print(f"network_matrix: cannot make hosts: {why}")
             return 2
-        results = measure(rates, lengths, args.requests, args.delay_ms, args.loss_pct)
-    table(results, rates, lengths, args.profile, args.requests)
+        shaping = (args.delay_ms, args.loss_pct)
+        results = measure(rates, lengths, args.requests, shaping, work / "steps",
+                          args.prefill_args.split())  # fmt: skip
+        profiles = calibrate(args.profile, work / "steps", work) if args.profile else None
+        results["profiles"] = profiles
+    table(results, rates, lengths, profiles, args.ttft_slack)
+    if args.plot:
+        plot(results, rates, lengths, args.ttft_slack, args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0
 
 
 def measure(
-    rates: list[float], lengths: list[int], requests: int, delay_ms: float, loss_pct: float
-) -> dict:
+    rates: list[float], lengths: list[int], requests: int, shaping: tuple, steps: Path,
+    prefill_args: list[str],
+) -> dict:  # fmt: skip
+    delay_ms, loss_pct = shaping
     env = {"PDSERVE_SECRET": secrets.token_hex(16)}
     rng = random.Random(0)
     results: dict = {"colocated": {}, "disagg": {}}
@@ -226,11 +338,13 @@ def measure(
         deps = []
         try:
             deps.append(colo := Deployment(net, "colocated", 8001,
-                                           {"colo": ["--role", "both"]}, env))  # fmt: skip
+                                           {"colo": ["--role", "both"]}, env, steps))  # fmt: skip
             deps.append(disagg := Deployment(net, "disagg", 8000, {
-                "prefill": ["--role", "prefill", "--transfer-timeout-s", "600"],
+                "prefill": ["--role", "prefill", "--transfer-timeout-s", "600", *prefill_args],
                 "decode": ["--role", "decode", "--kv-host", net.hosts["decode"].address],
-            }, env))  # fmt: skip
+            }, env, steps))  # fmt: skip
+            for dep in deps:  # steps of every prompt length, for the calibration
+                client.call(calibration_round, dep.url, max(lengths), rng)
             for n in lengths:
                 results["colocated"][n] = cell(client, colo.url, n, requests, rng)
                 print(f"colocated {n}: {results['colocated'][n]}", flush=True)
@@ -252,27 +366,37 @@ def measure(
     return results
 
 
-def table(results: dict, rates, lengths, profile, requests) -> None:
-    print()
-    header = ("prompt", "link", "mode", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "sim TTFT")
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for n in lengths:
-        c = results["colocated"][n]
-        sim = predict(profile, "colocated", n, None, requests) if profile else None
-        row = [n, "-", "colocated", c["ttft_p50"], c["ttft_p99"], c["itl_p50"], c["itl_p99"], sim]
-        print(_row(row))
-        for rate in rates:
-            d = results["disagg"][n][rate]
-            gbps = rate / 1000 if rate else None
-            sim = predict(profile, "disagg", n, gbps, requests) if profile else None
-            label = f"{rate:g} Mbit/s" if rate else "unshaped"
-            print(_row([n, label, "disagg", d["ttft_p50"], d["ttft_p99"], d["itl_p50"],
-                        d["itl_p99"], sim]))  # fmt: skip
-        shaped = [r for r in rates if r]
-        cross = crossover(shaped, [results["disagg"][n][r]["ttft_p50"] for r in shaped],
-                          c["ttft_p50"])  # fmt: skip
-        results.setdefault("crossover", {})[n] = cross
-        print(f"\nprompt {n}: crossover of TTFT p50 (disaggregated vs co-located): {cross}\n")
+def plot(results: dict, rates, lengths, slack: float, path: str) -> None:
+    """TTFT p50 against the link rate, per prompt length: measured disaggregated (points),
+    predicted (line), co-located measured and predicted (horizontal), and the crossover limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), squeeze=False)
+    sim = results.get("predicted", {})
+    for ax, n in zip(axes[0], lengths, strict=True):
+        shaped = sorted(r for r in rates if r)
+        ax.plot(shaped, [results["disagg"][n][r]["ttft_p50"] for r in shaped], "o",
+                color="C0", label="disaggregated, measured")  # fmt: skip
+        curve = [(r, sim[f"{n}/disagg/{r:.4g}"]) for r in SIM_RATES if f"{n}/disagg/{r:.4g}" in sim]
+        if curve:
+            ax.plot(*zip(*curve, strict=True), "-", color="C0", label="disaggregated, simulated")
+        colo = results["colocated"][n]["ttft_p50"]
+        ax.axhline(colo, color="C1", label="co-located, measured")
+        if (p := sim.get(f"{n}/colocated/None")) is not None:
+            ax.axhline(p, color="C1", linestyle="--", label="co-located, simulated")
+        ax.axhline(slack * colo, color="grey", linestyle=":", label=f"{slack:g} x co-located")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("prefill -> decode link, Mbit/s")
+        ax.set_ylabel("TTFT p50, s")
+        ax.set_title(f"{n}-token prompts")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
 
 
 def _row(cells) -> str:

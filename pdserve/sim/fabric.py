@@ -6,11 +6,15 @@ being computed, the rate at which the prefill produces KV. An instance's bandwid
 of the link's ports (`Link.instance_bytes_per_s`: a port per GPU on RDMA fabrics, each rank
 sending its own KV heads; one per 8-GPU node on commodity Ethernet).
 
-Layer-wise overlap: the first L-1 layers' KV stream while the prefill runs (capped by (c)); the
-last layer's KV can only leave once the prefill has finished. So when a layer transfers faster
-than it computes, only the last layer's transfer adds to TTFT; otherwise the backlog does too.
-Simplifications: the first layer's compute time before streaming starts and per-message link
-latency (microseconds) are ignored.
+Layer-wise overlap, as a prefill worker pushes (`serving/prefill_side.py`): each prefill
+iteration (chunk) of a prompt makes its KV available while it runs, at the rate it computes it,
+beside what earlier chunks left unsent; the last layer of the last chunk can only leave once
+the prefill has finished. So when a layer transfers faster than it computes, only the last
+layer's transfer adds to TTFT; otherwise the backlog does too. Simplifications: within an
+iteration, the backlog and the new KV are made available evenly over it (so each iteration's KV
+is out by its end on a fast link), a chunk's own last layer is not held back, a pipeline's later
+stages (which push only once the prompt is computed) stream as stage 0 does, and the first
+layer's compute time and per-message link latency (microseconds) are ignored.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ _DONE_BYTES = 1.0  # a flow with less than a byte left is complete (float round-
 
 
 class Flow:
-    __slots__ = ("r", "src", "dst", "left", "cap", "last_layer", "computing", "rate")
+    __slots__ = ("r", "src", "dst", "left", "cap", "last_layer", "computing", "final", "rate")
 
-    def __init__(self, r, src, dst, left, cap, last_layer):
+    def __init__(self, r, src, dst):
         self.r, self.src, self.dst = r, src, dst
-        self.left, self.cap, self.last_layer = left, cap, last_layer
+        self.left, self.cap, self.last_layer = 0.0, 0.0, 0.0
         self.computing = True  # the prefill producing this KV has not finished
+        self.final = False  # its last iteration has started: no more KV comes after
         self.rate = 0.0
 
 
@@ -38,6 +43,7 @@ class Fabric:
         self.link, self.layers = link, num_layers
         self.flows: dict[int, Flow] = {}  # by request index
         self.parked: dict[int, Flow] = {}  # body sent, waiting for the prefill to finish
+        self.between: dict[int, Flow] = {}  # all sent so far, waiting for the next chunk
         self.now = 0.0
         self.bytes_sent = 0.0
 
@@ -57,12 +63,29 @@ class Fabric:
         for f in self.flows.values():
             f.rate = min(f.cap, f.src.link_bw / count[f.src], f.dst.link_bw / count[f.dst])
 
-    def start(self, now: float, r: SimRequest, src: Instance, nbytes: float, compute_s: float):
-        """`r`'s final prefill iteration (of `compute_s` seconds) starts now on `src`."""
+    def chunk(
+        self, now: float, r: SimRequest, src: Instance, nbytes: float, compute_s: float,
+        final: bool,
+    ) -> None:  # fmt: skip
+        """A prefill iteration of `r` (of `compute_s` seconds, making `nbytes` of its KV; its
+        last one when `final`) starts now on `src`."""
         self._progress(now)
-        last = nbytes / self.layers
-        self.flows[r.index] = Flow(r, src, r.decoder, nbytes - last, nbytes / compute_s, last)
+        f = self.flows.pop(r.index, None) or self.between.pop(r.index, None)
+        f = f or Flow(r, src, r.decoder)
+        last = nbytes / self.layers if final else 0.0
+        f.left += nbytes - last
+        f.last_layer, f.final, f.computing = last, final, True
+        f.cap = f.left / compute_s
+        self.flows[r.index] = f
         self._rerate()
+
+    def chunk_done(self, now: float, r: SimRequest) -> None:
+        """A prefill iteration of `r` that was not its last ended: its KV so far is all made,
+        so only the link limits it until the next one starts."""
+        self._progress(now)
+        if (f := self.flows.get(r.index)) is not None:
+            f.cap = float("inf")
+            self._rerate()
 
     def prefill_done(self, now: float, r: SimRequest) -> None:
         """`r`'s prefill finished: its last layer may leave, and production no longer caps."""
@@ -91,7 +114,10 @@ class Fabric:
             if f.left > _DONE_BYTES:
                 continue
             del self.flows[index]
-            if f.last_layer == 0.0:
+            if not f.final:  # what its chunks made so far is through; more comes
+                f.left, f.rate = 0.0, 0.0
+                self.between[index] = f
+            elif f.last_layer == 0.0:
                 landed.append(f.r)
             elif f.computing:
                 self.parked[index] = f

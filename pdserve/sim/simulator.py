@@ -114,9 +114,9 @@ class Loop:
             dt = inst.lat.iteration(batch)
             inst.current = parts, dt
             if inst.role == "prefill":
-                for r, n in parts:
-                    if r.done + n == r.prompt:
-                        self.fabric.start(now, r, inst, self.kv_per_token * r.prompt, dt)
+                for r, n in parts:  # each chunk's KV goes as it is computed
+                    final = r.done + n == r.prompt
+                    self.fabric.chunk(now, r, inst, self.kv_per_token * n, dt, final)
                 self.reschedule_fabric()
             self.schedule(inst, now, now + dt)
         elif inst.num_running:
@@ -193,6 +193,9 @@ class Loop:
             if inst.role == "prefill":
                 for r in completed:
                     self.fabric.prefill_done(now, r)
+                for r, _ in parts:
+                    if r.done < r.prompt:
+                        self.fabric.chunk_done(now, r)
                 self.reschedule_fabric()
         self.start(inst, now)
 

@@ -76,7 +76,8 @@ def test_simulated_ttft_of_a_pipelined_prompt_is_its_chunks_through_the_stages()
     lat = cl.latency(1, "disagg", pp=2)
     chunks = [lat.stage(Batch(64, 0, 64 * (c + 32), c, 1)) for c in (0, 64, 128)]
     final = pipeline_s(lat.stage(Batch(64, 1, 64 * (192 + 32), 192, 1)), 1, 2, lat.hop_s(64))
-    last_layer = kv_bytes(MODEL, 256, "fp16") / MODEL.num_layers / (2 * 1e12)  # two ports
+    # the last chunk's last layer (the earlier chunks' went under the chunks after them)
+    last_layer = kv_bytes(MODEL, 64, "fp16") / MODEL.num_layers / (2 * 1e12)  # two ports
     assert res.records[0].ttft_s == pytest.approx(sum(chunks) + final + last_layer, rel=1e-9)
     assert lat.prefill(256, chunk=64) == pytest.approx(sum(chunks) + final, rel=1e-12)
 

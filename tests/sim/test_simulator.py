@@ -60,6 +60,20 @@ def test_layerwise_overlap_only_last_layer_adds_when_link_is_fast():
     assert res.records[0].ttft_s == pytest.approx(prefill + last_layer, rel=1e-9)
 
 
+def test_a_chunked_prompts_kv_streams_under_its_later_chunks():
+    """As a prefill worker pushes: each chunk's KV leaves while the chunk runs, not all of it
+    under the last chunk. A link that moves the prompt's KV in exactly its prefill time T then
+    finishes the body with the prefill, and only the last layer adds: T (1 + 1/layers)."""
+    dep, one = Deployment("disagg", chunk=50), [req(0, 0.0, 100, 1)]
+    nbytes = kv_bytes(MODEL, 100, "fp16")
+    t = simulate(cluster(Link("fast", "", 1e15, 1e15)), dep, one, SLO_LOOSE).records[0].ttft_s
+    link = Link("exact", "", nbytes / t, nbytes / t)
+    res = simulate(cluster(link), dep, one, SLO_LOOSE)
+    # the last layer of the last chunk: half the prompt's, a layer's share
+    assert res.records[0].ttft_s == pytest.approx(t * (1 + 0.5 / MODEL.num_layers), rel=1e-6)
+    assert res.kv_bytes_sent == pytest.approx(nbytes, rel=1e-9)
+
+
 def test_slow_link_transfer_dominates_and_is_shared():
     slow = Link("slow", "", 1e6, 1e6)  # 1 MB/s: a 100-token prompt's 204,800 B take 0.2 s
     cl = cluster(slow)

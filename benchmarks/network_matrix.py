@@ -51,7 +51,15 @@ from pdserve import envs  # noqa: E402
 from pdserve.bench import netns  # noqa: E402
 from pdserve.config import WORKER_CHUNK_SIZE  # noqa: E402
 
-ENGINE = ["--threads", "1", "--kv-cache-gb", "0.5", "--max-model-len", "4096"]
+
+def engine_flags(longest: int) -> list[str]:
+    """One thread per worker; room for the longest prompt and, on the decode worker, the
+    background streams growing to the same length."""
+    max_len = max(4096, longest + OUTPUT_TOKENS + 64)
+    gb = 0.5 * math.ceil(max_len / 4096)
+    return ["--threads", "1", "--kv-cache-gb", f"{gb:g}", "--max-model-len", str(max_len)]
+
+
 OUTPUT_TOKENS, STREAM_TOKENS, BACKGROUND = 16, 100_000, 2
 
 
@@ -86,8 +94,9 @@ class Deployment:
     """One router on `router_host` at `port` with its workers, each on a host of its own."""
 
     def __init__(
-        self, net, mode: str, port: int, workers: dict[str, list[str]], env: dict, steps: Path
-    ):
+        self, net, mode: str, port: int, workers: dict[str, list[str]], env: dict, steps: Path,
+        engine: list[str],
+    ):  # fmt: skip
         router_host = net.hosts["router"]
         self.url = f"http://{router_host.address}:{port}"
         control = f"tcp://{router_host.address}:{port - 1000}"
@@ -113,7 +122,7 @@ class Deployment:
         ]
         for host, argv in workers.items():
             self.procs.append(
-                Command("worker", *argv, "--router", control, *ENGINE, ready=r"\) ready",
+                Command("worker", *argv, "--router", control, *engine, ready=r"\) ready",
                         env={**env, envs.STEP_LOG: str(steps / host)},
                         prefix=net.hosts[host].prefix(), startup_timeout_s=600)
             )  # fmt: skip
@@ -272,7 +281,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="0,1000,200,50",
                         help="prefill link rates, Mbit/s (0: unshaped)")  # fmt: skip
-    parser.add_argument("--lengths", default="512,2048")
+    parser.add_argument("--lengths", default="512,2048",
+                        help="prompt tokens (the bundled model's context is 8,192: 8000 is "
+                        "the longest that leaves room for the output)")  # fmt: skip
     parser.add_argument("--requests", type=int, default=3, help="measured prompts per cell")
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="one-way delay on the prefill link, each way")  # fmt: skip
@@ -329,6 +340,7 @@ def measure(
 ) -> dict:  # fmt: skip
     delay_ms, loss_pct = shaping
     env = {"PDSERVE_SECRET": secrets.token_hex(16)}
+    engine = engine_flags(max(lengths))
     rng = random.Random(0)
     results: dict = {"colocated": {}, "disagg": {}}
     with netns.Network() as net:
@@ -337,12 +349,13 @@ def measure(
         client = net.hosts["client"]
         deps = []
         try:
-            deps.append(colo := Deployment(net, "colocated", 8001,
-                                           {"colo": ["--role", "both"]}, env, steps))  # fmt: skip
+            colo_workers = {"colo": ["--role", "both"]}
+            deps.append(colo := Deployment(net, "colocated", 8001, colo_workers, env, steps,
+                                           engine))  # fmt: skip
             deps.append(disagg := Deployment(net, "disagg", 8000, {
                 "prefill": ["--role", "prefill", "--transfer-timeout-s", "600", *prefill_args],
                 "decode": ["--role", "decode", "--kv-host", net.hosts["decode"].address],
-            }, env, steps))  # fmt: skip
+            }, env, steps, engine))  # fmt: skip
             for dep in deps:  # steps of every prompt length, for the calibration
                 client.call(calibration_round, dep.url, max(lengths), rng)
             for n in lengths:

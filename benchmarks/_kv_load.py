@@ -119,29 +119,45 @@ def _wait(check, what: str, timeout_s: float = 30) -> None:
         time.sleep(0.2)
 
 
-def measure(backend: str, n: int, repeats: int, hosts=None) -> dict[str, list[float]]:
-    """Start the backend's server, a putter and a loader (each on a host of `hosts`, a dict
-    pool/putter/loader -> netns.Host, or all on loopback); the loader's seconds per call."""
+def start_pool(backend: str, host, port: int, env: dict, dram_gb: float,
+               query: str = "") -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """Start `backend`'s server at `port` on `host` (a netns.Host, or None: loopback): a
+    `pdserve store` of `dram_gb` DRAM (no SSD tier), or a `mooncake_master` whose clients each
+    contribute `dram_gb` to its pool (`query`: more mooncake:// options). Once it listens, its
+    process and the endpoint its clients are given."""
     from pdserve.kv_store import mooncake_setup
 
-    addr = hosts["pool"].address if hosts else "127.0.0.1"
-    where = {role: (hosts[role].prefix() if hosts else []) for role in ("pool", "putter", "loader")}
-    probe = hosts["loader"].call if hosts else (lambda fn, *a: fn(*a))
-    port, started = (7500 if hosts else _free_port()), []
+    addr = host.address if host else "127.0.0.1"
     if backend == "mooncake":
-        cmd = mooncake_setup.master_command(addr, port, port + 1 if hosts else _free_port())
-        endpoint = f"mooncake://{addr}:{port}?segment_mb=256&buffer_mb=64&zero_copy=1"
+        cmd = mooncake_setup.master_command(addr, port, port + 1 if host else _free_port())
+        endpoint = f"mooncake://{addr}:{port}?segment_mb={round(dram_gb * 1024)}{query}"
     else:
         store_dir = tempfile.mkdtemp(prefix="pdserve-bench-store-")
         cmd = [sys.executable, "-m", "pdserve.cli", "store", "--host", addr, "--port", str(port),
-               "--store-dir", store_dir, "--dram-gb", "0.5", "--ssd-gb", "0"]  # fmt: skip
+               "--store-dir", store_dir, "--dram-gb", str(dram_gb), "--ssd-gb", "0"]  # fmt: skip
         endpoint = f"tcp://{addr}:{port}"
+    proc = subprocess.Popen([*(host.prefix() if host else []), *cmd], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    probe = host.call if host else (lambda fn, *a: fn(*a))
+    try:
+        _wait(lambda: probe(_listening, addr, port), f"{backend} listening on {addr}:{port}")
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return proc, endpoint
+
+
+def measure(backend: str, n: int, repeats: int, hosts=None) -> dict[str, list[float]]:
+    """Start the backend's server, a putter and a loader (each on a host of `hosts`, a dict
+    pool/putter/loader -> netns.Host, or all on loopback); the loader's seconds per call."""
+    where = {role: (hosts[role].prefix() if hosts else []) for role in ("putter", "loader")}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_SECRET": secrets.token_hex(16)}
+    pool, endpoint = start_pool(backend, hosts and hosts["pool"], 7500 if hosts else _free_port(),
+                                env, 0.25, "&buffer_mb=64&zero_copy=1")  # fmt: skip
+    started = [pool]
     me = [sys.executable, __file__, endpoint]
     try:
-        started.append(subprocess.Popen([*where["pool"], *cmd], env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
-        _wait(lambda: probe(_listening, addr, port), f"{backend} listening on {addr}:{port}")
         putter = subprocess.Popen([*where["putter"], *me, "put", str(n)], env=env, text=True,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL)  # fmt: skip

@@ -6,9 +6,12 @@ evicted locally between its turns; with `--kv-store` they are loaded back from t
 of recomputed. For every request of the same length we also send a cold prompt (fresh tokens)
 so warm and cold TTFT are compared at equal length. Prints TTFT (warm vs cold) and throughput,
 store off, `pdserve store` and (with `--mooncake`, needs pdserve[mooncake]) a Mooncake Store
-pool started by `--kv-store-backend mooncake`, side by side.
+pool started by `--kv-store-backend mooncake`, side by side. With `--hosts` (root, iproute2)
+each also runs across network hosts (benchmarks/_kv_hosts.py: the router, the prefill worker,
+the decode worker, the store or mooncake_master and the client each on a host of its own, the
+same worker cache), printed beside its loopback row: loaded blocks then cross a link.
 
-    .venv/bin/python benchmarks/kv_store.py [--sessions 6 --turns 4] [--mooncake]
+    .venv/bin/python benchmarks/kv_store.py [--sessions 6 --turns 4] [--mooncake] [--hosts]
 
 `--load` instead measures load throughput per block, both backends side by side (`pdserve
 store`; Mooncake staged and zero-copy): on loopback, and with `--hosts` (root, iproute2) also
@@ -62,27 +65,55 @@ def main() -> int:
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--mooncake", action="store_true", help="add a Mooncake Store pool row")
     ap.add_argument("--load", action="store_true", help="load throughput per block instead")
-    ap.add_argument("--hosts", action="store_true", help="--load across network hosts too")
+    ap.add_argument("--hosts", action="store_true", help="across network hosts too")
     ap.add_argument("--blocks", type=int, default=64, help="--load: blocks per load call")
     ap.add_argument("--repeats", type=int, default=9, help="--load: calls per way of loading")
     args = ap.parse_args()
-    if args.load:
-        return load_table(args)
-    rows = []
-    cases = [("store off", ()), ("store on", ("--kv-store",))]
-    if args.mooncake:
-        cases.append(("mooncake", ("--kv-store", "--kv-store-backend", "mooncake")))
-    for label, extra in cases:
-        with server("disagg", *WORKER_CACHE, *extra) as url:
-            rows.append((label, *run(url, args)))
+    return load_table(args) if args.load else multi_turn_table(args)
+
+
+LABELS = {None: "store off", "pdserve": "store on", "mooncake": "mooncake"}
+SERVE_FLAGS = {None: (), "pdserve": ("--kv-store",),
+               "mooncake": ("--kv-store", "--kv-store-backend", "mooncake")}  # fmt: skip
+
+
+def measure(args, backend: str | None, net=None) -> tuple[list[float], list[float], float, int]:
+    """`run` against a deployment with the KV store `backend` (None: off): `pdserve serve` on
+    loopback, or on `net`'s hosts (benchmarks/_kv_hosts.py) from its client host."""
+    if net is None:
+        with server("disagg", *WORKER_CACHE, *SERVE_FLAGS[backend]) as url:
+            return run(url, args)
+    import _kv_hosts
+
+    with _kv_hosts.deployment(net, backend, WORKER_CACHE) as url:
+        return net.hosts["client"].call(run, url, args)
+
+
+def multi_turn_table(args) -> int:
+    backends = [None, "pdserve", *(["mooncake"] if args.mooncake else [])]
+    rows = [(LABELS[b], "loopback", *measure(args, b)) for b in backends]
+    if args.hosts:
+        import _kv_hosts
+
+        with network(_kv_hosts.HOSTS) as net:
+            across = [
+                (LABELS[b], f"{len(_kv_hosts.HOSTS)} hosts", *measure(args, b, net))
+                for b in backends
+            ]
+        rows = [row for pair in zip(rows, across, strict=True) for row in pair]  # per backend
+
+    def where(text: str) -> str:  # a column of its own with --hosts only
+        return f"{text:<9} " if args.hosts else ""
+
     print(
-        f"\n{'':<10} {'warm TTFT p50':>14} {'cold TTFT p50':>14} {'warm/cold':>10} "
+        f"\n{'':<10} {where('')}{'warm TTFT p50':>14} {'cold TTFT p50':>14} {'warm/cold':>10} "
         f"{'session s':>9} {'tokens/s':>9}"
     )
-    for label, warm, cold, wall, tokens in rows:
+    for label, place, warm, cold, wall, tokens in rows:
         print(
-            f"{label:<10} {median(warm) * 1e3:>12.0f}ms {median(cold) * 1e3:>12.0f}ms "
-            f"{median(warm) / median(cold):>10.2f} {wall:>9.1f} {tokens / wall:>9.2f}"
+            f"{label:<10} {where(place)}{median(warm) * 1e3:>12.0f}ms "
+            f"{median(cold) * 1e3:>12.0f}ms {median(warm) / median(cold):>10.2f} {wall:>9.1f} "
+            f"{tokens / wall:>9.2f}"
         )
     print(
         "warm = turns >= 2 of a session (its history was seen before); cold = fresh tokens of the "
@@ -91,20 +122,28 @@ def main() -> int:
     return 0
 
 
+def network(names: tuple[str, ...]):
+    """A netns.Network with a host of each name (root, iproute2); close it (or use `with`)."""
+    from pdserve.bench import netns
+
+    net = netns.Network()
+    for name in names:
+        net.add_host(name)
+    return net
+
+
 def load_table(args) -> int:
     import _kv_load
 
     places = [("loopback", None)]
-    if args.hosts:
-        from pdserve.bench import netns
-
-        net = netns.Network()
-        places.append(("3 hosts", {r: net.add_host(r) for r in ("pool", "putter", "loader")}))
+    net = network(("pool", "putter", "loader")) if args.hosts else None
+    if net:
+        places.append(("3 hosts", net.hosts))
     try:
         rows = [(where, *row) for where, hosts in places
                 for row in _kv_load.rows(args.blocks, args.repeats, hosts)]  # fmt: skip
     finally:
-        if args.hosts:
+        if net:
             net.close()
     print(f"\n{args.blocks} blocks of 360 KiB per load call, median of {args.repeats} calls")
     print(f"{'':<9} {'backend':<14} {'load':<10} {'ms/block':>9} {'MB/s':>8}")

@@ -124,8 +124,13 @@ def test_blocks_one_host_offloaded_are_loaded_on_another_with_the_cold_text(pool
     w1, w2 = pool.hosts["w1"], pool.hosts["w2"]
     sent, received = w1.bytes_sent(), w2.bytes_received()
     assert pool.complete(prompt) == cold
-    workers = pool.wait_clean({"w1", "w2"})
-    hit_tokens = workers["w2"].get("store_hit_tokens", 0)
-    assert hit_tokens >= 512 and workers["w1"].get("store_hit_tokens", 0) == 0
+    pool.wait_clean({"w1", "w2"})
+
+    def hits(worker_id: str) -> int:  # as the worker's latest load report has it
+        return pool.get("/health").json()["workers"][worker_id].get("store_hit_tokens", 0)
+
+    # the reports come every heartbeat: an idle, clean worker may not have sent this one yet
+    hit_tokens = wait_until(lambda: hits("w2") >= 512 and hits("w2"), 30, "w2's store hits")
+    assert hits("w1") == 0
     crossed = hit_tokens * BYTES_PER_TOKEN  # the loaded blocks' bytes, w1's host -> w2's
     assert w1.bytes_sent() - sent >= crossed and w2.bytes_received() - received >= crossed

@@ -80,7 +80,7 @@ class PrefillSide(KVConnector):
                 return
         self.outgoing[seq.request_id] = Outgoing(
             seq.request_id, msg.kv_endpoints, msg.dst_block_ids, first,
-            trace=msg.trace if tracing.enabled() else "",
+            trace=msg.trace if tracing.enabled() else "", sent=[first] * (self.last_layer + 1),
         )  # fmt: skip
 
     # -- KVConnector -----------------------------------------------------------------------
@@ -107,8 +107,6 @@ class PrefillSide(KVConnector):
             out = self.outgoing.get(seq.request_id)
             if out is None:
                 continue
-            if not out.sent:
-                out.sent = [out.first_block] * (self.last_layer + 1)
             end = seq.num_computed_tokens + n
             if self.whole:
                 if end >= seq.num_tokens and layer == self.last_layer:

@@ -107,6 +107,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                 "role": w.role,
                 "pid": w.pid,
                 "kv_compression": w.kv_compression,
+                "kv_transport": w.kv_transport,
                 "draining": w.draining,
                 "inflight": len(w.inflight),  # requests the router placed here, now
                 **w.placement,

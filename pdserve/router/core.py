@@ -99,17 +99,12 @@ class RouterCore:
 
     # -- workers ---------------------------------------------------------------------------
     def on_register(self, wid: str, msg: m.Register) -> None:
-        for other in self.alive():
-            if other.worker_id == wid:
-                continue
-            try:
-                other.layout.check_compatible(msg.layout, mine=other.worker_id, theirs=wid)
-            except KVLayoutMismatch as exc:  # no restart fixes it: the worker exits 78
-                log.error("refused worker %s: %s", wid, exc)
-                metrics.KV_FAILURES_BY_CAUSE.labels("layout_refused").inc()
-                self.refused[wid] = str(exc)
-                self.send(wid, m.RegisterAck(False, str(exc)))
-                return
+        if (why := self._refusal(wid, msg)) is not None:  # no restart fixes it: it exits 78
+            log.error("refused worker %s: %s", wid, why)
+            metrics.KV_FAILURES_BY_CAUSE.labels("layout_refused").inc()
+            self.refused[wid] = why
+            self.send(wid, m.RegisterAck(False, why))
+            return
         self.refused.pop(wid, None)
         old = self.workers.get(wid)
         if old is not None and old.alive:
@@ -117,11 +112,34 @@ class RouterCore:
         self.workers[wid] = WorkerInfo(
             wid, msg.role, msg.layout, msg.kv_endpoint, msg.total_blocks, msg.max_model_len,
             msg.pid, has_store=msg.has_store, cached=set(msg.cached), placement=msg.placement,
-            kv_compression=msg.kv_compression,
+            kv_compression=msg.kv_compression, kv_transport=msg.kv_transport,
         )  # fmt: skip
         self.send(wid, m.RegisterAck(True))
         log.info("worker %s registered as %s", wid, msg.role)
         self.started = self.started or self.has_workers(*self.expected)
+
+    def _refusal(self, wid: str, msg: m.Register) -> str | None:
+        """Why a worker registering cannot join the live ones (None: it can): a KV layout
+        another worker cannot take, or, between a prefill and a decode worker, another KV
+        transport (a tcp push cannot reach a NIXL receiver: every request would time out
+        and be prefilled again on the decode worker)."""
+        for other in self.alive():
+            if other.worker_id == wid:
+                continue
+            try:
+                other.layout.check_compatible(msg.layout, mine=other.worker_id, theirs=wid)
+            except KVLayoutMismatch as exc:
+                return str(exc)
+            if {msg.role, other.role} == {"prefill", "decode"} and (
+                msg.kv_transport != other.kv_transport
+            ):
+                return (
+                    f"{msg.role} worker {wid} moves KV over {msg.kv_transport}, but "
+                    f"{other.role} worker {other.worker_id} moves it over "
+                    f"{other.kv_transport}: prefill and decode workers must use one "
+                    f"--kv-transport; start {wid} with --kv-transport {other.kv_transport}"
+                )
+        return None
 
     def on_heartbeat(self, wid: str, msg: m.Heartbeat) -> None:
         if wid.partition("#")[0] != msg.worker_id:

@@ -46,7 +46,7 @@ KV_FAILURES_BY_CAUSE = Counter(
     "pdserve_kv_transfer_failures_by_cause",
     "KV handoffs that failed, by cause: transport (the push broke), timeout (not acknowledged "
     "within --transfer-timeout-s), lease_expired (the decode worker gave up waiting and "
-    "prefilled locally), layout_refused (a worker whose KV layout no peer can take), "
+    "prefilled locally), layout_refused (a worker whose KV layout or transport no peer can take), "
     "staging_full (no host staging blocks on the prefill worker)",
     ["cause"],
 )

@@ -28,6 +28,7 @@ class WorkerInfo:
     has_store: bool = False
     placement: dict[str, str] = field(default_factory=dict)  # host; Ray node and actor ids
     kv_compression: str = "none"  # what its KV pushes put on the wire
+    kv_transport: str = "tcp"  # how it moves KV (tcp | nixl)
     draining: bool = False  # takes nothing new; what it holds finishes there
 
     @property

@@ -77,6 +77,7 @@ class Worker:
             cached=list(self.engine.block_manager.hash_to_block),
             placement={"host": socket.gethostname(), **dict(self.config.placement)},
             kv_compression=self.config.kv_compression,
+            kv_transport=self.config.kv_transport,
         )
 
     def register(self, timeout_s: float = 60.0) -> None:

@@ -152,6 +152,23 @@ def test_registration_refuses_a_worker_with_another_kv_layout(core):
     assert c.channel.take() == [("d1", m.RegisterAck(True))] and c.refused == {}
 
 
+def test_registration_refuses_a_prefill_worker_whose_kv_transport_its_decoders_lack(core):
+    from pdserve.kv_transfer import KVLayout
+
+    c = core()
+    layout = KVLayout("model-a", "bfloat16", 30, 16, 3, 64)
+    c.handle("d0", m.Register("d0", "decode", layout, "nixl://d0", 100, 2048, kv_transport="nixl"))
+    c.handle("b0", m.Register("b0", "both", layout, None, 100, 2048))  # never exchanges KV
+    assert c.channel.take() == [("d0", m.RegisterAck(True)), ("b0", m.RegisterAck(True))]
+    c.handle("p0", m.Register("p0", "prefill", layout, None, 100, 2048, kv_transport="tcp"))
+    [(wid, ack)] = c.channel.take()
+    assert wid == "p0" and not ack.ok
+    assert "over tcp" in ack.error and "--kv-transport nixl" in ack.error
+    assert sorted(c.workers) == ["b0", "d0"] and c.refused == {"p0": ack.error}
+    c.handle("p0", m.Register("p0", "prefill", layout, None, 100, 2048, kv_transport="nixl"))
+    assert c.channel.take() == [("p0", m.RegisterAck(True))] and c.refused == {}
+
+
 def test_finish_with_abort_frees_the_request_on_every_worker_holding_it(core):
     c = _disagg(core)
     state = pending(c, "r0", 40, remote=True, decode_id="d0")

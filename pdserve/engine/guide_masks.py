@@ -44,19 +44,28 @@ class EngineGuides:
 
     def start_masks(self, seqs, num_new_tokens: Sequence[int]) -> Future | None:
         """Guided sequences that sample this step: their next-token masks, computed on a
-        thread while the model runs (llguidance releases the GIL). A (len(seqs), words)
-        bitmask; rows of unguided sequences allow everything. None without a guided one."""
+        thread while the model runs (llguidance releases the GIL). A future of (bitmask,
+        verify rows): row i of the bitmask is seqs[i]'s mask (rows of unguided sequences
+        allow everything); a guided sequence verifying proposals has 1 + k rows from
+        verify_rows[i] on, row j what it allows after its first j proposals. None without
+        a guided sequence."""
         if not any(s.guide is not None for s in seqs):
             return None
         guides = [
             s.guide if s.num_computed_tokens + n == s.num_tokens else None
             for s, n in zip(seqs, num_new_tokens, strict=True)
         ]
-        bitmask = self.compiler.allocate_bitmask(len(guides))
+        starts, drafts, rows = {}, [], len(seqs)
+        for i, s in enumerate(seqs):
+            if s.guide is not None and s.spec_token_ids:
+                starts[i] = rows
+                drafts.append((s.guide, rows, list(s.spec_token_ids)))
+                rows += 1 + len(s.spec_token_ids)
+        bitmask = self.compiler.allocate_bitmask(rows)
 
         def fill():
-            self.compiler.fill_bitmask(guides, bitmask)
-            return bitmask
+            self.compiler.fill_bitmask(guides, bitmask, drafts)
+            return bitmask, starts
 
         return self._masker.submit(fill)
 

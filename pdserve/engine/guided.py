@@ -133,6 +133,10 @@ class Guide:
         if not self._matcher.consume_token(token_id):
             raise GuideError(f"token {token_id} is not allowed: {self.error}")
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order from here, the grammar allows (nothing is consumed)."""
+        return self._matcher.validate_tokens(list(tokens)) if tokens else 0
+
     @property
     def is_finished(self) -> bool:
         """The output matches the whole grammar and nothing may follow but EOS."""
@@ -204,25 +208,41 @@ class GuideCompiler:
         pin = torch.cuda.is_available()
         return torch.full((batch, self.words), -1, dtype=torch.int32, pin_memory=pin)
 
-    def fill_bitmask(self, guides: Sequence[Guide | None], bitmask: torch.Tensor) -> None:
-        """Row i <- the tokens guides[i] allows next (all tokens for None). Releases the GIL
-        while llguidance computes the rows in parallel: run it on a thread beside the forward
-        pass. `bitmask`: a CPU, contiguous (>= len(guides), words) int32 tensor."""
+    def fill_bitmask(
+        self,
+        guides: Sequence[Guide | None],
+        bitmask: torch.Tensor,
+        drafts: Sequence[tuple[Guide, int, list[int]]] = (),
+    ) -> None:
+        """Row i <- the tokens guides[i] allows next (all tokens for None); for each
+        (guide, row, draft) of `drafts` (speculative decoding's proposals), rows row .. row +
+        len(draft) <- what the guide allows after draft[:j] (the draft must be allowed: see
+        `valid_prefix`; the guide itself does not move). Releases the GIL while llguidance
+        computes the rows in parallel: run it on a thread beside the forward pass. `bitmask`:
+        a CPU, contiguous int32 tensor (words wide, a row for each of those)."""
         import torch
 
         rows, words = bitmask.shape
+        need = max([len(guides), *(r + len(d) + 1 for _, r, d in drafts)])
         ok = bitmask.dtype == torch.int32 and bitmask.device.type == "cpu" and words == self.words
-        if not (ok and bitmask.is_contiguous() and rows >= len(guides)):
-            shape = f"(>= {len(guides)}, {self.words})"
+        if not (ok and bitmask.is_contiguous() and rows >= need):
+            shape = f"(>= {need}, {self.words})"
             raise ValueError(f"bitmask must be a contiguous CPU int32 tensor of shape {shape}")
         matchers = [(g._matcher, i) for i, g in enumerate(guides) if g is not None]
+        with_drafts = [(g._matcher, r, list(d)) for g, r, d in drafts if d]
+        matchers += [(g._matcher, r) for g, r, d in drafts if not d]
         for i, g in enumerate(guides):
             if g is None:
                 bitmask[i] = -1
         # What llguidance.torch.fill_next_token_bitmask_par does, without importing dynamo. One
-        # call: the GIL is released once (a call per row would wait to get it back each time).
+        # call: the GIL is released once (a call per row would wait to get it back each time);
+        # two with drafts (llguidance's call for them takes no empty draft).
         if matchers:
             self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, rows)
+        if with_drafts:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                with_drafts, bitmask.data_ptr(), words * 4, rows
+            )
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -224,9 +224,9 @@ class LLMEngine:
             indices, logits = self.runner.run(batch, *self._layer_hooks(batch))
         finally:  # never return (or raise) while a load may still write into blocks
             void = self.connector.step_finished(batch)
-            bitmask = masks.result() if masks is not None else None
+            bitmask, verify_rows = masks.result() if masks is not None else (None, {})
         self.scheduler.after_step(batch, void)
-        outs = self._sample(batch, indices, logits, bitmask, void)
+        outs = self._sample(batch, indices, logits, bitmask, verify_rows, void)
         for seq in batch.seqs:
             if seq.spec_token_ids:
                 self.scheduler.rollback(seq)
@@ -247,8 +247,11 @@ class LLMEngine:
             before = functools.partial(self.connector.wait_for_layer_load, batch)
         return after, before
 
-    def _sample(self, batch, indices, logits, bitmask, void: frozenset[int]) -> list[StepOutput]:
-        """A token for each sequence whose whole context is computed (none for a void step)."""
+    def _sample(
+        self, batch, indices, logits, bitmask, verify_rows: dict[int, int], void: frozenset[int]
+    ) -> list[StepOutput]:
+        """A token for each sequence whose whole context is computed (none for a void step).
+        `bitmask`, `verify_rows`: the guided sequences' masks (`EngineGuides.start_masks`)."""
         if void and indices:
             keep = [j for j, i in enumerate(indices) if id(batch.seqs[i]) not in void]
             indices, logits = [indices[j] for j in keep], logits[keep]
@@ -265,14 +268,17 @@ class LLMEngine:
             tokens, logprobs = sample(logits[plain] if spec else logits, seqs, mask)
             outs = [self._append(s, t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)]
         for i, rows in spec.items():
-            outs.extend(self._verify(batch.seqs[i], logits[rows]))
+            start = verify_rows.get(i)
+            mask = bitmask[start : start + len(rows)] if start is not None else None
+            outs.extend(self._verify(batch.seqs[i], logits[rows], mask))
         return outs
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[StepOutput]:
-        """The tokens seq keeps of its proposals' verification step (`Speculator.accept`),
-        appended one by one so that a stop ends it where it comes."""
+    def _verify(self, seq: Sequence, logits: torch.Tensor, mask=None) -> list[StepOutput]:
+        """The tokens seq keeps of its proposals' verification step (`Speculator.accept`;
+        `mask`: its grammar's, a row per position), appended one by one so that a stop ends
+        it where it comes."""
         outs = []
-        for tok, lp in self.speculator.accept(seq, logits):
+        for tok, lp in self.speculator.accept(seq, logits, mask):
             outs.append(self._append(seq, tok, lp))
             if outs[-1].finished:
                 break

@@ -15,8 +15,10 @@ last position. Both proposers propose deterministically (prompt lookup; the draf
 argmax), so q is a point mass at d: acceptance is p(d) and the residual is p with d removed.
 The output's distribution is the target's.
 
-Sequences with penalties (they depend on each earlier emitted token) or a grammar (its mask
-would have to advance over unverified tokens) decode without speculation, one token a step.
+Every row is scored as the sampler would score it there: penalties count the proposals before
+the row as output already emitted (`_Row`), then the logit bias; a guided sequence's
+proposals are cut at the first token its grammar refuses (`Speculator.propose`), and each row
+gets the grammar's mask after the proposals before it (`EngineGuides.start_masks`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from pdserve.engine.sampler import TokenLogprobs, _filter, apply_logit_bias, token_logprobs
+from pdserve.engine.guided import apply_bitmask
+from pdserve.engine.sampler import (
+    TokenLogprobs,
+    _filter,
+    apply_logit_bias,
+    apply_penalties,
+    token_logprobs,
+)
 from pdserve.engine.sequence import Sequence
 
 # Above this many decoding sequences in a step the step is no longer bandwidth bound and
@@ -256,14 +265,20 @@ class Speculator:
                     self.max_model_len - seq.num_tokens - 1)  # fmt: skip
             if seq.spec_skip > 0:
                 seq.spec_skip -= 1
-            elif k >= 1 and speculates(seq):
-                seq.spec_token_ids = self.proposer.propose(seq, k)
+            elif k >= 1:
+                draft = self.proposer.propose(seq, k)
+                if seq.guide is not None:  # up to the first token its grammar refuses
+                    del draft[seq.guide.valid_prefix(draft) :]
+                seq.spec_token_ids = draft
 
-    def accept(self, seq: Sequence, logits: torch.Tensor) -> list[tuple[int, TokenLogprobs | None]]:
-        """The tokens seq keeps of its proposals' verification step (`verify`), each with its
-        logprobs when the request asked for them; counted."""
+    def accept(
+        self, seq: Sequence, logits: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        """The tokens seq keeps of its proposals' verification step (`verify`; `mask`: its
+        grammar's bitmask rows), each with its logprobs (of the raw logits, as `sample`
+        gives them) when the request asked for them; counted."""
         draft = seq.spec_token_ids
-        tokens = verify(logits, seq, draft)
+        tokens = verify(logits, seq, draft, mask)
         self.verifies += 1
         self.proposed += len(draft)
         self.accepted += len(tokens) - 1
@@ -309,26 +324,48 @@ def spec_stats(speculator: Speculator | None) -> dict[str, float]:
     }
 
 
-def speculates(seq: Sequence) -> bool:
-    """Whether seq's tokens may be proposed (see the module's docstring)."""
-    return not seq.params.penalized and seq.guide is None
+class _Row:
+    """seq as the sampler sees it at verify row j: its first j proposals already emitted
+    (what the penalties count)."""
+
+    def __init__(self, seq: Sequence, emitted: list[int]):
+        self.params, self.prompt_token_ids = seq.params, seq.prompt_token_ids
+        self.generated_token_ids = seq.generated_token_ids + emitted
 
 
-def target_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """The target's sampling distribution at each row (R, V) of seq's logits, as `sample`
-    draws it (logit bias, temperature, top-k / top-p)."""
+def processed_logits(
+    logits: torch.Tensor, seq: Sequence, draft: list[int], mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """seq's k+1 rows of logits as `sample` processes a row before drawing: penalties (row j
+    counting draft[:j] as output), logit bias, the grammar's mask. A new tensor when any
+    applies (the raw logits give the logprobs)."""
+    if seq.params.penalized:
+        rows = [_Row(seq, draft[:j]) for j in range(len(logits))]
+        logits = apply_penalties(logits, rows)
+    out = apply_logit_bias(logits, [seq] * len(logits))
+    if mask is not None:
+        out = out.clone()
+        apply_bitmask(out, mask)
+    return out
+
+
+def target_probs(processed: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The target's sampling distribution at each row (R, V) of seq's processed logits, as
+    `sample` draws it (temperature, top-k / top-p)."""
     p = seq.params
-    logits = apply_logit_bias(logits, [seq] * len(logits))
-    rows = [_filter(row / p.temperature, p.top_k, p.top_p) for row in logits]
+    rows = [_filter(row / p.temperature, p.top_k, p.top_p) for row in processed]
     return torch.stack(rows).softmax(-1)
 
 
-def verify(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> list[int]:
+def verify(
+    logits: torch.Tensor, seq: Sequence, draft: list[int], mask: torch.Tensor | None = None
+) -> list[int]:
     """The tokens to emit from the k+1 rows of logits (float32, row j predicts the token after
-    draft[:j]): the accepted drafts, then one token of the target's (greedy: its argmax;
-    sampled: the residual's draw, or the bonus token)."""
+    draft[:j]; `mask`: the grammar's rows): the accepted drafts, then one token of the
+    target's (greedy: its argmax; sampled: the residual's draw, or the bonus token)."""
+    logits = processed_logits(logits, seq, draft, mask)
     if seq.params.greedy:
-        target = apply_logit_bias(logits, [seq] * len(logits)).argmax(-1).tolist()
+        target = logits.argmax(-1).tolist()
         out = []
         for d, t in zip(draft, target, strict=False):
             if d != t:

@@ -259,3 +259,26 @@ def test_spec_round_trips_through_msgpack():
     wire = msgspec.msgpack.encode(JSON_SCHEMA)
     assert msgspec.msgpack.decode(wire, type=GuideSpec) == JSON_SCHEMA
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(JSON_OBJECT), type=GuideSpec).spec == ""
+
+
+def test_a_draft_is_valid_up_to_the_first_token_the_grammar_refuses(compiler, tokenizer):
+    guide = compiler.guide(JSON_SCHEMA)
+    good = tokenizer.encode('{"name":"Ann","age":')
+    assert guide.valid_prefix(good) == len(good)
+    assert guide.valid_prefix([*good, *tokenizer.encode('"x"')]) == len(good)  # age: integer
+    assert guide.valid_prefix([]) == 0
+    assert allowed_ids(guide) == tokenizer.encode('{"')  # nothing was consumed
+
+
+def test_draft_rows_hold_the_masks_after_each_proposal_and_leave_the_guide(compiler, tokenizer):
+    """Speculative decoding's verify rows: row j is what the guide allows after draft[:j]."""
+    draft = tokenizer.encode('{"name":"Bo","age":4')
+    guide = compiler.guide(JSON_SCHEMA)
+    plain = compiler.guide(REGEX)
+    bitmask = compiler.allocate_bitmask(2 + len(draft) + 1)
+    compiler.fill_bitmask([plain, None], bitmask, [(guide, 2, draft)])
+    rows = unpack_bitmask(bitmask, 49152)
+    assert torch.equal(rows[0], plain.allowed()) and rows[1].all()  # None: everything
+    for j in range(len(draft) + 1):
+        assert torch.equal(rows[2 + j], compiler.guide(JSON_SCHEMA, draft[:j]).allowed()), j
+    assert allowed_ids(guide) == tokenizer.encode('{"')  # the guide did not move

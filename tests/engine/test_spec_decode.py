@@ -13,7 +13,12 @@ import torch
 
 from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.spec_decode import NgramProposer, parse_speculative_config, verify
+from pdserve.engine.spec_decode import (
+    NgramProposer,
+    parse_speculative_config,
+    processed_logits,
+    verify,
+)
 from tests.factories import make_engine, make_model_files, make_sequence
 
 SPEC = json.dumps(
@@ -80,6 +85,28 @@ def test_greedy_identical_batched_with_plain_sequences(files, eager):
     assert st["spec_accepted_tokens"] > 0, st
     assert 0 < st["spec_acceptance_rate"] <= 1 and st["spec_mean_accepted_len"] > 1
     assert_clean(engine)
+
+
+def test_penalized_sequences_speculate_with_the_plain_tokens(files):
+    """Each verify row is penalized as if the proposals before it had been emitted."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=0.02,
+                            frequency_penalty=0.01, repetition_penalty=1.01)  # fmt: skip
+    base = run(make_engine(files), PROMPTS, [params] * 3)
+    engine = make_engine(files, speculative_config=SPEC)
+    assert run(engine, PROMPTS, [params] * 3) == base
+    assert engine.stats()["spec_accepted_tokens"] > 0
+    assert_clean(engine)
+
+
+def test_each_verify_row_counts_the_proposals_before_it_as_emitted():
+    seq = make_sequence([1, 2, 3], frequency_penalty=1.0, presence_penalty=0.5, logit_bias=[(9, 2.0)])
+    seq.token_ids.append(7)  # one output token so far
+    rows = processed_logits(torch.zeros(3, 16), seq, [7, 7])
+    assert rows[:, 7].tolist() == [-1.5, -2.5, -3.5]  # 1, 2, 3 sevens emitted before the row
+    assert rows[:, 9].tolist() == [2.0] * 3 and rows[:, 4].tolist() == [0.0] * 3
+    logits = torch.zeros(3, 16)
+    logits[:, 7] = 3.8  # raw argmax 7 everywhere; penalized, 9 (bias 2.0) wins from row 1 on
+    assert verify(logits, seq, [7, 7]) == [7, 9]
 
 
 def test_max_tokens_stops_and_adaptive_batch_limit(files):
@@ -212,7 +239,7 @@ def test_a_draft_model_gives_the_plain_greedy_tokens_and_frees_its_blocks(folder
                        "model": str(folders[draft])})  # fmt: skip
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     penalized = SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=0.5)
-    params = [greedy, greedy, penalized]  # the last does not speculate (see spec_decode.py)
+    params = [greedy, greedy, penalized]
     plain = run(make_engine(files), PROMPTS, params)
     engine = make_engine(files, speculative_config=spec)
     assert run(engine, PROMPTS, params) == plain

@@ -238,3 +238,40 @@ def test_a_replayed_request_continues_as_if_it_had_not_moved(llm):
         eng.step()
     assert len(whole) > k and whole[k:] == seq.output_token_ids
     assert_clean(llm)
+
+
+def test_guided_and_penalized_requests_speculate_with_the_plain_greedy_tokens(llm):
+    """Prompt lookup under a JSON schema and under penalties: proposals are cut at the first
+    token the grammar refuses, each verify row is masked and penalized as if the proposals
+    before it had been emitted, so the tokens are the plain engine's, and proposals are
+    accepted."""
+    import json
+
+    from pdserve.engine.guided import GuideSpec
+
+    record = {"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "notes": "Analytical"}
+    schema = {
+        "type": "object",
+        "properties": {k: {"type": "integer" if k == "born" else "string"} for k in record},
+        "required": list(record),
+        "additionalProperties": False,
+    }
+    ids = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this JSON exactly: {json.dumps(record)}"}]
+    )
+    guided = SamplingParams(max_tokens=48, guide=GuideSpec("json_schema", json.dumps(schema)))
+    penalized = SamplingParams(max_tokens=32, frequency_penalty=0.3, presence_penalty=0.2,
+                               repetition_penalty=1.1, ignore_eos=True)  # fmt: skip
+    spec = LLM(dtype="float32", device="cpu", weights="bf16", speculative_config=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}))  # fmt: skip
+    for params in (guided, penalized):
+        before = spec.engine.stats()
+        want = llm.generate(ids, params)[0]
+        got = spec.generate(ids, params)[0]
+        assert got.token_ids == want.token_ids, params
+        after = spec.engine.stats()
+        assert after["spec_accepted_tokens"] > before["spec_accepted_tokens"], params
+        assert_clean(spec)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(json.loads(spec.generate(ids, guided)[0].text), schema)

@@ -94,11 +94,11 @@ ENGINE_FLAGS = (
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
         "\"prompt_lookup_max\": 5}' (prompt lookup), or '{\"method\": \"draft\", "
         "\"num_speculative_tokens\": 3, \"model\": \"DRAFT_DIR_OR_GGUF\"}' (a smaller model of "
-        "the same vocabulary, with its own KV cache); optional \"disable_by_batch_size\": no "
-        "speculation in steps of more decoding sequences. Greedy outputs are the plain decoder's "
-        "with dense float32/bf16 weights (int8/int4 kernels round differently with the number "
-        "of rows, so a near-tie may go the other way); sampled ones keep their distribution "
-        "(rejection sampling). Default: off",
+        "the same vocabulary, with its own KV cache); optional \"disable_by_batch_size\" "
+        "(default 2): no speculation in steps of more decoding sequences. Greedy outputs are the "
+        "plain decoder's (a speculating step stays within the rows where the int4/int8 kernels "
+        "give each row the same bits whatever the rows beside it); sampled ones keep their "
+        "distribution (rejection sampling). Default: off",
         metavar="JSON",
     ),
 )

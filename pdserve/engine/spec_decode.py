@@ -39,11 +39,14 @@ from pdserve.engine.sampler import (
     token_logprobs,
 )
 from pdserve.engine.sequence import Sequence
+from pdserve.model.quant import quantized_linears
 
-# Above this many decoding sequences in a step the step is no longer bandwidth bound and
-# verification costs more than it gains: measured on this machine with benchmarks/spec_decode.py
-# (docs/serving.md); `disable_by_batch_size` overrides it.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# Above this many decoding sequences in a step, verification costs more than it gains:
+# benchmarks/spec_decode.py --concurrency 2 4 8 with no limit (Zen 5, 2 cores, int4) gave
+# rewrite / quote / free chat 0.89-1.04x / 1.10-1.15x / 0.91x at 2 sequences, 0.92-0.99x /
+# 0.88-1.02x / 0.84-0.88x at 4, 0.68-0.91x at 8 (docs/serving.md). `disable_by_batch_size`
+# overrides it; a step also keeps within `row_budget` (measured per machine) whatever it is.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 MAX_BACKOFF = 16  # decode steps a sequence whose proposals keep failing goes without
 # The i-th proposal is made while its chance of acceptance, r^i for a per-proposal acceptance
 # r, stays above ROW_COST. One more verified row costs ~0.2-0.25 of a plain step with the
@@ -244,6 +247,7 @@ class Speculator:
         self.cfg = cfg
         self.proposer = make_proposer(cfg, vocab_size, engine)
         self.max_model_len = max_model_len
+        self.row_budget = row_budget(engine.runner.model) if engine is not None else None
         self.proposed = self.accepted = self.verifies = 0
 
     def propose(self, running) -> None:
@@ -259,10 +263,13 @@ class Speculator:
             self.proposer.retain(running)
         if len(decoding) > self.cfg.disable_by_batch_size:
             return
+        spare = None if self.row_budget is None else self.row_budget - len(decoding)
         for seq in decoding:
             k = min(proposal_length(seq, self.cfg.num_speculative_tokens),
                     seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens - 1)  # fmt: skip
+            if spare is not None:
+                k = min(k, spare)
             if seq.spec_skip > 0:
                 seq.spec_skip -= 1
             elif k >= 1:
@@ -270,6 +277,8 @@ class Speculator:
                 if seq.guide is not None:  # up to the first token its grammar refuses
                     del draft[seq.guide.valid_prefix(draft) :]
                 seq.spec_token_ids = draft
+                if spare is not None:
+                    spare -= len(draft)
 
     def accept(
         self, seq: Sequence, logits: torch.Tensor, mask: torch.Tensor | None = None
@@ -296,6 +305,17 @@ class Speculator:
             k = [seq.params.logprobs] * len(tokens)
             lps = token_logprobs(logits[: len(tokens)], torch.tensor(tokens), k)
         return list(zip(tokens, lps, strict=True))
+
+
+def row_budget(model) -> int | None:
+    """The most rows a speculating step's decodes may hold: the fewest up to which one of the
+    model's quantized linears runs its few-row kernel (`model/kernel_rows.py`: measured per
+    machine and shape, cached). Beyond it that linear switches to the dense GEMM: the step is
+    no longer bound by reading the weights, so verified rows stop being nearly free, and its
+    rows round differently from a plain step's (greedy tokens would differ from plain
+    decoding's). None for a dense model (no kernel to leave)."""
+    rows = [linear.max_rows for linear in quantized_linears(model) if linear.max_rows > 0]
+    return min(rows) if rows else None
 
 
 def proposal_length(seq: Sequence, most: int) -> int:

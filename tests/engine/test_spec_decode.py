@@ -21,9 +21,10 @@ from pdserve.engine.spec_decode import (
 )
 from tests.factories import make_engine, make_model_files, make_sequence
 
-SPEC = json.dumps(
-    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-)
+SPEC = json.dumps(  # three sequences speculate at once
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+     "prompt_lookup_max": 3, "disable_by_batch_size": 3}
+)  # fmt: skip
 # prompts that repeat themselves, so that prompt lookup proposes
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 4 + [5, 6], [20, 21, 22, 23] * 5, [40 + i % 7 for i in range(30)]]
 
@@ -236,7 +237,7 @@ def test_a_draft_model_gives_the_plain_greedy_tokens_and_frees_its_blocks(folder
 
     files = load_model_files(str(folders["target"]))
     spec = json.dumps({"method": "draft", "num_speculative_tokens": 3,
-                       "model": str(folders[draft])})  # fmt: skip
+                       "model": str(folders[draft]), "disable_by_batch_size": 3})  # fmt: skip
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     penalized = SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=0.5)
     params = [greedy, greedy, penalized]
@@ -303,3 +304,30 @@ def test_a_sequence_proposes_as_many_tokens_as_its_recent_acceptance_pays_for():
     logits[0, 5] = logits[1, 9] = 10.0  # 5 accepted, 6 rejected: a try of 1 hit
     assert [t for t, _ in spec.accept(seq, logits)] == [5, 9]
     assert (seq.spec_hits, seq.spec_tries) == pytest.approx((0.7 * 3 + 1, 0.7 * 4 + 2))
+
+
+def test_a_speculating_step_stays_within_the_rows_of_the_quantized_kernels(files):
+    """Past the fewest rows a quantized linear runs its few-row kernel for, it switches to the
+    dense GEMM (rounding differently: greedy tokens would differ): proposals stop there."""
+    from pdserve.engine.spec_decode import Speculator, row_budget
+    from pdserve.model.quant import quantized_linears
+
+    model = make_engine(files, weights="int4").runner.model
+    linears = quantized_linears(model)
+    assert linears and row_budget(model) is None  # float32: the dense GEMM at every row count
+    for i, linear in enumerate(linears):
+        linear.max_rows = 9 if i == 1 else 16 if i % 2 else 0  # 0: never the few-row kernel
+    assert row_budget(model) == 9
+    spec = Speculator(parse_speculative_config(SPEC), 100, 1000)
+    spec.row_budget = row_budget(model)
+    seqs = []
+    for i in range(3):
+        seq = make_sequence([1, 2, 3, 4] * 4, f"r{i}", max_tokens=50, ignore_eos=True)
+        seq.token_ids.append(1)  # an output token: the sequence decodes
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seqs.append(seq)
+    spec.propose(seqs)
+    assert [len(s.spec_token_ids) for s in seqs] == [3, 3, 0]  # 3 rows + 6 proposals = 9
+    spec.row_budget = None
+    spec.propose(seqs)
+    assert [len(s.spec_token_ids) for s in seqs] == [3, 3, 3]

@@ -252,6 +252,7 @@ def deployment_of(args: argparse.Namespace) -> Deployment:
         args.local_prefill_threshold, gpu=None,
         prefill_gpu=prefill[0] if prefill else None, decode_gpu=decode[0] if decode else None,
         prefill_ep=args.prefill_ep, decode_ep=args.decode_ep, prefill_pp=args.prefill_pp,
+        prefill_pp_shared=args.prefill_pp_shared,
     )  # fmt: skip
 
 

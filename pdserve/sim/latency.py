@@ -26,10 +26,10 @@ the all-reduce. Balanced expert load is assumed (no hot experts).
 Pipeline parallelism (`pp` > 1, a prefill pool's `--prefill-pp`) cuts the layers into `pp`
 stages, each a TP (x EP) group holding ceil(layers / pp) consecutive layers, their weights and
 their KV: the slowest (largest) stage sets the pace, so a stage's pass costs that share of the
-layer work (GEMMs, attention, KV reads, all-reduces) plus the per-pass overheads. A prompt in m
-micro-batches (prefill chunks) flows through the stages, as the engine's pipeline runs it: a
-chunk that samples nothing frees stage 0 once it has computed its layers, and the step that
-samples waits for its chunk to come back through every stage, so the prompt takes
+layer work (GEMMs, attention, KV reads and gathers, all-reduces) plus the per-pass overheads.
+A prompt in m micro-batches (prefill chunks) flows through the stages, as the engine's pipeline
+runs it: a chunk that samples nothing frees stage 0 once it has computed its layers, and the
+step that samples waits for its chunk to come back through every stage, so the prompt takes
 `pipeline_s`: (m + pp - 1) x stage + (pp - 1) x the activations' hop between two stages
 (hidden x tokens x activation bytes over the stage link: the node's when the instance fits one
 node, the network's otherwise). The output head, which runs once on stage 0, is costed in each
@@ -200,7 +200,7 @@ class LatencyModel:
         return (
             self.eff.iteration_overhead_s
             + self.eff.per_seq_overhead_s * batch.seqs
-            + self.eff.per_cached_token_s * batch.kv_read
+            + self.eff.per_cached_token_s * batch.kv_read * self._share  # its layers' gathers
             + self.allreduce_s(batch.tokens)
         )
 
@@ -260,7 +260,7 @@ class LatencyModel:
     def decode_coeffs(self, seqs: int, ctx_sum: float) -> DecodeCoeffs:
         """Coefficients of a pure decode stretch: `seqs` sequences, `ctx_sum` cached tokens."""
         w = self.work(Batch(seqs, seqs, 0, ctx_sum, seqs))
-        per_ctx = self._attn_flops / self._attn_s + self.eff.per_cached_token_s  # per token
+        per_ctx = self._attn_flops / self._attn_s + self.eff.per_cached_token_s * self._share
         kv = self.kv_bytes_per_token_gpu / self._bytes_s
         return DecodeCoeffs(
             self._fixed(Batch(seqs, seqs, 0, 0, seqs)) + per_ctx * ctx_sum,

@@ -4,6 +4,7 @@ share one stage's devices (as `pdserve serve` pins them on a machine short of co
 
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -84,7 +85,8 @@ def test_simulated_ttft_of_a_pipelined_prompt_is_its_chunks_through_the_stages()
 
 
 def test_stages_that_share_one_stages_devices_overlap_nothing():
-    cl = tiny()
+    # (a stage gathers its own layers' cached KV: 1/P of the per-cached-token cost)
+    cl = replace(tiny(), eff=replace(EFF, per_cached_token_s=1e-7))
     shared, one = cl.latency(1, pp=2, shared_stages=True), cl.latency(1)
     first, last = Batch(64, 0, 64 * 32, 0, 1), Batch(64, 1, 64 * (192 + 32), 192, 1)
     for batch in (first, last):  # every step: both stages' passes in turn and the hop

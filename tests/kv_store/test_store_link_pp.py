@@ -4,7 +4,8 @@ cache, the later stage's in shared memory, so the link offloads a prompt's block
 stage's layers and loads a prefix back into every stage's layers: the pipeline's blocks loaded
 into a one-process engine are byte for byte the pipeline's, the one-process engine's loaded
 into the pipeline are byte for byte its own, and both give the greedy tokens of an engine
-without a store. A load waits until the later stages have run every step sent to them
+without a store; the blocks a pipeline of a prefill worker evicts reach the store with every
+stage's layers too. A load waits until the later stages have run every step sent to them
 (`PPGroup.drain`): a chunk that samples nothing is not waited for, and the later stages may
 still be writing into blocks stage 0 has freed."""
 
@@ -19,7 +20,7 @@ from pdserve.kv_store.client import StoreClient
 from pdserve.kv_transfer.memory import layout_of
 from pdserve.serving.build import store_link
 
-from .test_store_link import GREEDY, generate, settle
+from .test_store_link import BLOCKS, GREEDY, KV_GB, generate, settle
 
 PIPELINE = dict(pipeline_parallel_size=2)  # the suite's tiny model (`files`): a layer a stage
 A = list(range(3, 40))  # 37 tokens: 9 full blocks of 4 before the last token's
@@ -38,18 +39,18 @@ def reference(files):
 
 @pytest.fixture
 def linked(files, serve):
-    """linked(**engine_kw) -> (co-located engine in chunks of 8, its StoreLink), every one on
-    the same store; closed after the test."""
+    """linked(link_role, **engine_kw) -> (co-located engine in chunks of 8, its StoreLink as
+    a worker of `link_role` has it), every one on the same store; closed after the test."""
     made, served = [], []
 
-    def factory(**engine_kw):
+    def factory(link_role="both", **engine_kw):
         engine = make_engine(files, chunk_size=8, **engine_kw)
         layout = layout_of(engine.fingerprint, engine.runner.k_caches)
         if not served:
             served.append(serve(layout))
         client = StoreClient(served[0].server.endpoint, layout, engine.runner.k_caches,
                              engine.runner.v_caches)  # fmt: skip
-        link = store_link(client, engine, "both")
+        link = store_link(client, engine, link_role)
         engine.connect(link)
         made.append((engine, link))
         return engine, link
@@ -60,14 +61,15 @@ def linked(files, serve):
         engine.close()
 
 
-def blocks_equal(a, b, hashes: list[int]) -> bool:
-    """Whether engines `a` and `b` cache the blocks of `hashes` with the same bytes in every
-    layer (a pipeline's later layers read through stage 0's mapping of the stage's memory)."""
-    ids_a, ids_b = ([e.block_manager.hash_to_block[h] for h in hashes] for e in (a, b))
-    layers_a = [*a.runner.k_caches, *a.runner.v_caches]
-    layers_b = [*b.runner.k_caches, *b.runner.v_caches]
-    assert len(layers_a) == len(layers_b) == 2 * a.model_config.num_layers
-    return all(torch.equal(x[ids_a], y[ids_b]) for x, y in zip(layers_a, layers_b, strict=True))
+def blocks(engine, hashes: list[int]) -> list[torch.Tensor]:
+    """The blocks of `hashes` in every layer, K then V, as `engine` caches them (a pipeline's
+    later layers read through stage 0's mapping of the stage's memory)."""
+    ids = [engine.block_manager.hash_to_block[h] for h in hashes]
+    return [t[ids].clone() for t in (*engine.runner.k_caches, *engine.runner.v_caches)]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_a_pipelines_blocks_go_to_the_store_and_back_with_every_stages_layers(linked, reference):
@@ -78,15 +80,31 @@ def test_a_pipelines_blocks_go_to_the_store_and_back_with_every_stages_layers(li
     assert generate(pipeline, p_link, A) == reference[tuple(A)]
     settle(p_link)  # offloaded as it finished, every layer's K and V
     assert generate(single, s_link, A) == reference[tuple(A)]
-    assert s_link.hit_tokens == 36 and blocks_equal(single, pipeline, prefix)
+    assert s_link.hit_tokens == 36 and same(blocks(single, prefix), blocks(pipeline, prefix))
 
     prefix = block_hashes(B, 4)[:9]
     assert generate(single, s_link, B) == reference[tuple(B)]
     settle(s_link)
     assert generate(pipeline, p_link, B) == reference[tuple(B)]  # stage 1 attends the load
-    assert p_link.hit_tokens == 36 and blocks_equal(pipeline, single, prefix)
+    assert p_link.hit_tokens == 36 and same(blocks(pipeline, prefix), blocks(single, prefix))
     for engine in (pipeline, single):
         engine.check_integrity()
+
+
+def test_blocks_a_pipeline_evicts_reach_the_store_with_every_stages_layers(linked, reference):
+    # a prefill worker's link: blocks reach the store as its prefix cache evicts them
+    pipeline, p_link = linked("prefill", kv_cache_gb=KV_GB, **PIPELINE)
+    single, s_link = linked()
+    assert pipeline.block_manager.num_blocks == BLOCKS
+    prefix = block_hashes(A, 4)[:9]
+    assert generate(pipeline, p_link, A) == reference[tuple(A)]
+    computed = blocks(pipeline, prefix)
+    assert generate(pipeline, p_link, B) == reference[tuple(B)]  # every block: evicts A's
+    settle(p_link)
+    assert p_link.evicted_offloads >= len(prefix)
+    assert generate(single, s_link, A) == reference[tuple(A)]
+    assert s_link.hit_tokens == 36
+    assert same(computed, blocks(single, prefix))
 
 
 def test_a_load_waits_until_the_later_stages_have_run_every_step_sent(linked, reference):

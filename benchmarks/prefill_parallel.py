@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--only", default="pp,tp,threads", help="variants: pp,tp,threads")
     ap.add_argument("--no-kv-check", action="store_true", help="skip the bytes per stage")
     ap.add_argument("--no-sim", action="store_true", help="no simulator column")
-    ap.add_argument("--out", default="prefill-parallel",
+    ap.add_argument("--out", default="bench-results/prefill-parallel",
                     help="profiles and step logs of the simulator's calibration")  # fmt: skip
     ap.add_argument("--json", help="write the figures (and the simulate flags) here")
     ap.add_argument("--results", help="print the --json of an earlier run, measuring nothing")

@@ -184,16 +184,17 @@ def calibrate(profile: str, steps: Path, out: Path) -> dict[str, str]:
     steps that worker logged while it served this run (`pdserve profile --from-steps`): the
     compute speed the processes had beside each other on these cores. The link is what the
     prediction then tests."""
+    from pdserve.sim.served import refit_profile
+
     out.mkdir(parents=True, exist_ok=True)
     fitted = {}
     for pool in ("colo", "prefill", "decode"):
         target = out / f"profile-{pool}.json"
         shutil.copyfile(profile, target)
-        done = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--from-steps",
-                               str(steps / pool), "--out", str(target)],
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
-        if done.returncode:
-            raise RuntimeError(f"calibrating {pool} from {steps / pool}: {done.stderr[-500:]}")
+        try:
+            refit_profile(target, steps / pool)
+        except ValueError as exc:
+            raise RuntimeError(f"calibrating {pool} from {steps / pool}: {exc}") from None
         fitted[pool] = str(target)
     return fitted
 

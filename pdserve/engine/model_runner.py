@@ -349,8 +349,10 @@ class ModelRunner:
                     meta.decode_groups, meta.prefills)  # fmt: skip
         pp.send(Hop(step, x, wait), 1)
         if not wait:
+            pp.unsettled += 1
             return None
         x = pp.recv(pp.size - 1, torch.Tensor)
+        pp.unsettled = 0  # the stages ran every step before this one too
         if meta.layer_hook is not None:
             for i in later:
                 meta.layer_hook(i)

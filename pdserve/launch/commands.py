@@ -236,7 +236,6 @@ def serve(args) -> int:
         os.environ[envs.OTLP_TRACES_ENDPOINT] = args.otlp_traces_endpoint
     from pdserve.serving.worker_config import (
         check_kv_compression,
-        check_pipeline,
         check_tensor_parallel,
     )
 
@@ -262,8 +261,6 @@ def serve(args) -> int:
         )
     for size in tp.values():
         check_tensor_parallel(size, args.kv_store or args.kv_store_endpoint)
-    for size in pp.values():
-        check_pipeline(size, args.kv_store or args.kv_store_endpoint)
     role_argv = {"prefill": phase_argv(args.prefill_args, "--prefill-args"),
                  "decode": phase_argv(args.decode_args, "--decode-args")}  # fmt: skip
     role_argv["both"] = role_argv["decode"]

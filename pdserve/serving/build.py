@@ -56,7 +56,7 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
         decode = DecodeSide(engine, layout, routers.send, config.worker_id, receiver, staging)
     if config.kv_store:
         client = open_store_client(config.kv_store, layout, runner.k_caches, runner.v_caches)
-        store = StoreLink.for_role(client, engine.block_manager, role)
+        store = store_link(client, engine, role)
         if decode is not None and tracing.enabled():  # store hits and misses in its traces
             store.lookups, decode.store = {}, store
     connectors = [store, prefill, decode if decode and decode.receiver else None]
@@ -79,6 +79,14 @@ def prefill_sender(config: WorkerConfig, engine: LLMEngine, layout: KVLayout, ra
 
     pp = engine.runner.pp
     return one() if pp is None else StageSenders([one() for _ in pp.layers], pp.layers)
+
+
+def store_link(client, engine: LLMEngine, role: str) -> StoreLink:
+    """The worker's link to the KV store over `client` (made on the engine's caches). A
+    pipeline's stage 0 holds every layer's cache (the later stages' in shared memory), so its
+    link moves whole blocks, once the later stages have run every step sent to them."""
+    pp = engine.runner.pp
+    return StoreLink.for_role(client, engine.block_manager, role, pp.drain if pp else None)
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:

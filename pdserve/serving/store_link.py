@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from pdserve.engine.block import Block
 from pdserve.engine.block_hash import block_hashes
@@ -45,7 +46,9 @@ class StoreLink(PrefixLoader):
     """The engine's KV connector to the store. `overlap_loads`: a prefix may load under the
     step that computes the rest (not on a prefill worker, which streams each layer on as soon
     as it is computed). `offload_finished`: a finished request's blocks are offloaded, and held
-    until the store has read them (`poll`)."""
+    until the store has read them (`poll`). `settle`: called before a load writes blocks or an
+    eviction copies one (a pipeline-parallel engine's `PPGroup.drain`: its later stages may
+    still be computing into blocks stage 0 has freed)."""
 
     def __init__(
         self,
@@ -54,8 +57,10 @@ class StoreLink(PrefixLoader):
         overlap_loads: bool = True,
         offload_finished: bool = True,
         max_copy_bytes: int = 64 << 20,
+        settle: Callable[[], None] | None = None,
     ):
         self.client = client
+        self.settle = settle or (lambda: None)
         self.bm = block_manager
         self.overlap_loads, self.offload_finished = overlap_loads, offload_finished
         self.block_size = client.layout.block_size
@@ -76,12 +81,17 @@ class StoreLink(PrefixLoader):
         self.aside: list[int] = []  # blocks an abandoned load may still write (StoreLoad.finish)
 
     @classmethod
-    def for_role(cls, client: StoreClient, block_manager: BlockManager, role: str) -> StoreLink:
+    def for_role(
+        cls, client: StoreClient, block_manager: BlockManager, role: str,
+        settle: Callable[[], None] | None = None,
+    ) -> StoreLink:  # fmt: skip
         """A prefill worker streams each layer on as soon as it is computed, so a prefix
         loading under its step could be sent before it is known good: it loads before the
-        step instead; and its finished blocks go to a decode worker, not the store."""
+        step instead; and its finished blocks go to a decode worker, not the store. `settle`
+        as in the constructor."""
         decodes = role != "prefill"
-        return cls(client, block_manager, overlap_loads=decodes, offload_finished=decodes)
+        return cls(client, block_manager, overlap_loads=decodes, offload_finished=decodes,
+                   settle=settle)  # fmt: skip
 
     # -- KVConnector ---------------------------------------------------------------------
     def on_allocate(self, seq: Sequence, under_step: bool) -> None:
@@ -110,6 +120,7 @@ class StoreLink(PrefixLoader):
         wanted, dst = hashes[start : start + n], seq.block_table[start : start + n]
         tokens = [seq.token_ids[i * bs : (i + 1) * bs] for i in range(start, start + n)]
         parent = hashes[start - 1] if start else None
+        self.settle()
         if overlap:
             job = self.client.start_load(wanted, dst, tokens, parent)
             seq.prefix_load = StoreLoad(self, seq, job, wanted, start * bs, n * bs, t)
@@ -152,6 +163,7 @@ class StoreLink(PrefixLoader):
         if self.copy_bytes + nbytes > self.max_copy_bytes:
             return  # the store is slower than evictions: drop this one
         try:
+            self.settle()
             payload = self.client.snapshot(block.block_id)
         except Exception:
             log.exception("could not copy evicted block %d for the KV store", block.block_id)

@@ -46,7 +46,6 @@ class WorkerConfig:
         if self.kv_push not in KV_PUSHES:
             raise ValueError(f"unknown --kv-push {self.kv_push!r}: choose one of {KV_PUSHES}")
         check_tensor_parallel(self.engine.tensor_parallel_size, self.kv_store)
-        check_pipeline(self.engine.pipeline_parallel_size, self.kv_store)
         for name in ("transfer_timeout_s", "router_timeout_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 flag = "--" + name.replace("_", "-")
@@ -73,13 +72,4 @@ def check_tensor_parallel(size: int, kv_store: str | None) -> None:
         raise ValueError(
             "a tensor-parallel worker (size > 1) cannot use a KV store yet: the store keeps "
             "whole blocks of one rank's cache. Run it without --kv-store, or at size 1"
-        )
-
-
-def check_pipeline(size: int, kv_store: str | None) -> None:
-    """(`pdserve serve` checks this too, before it starts any worker.)"""
-    if size > 1 and kv_store:
-        raise ValueError(
-            "a pipeline-parallel worker (--pipeline-parallel-size / --prefill-pp > 1) cannot "
-            "use a KV store yet. Run it without --kv-store, or at size 1"
         )

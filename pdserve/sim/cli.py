@@ -190,6 +190,10 @@ def _add_deployment_args(d: argparse._ArgumentGroup) -> None:
     ):
         flag = "--" + name.replace("_", "-")
         d.add_argument(flag, type=int, default=getattr(Deployment, name), help=text)
+    d.add_argument("--prefill-pp-shared", action="store_true", help="disagg: the prefill "
+                   "pipeline's stages share one stage's devices, as `pdserve serve` pins them "
+                   "when a worker has fewer cores than stages: they overlap nothing, every "
+                   "step costs each stage's pass and the hops")  # fmt: skip
     d.add_argument("--decode-pp", type=int, default=1, help="refused above 1, as by `pdserve "
                    "serve`: a decode step through a pipeline pays a hop per stage for every "
                    "token; use --decode-tp")  # fmt: skip

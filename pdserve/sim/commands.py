@@ -78,14 +78,10 @@ def _print_fit(fit) -> None:
 
 def _profile_from_steps(args: argparse.Namespace) -> int:
     """Refit the profile at --out to the steps a served engine logged (`pdserve.sim.served`)."""
-    from pdserve.sim.calibration import load_profile, save_served_fit
-    from pdserve.sim.served import fit_steps, read_steps
+    from pdserve.sim.served import refit_profile
 
-    prof = load_profile(args.out)
-    steps = read_steps(args.from_steps)
-    fit, accel = fit_steps(steps, prof.model, prof.accelerator, prof.weight_dtype)
-    save_served_fit(args.out, fit, accel, len(steps), str(args.from_steps))
-    print(f"steps     {len(steps)} served steps from {args.from_steps}")
+    fit, steps = refit_profile(args.out, args.from_steps)
+    print(f"steps     {steps} served steps from {args.from_steps}")
     _print_fit(fit)
     if args.serving_url:
         _profile_serving(args)
@@ -256,6 +252,7 @@ def deployment_of(args: argparse.Namespace) -> Deployment:
         args.local_prefill_threshold, gpu=None,
         prefill_gpu=prefill[0] if prefill else None, decode_gpu=decode[0] if decode else None,
         prefill_ep=args.prefill_ep, decode_ep=args.decode_ep, prefill_pp=args.prefill_pp,
+        prefill_pp_shared=args.prefill_pp_shared,
     )  # fmt: skip
 
 

@@ -91,11 +91,12 @@ class Cluster:
         return self.serving.get(mode, ServingOverhead())
 
     def latency(
-        self, tp: int, mode: str | None = None, gpu: str | None = None, ep: int = 1, pp: int = 1
-    ) -> LatencyModel:
-        """Iteration times at TP `tp` (EP `ep`, `pp` pipeline stages) on device `gpu` (None:
-        `accel`); with a `mode`, every iteration also pays that mode's serving overhead per step
-        and per sequence."""
+        self, tp: int, mode: str | None = None, gpu: str | None = None, ep: int = 1, pp: int = 1,
+        shared_stages: bool = False,
+    ) -> LatencyModel:  # fmt: skip
+        """Iteration times at TP `tp` (EP `ep`, `pp` pipeline stages, on one stage's devices
+        with `shared_stages`) on device `gpu` (None: `accel`); with a `mode`, every iteration
+        also pays that mode's serving overhead per step and per sequence."""
         dev = self.device(gpu)
         eff = dev.eff
         if mode and mode in self.serving:
@@ -103,7 +104,8 @@ class Cluster:
             eff = replace(eff, iteration_overhead_s=eff.iteration_overhead_s + over.step_s,
                           per_seq_overhead_s=eff.per_seq_overhead_s + over.seq_s)  # fmt: skip
         return LatencyModel(self.model, dev.accel, tp, eff, dev.weight_dtype, self.kv_dtype, ep,
-                            pp, self.stage_link(gpu, _group(tp, ep) * pp))  # fmt: skip
+                            pp, self.stage_link(gpu, _group(tp, ep) * pp),
+                            shared_stages)  # fmt: skip
 
     def stage_link(self, gpu: str | None, devices: int) -> Link:
         """The link between a pipeline's stages on device `gpu`: the node's own (NVLink) while
@@ -143,8 +145,10 @@ class Deployment:
     # Expert parallelism per pool (MoE): experts over this many ranks, a multiple of the TP.
     prefill_ep: int = 1
     decode_ep: int = 1
-    # Pipeline parallelism of the prefill pool (`--prefill-pp`): stages of prefill_tp x EP each.
+    # Pipeline parallelism of the prefill pool (`--prefill-pp`): stages of prefill_tp x EP each,
+    # or all on one stage's devices (`--prefill-pp-shared`: a worker with fewer cores than stages)
     prefill_pp: int = 1
+    prefill_pp_shared: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -167,6 +171,9 @@ class Deployment:
                 f"--prefill-pp {self.prefill_pp} pipelines the prefill pool of --mode disagg; "
                 "a co-located deployment has none (use --tp)"
             )
+        if self.prefill_pp_shared and self.prefill_pp == 1:
+            raise ValueError("--prefill-pp-shared puts a prefill pipeline's stages on one "
+                             "stage's devices: add --prefill-pp N (N > 1)")  # fmt: skip
         for name in ("chunk", "decode_chunk"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -198,7 +205,7 @@ class Deployment:
         if self.mode == "colocated":
             return [Pool("colocated", self.gpu, self.replicas, self.tp, 1)]
         prefill = Pool("prefill", self.prefill_gpu, self.num_prefill, self.prefill_tp,
-                       self.prefill_ep, self.prefill_pp)  # fmt: skip
+                       self.prefill_ep, self.prefill_pp, self.prefill_pp_shared)  # fmt: skip
         decode = Pool("decode", self.decode_gpu, self.num_decode, self.decode_tp, self.decode_ep)
         return [prefill, decode]
 
@@ -237,6 +244,7 @@ class Deployment:
             return f"co-located {self.replicas} x TP{self.tp}{on(self.gpu)}{chunk}"
         pep = f" EP{self.prefill_ep}" if self.prefill_ep > 1 else ""
         pep += f" PP{self.prefill_pp}" if self.prefill_pp > 1 else ""
+        pep += " (shared)" if self.prefill_pp_shared else ""
         dep = f" EP{self.decode_ep}" if self.decode_ep > 1 else ""
         return (
             f"disaggregated {self.num_prefill}P x TP{self.prefill_tp}{pep}{on(self.prefill_gpu)} : "
@@ -246,7 +254,7 @@ class Deployment:
 
 class Pool(NamedTuple):
     """One pool of a deployment: its device name (None: the cluster's `accel`), instances and
-    each instance's TP, EP and pipeline stages."""
+    each instance's TP, EP and pipeline stages (all on one stage's devices when `shared`)."""
 
     name: str
     gpu: str | None
@@ -254,11 +262,12 @@ class Pool(NamedTuple):
     tp: int
     ep: int
     pp: int = 1
+    shared: bool = False
 
     @property
     def instance_devices(self) -> int:
         """Devices of one instance: `pp` stages of a TP group (or EP ranks when wider)."""
-        return _group(self.tp, self.ep) * self.pp
+        return _group(self.tp, self.ep) * (1 if self.shared else self.pp)
 
     @property
     def devices(self) -> int:

@@ -26,15 +26,19 @@ the all-reduce. Balanced expert load is assumed (no hot experts).
 Pipeline parallelism (`pp` > 1, a prefill pool's `--prefill-pp`) cuts the layers into `pp`
 stages, each a TP (x EP) group holding ceil(layers / pp) consecutive layers, their weights and
 their KV: the slowest (largest) stage sets the pace, so a stage's pass costs that share of the
-layer work (GEMMs, attention, KV reads, all-reduces) plus the per-pass overheads. A prompt in m
-micro-batches (prefill chunks) flows through the stages, as the engine's pipeline runs it: a
-chunk that samples nothing frees stage 0 once it has computed its layers, and the step that
-samples waits for its chunk to come back through every stage, so the prompt takes
+layer work (GEMMs, attention, KV reads and gathers, all-reduces) plus the per-pass overheads.
+A prompt in m micro-batches (prefill chunks) flows through the stages, as the engine's pipeline
+runs it: a chunk that samples nothing frees stage 0 once it has computed its layers, and the
+step that samples waits for its chunk to come back through every stage, so the prompt takes
 `pipeline_s`: (m + pp - 1) x stage + (pp - 1) x the activations' hop between two stages
 (hidden x tokens x activation bytes over the stage link: the node's when the instance fits one
 node, the network's otherwise). The output head, which runs once on stage 0, is costed in each
 stage's pass of a sampling step (< 1 % of a chunk's FLOPs); the last stage's hidden states of
-the sampled tokens going back to stage 0 (a few kB) are left out.
+the sampled tokens going back to stage 0 (a few kB) are left out. Stages that share one
+stage's devices (`shared_stages`: `pdserve serve` pins a pipeline's stages to the same cores
+when its worker has fewer cores than stages) overlap nothing: the devices run each stage's
+pass in turn, so every step costs pp x stage + (pp - 1) x hop, and they hold every stage's
+weights and KV.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ class LatencyModel:
         ep: int = 1,
         pp: int = 1,
         stage_link: Link | None = None,
+        shared_stages: bool = False,
     ) -> None:
         if tp < 1:
             raise ValueError(f"tensor parallelism must be >= 1, got {tp}")
@@ -129,7 +134,8 @@ class LatencyModel:
         self.model, self.accel, self.tp, self.ep, self.pp = model, accel, tp, ep, pp
         self.dp = ep // tp if ep > 1 else 1  # data-parallel attention groups
         self.gpus = tp * self.dp  # one stage's devices
-        self.devices = self.gpus * pp  # the instance's
+        self.shared_stages = shared_stages and pp > 1  # every stage on those devices
+        self.devices = self.gpus * (1 if self.shared_stages else pp)  # the instance's
         self.stage_layers = -(-model.num_layers // pp)  # the largest stage's
         self._share = self.stage_layers / model.num_layers  # of the layer work, per stage
         # Activations between stages: each of a stage's GPUs sends its part of the hidden states.
@@ -153,8 +159,9 @@ class LatencyModel:
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV cache that fit beside the weights (0 when the weights do not fit)."""
-        free = self.accel.mem_bytes * MEMORY_UTILIZATION - self._dense_w - self._expert_w
-        return max(0, int(free / self.kv_bytes_per_token_gpu))
+        held = self.pp if self.shared_stages else 1  # stages whose weights and KV they hold
+        free = self.accel.mem_bytes * MEMORY_UTILIZATION - held * (self._dense_w + self._expert_w)
+        return max(0, int(free / (held * self.kv_bytes_per_token_gpu)))
 
     def weights_read(self, tokens: int) -> float:
         """Weight bytes per GPU one pass reads; MoE reads only the experts its tokens touch."""
@@ -193,7 +200,7 @@ class LatencyModel:
         return (
             self.eff.iteration_overhead_s
             + self.eff.per_seq_overhead_s * batch.seqs
-            + self.eff.per_cached_token_s * batch.kv_read
+            + self.eff.per_cached_token_s * batch.kv_read * self._share  # its layers' gathers
             + self.allreduce_s(batch.tokens)
         )
 
@@ -225,8 +232,11 @@ class LatencyModel:
 
     def iteration(self, batch: Batch) -> float:
         """Seconds the instance is busy with one step over `batch`: one stage's pass, or, for a
-        step that samples through a pipeline, its chunk's way through every stage."""
+        step that samples through a pipeline, its chunk's way through every stage; with shared
+        stages, every stage's pass in turn for every step."""
         stage = self.stage(batch)
+        if self.shared_stages:
+            return self.pp * stage + (self.pp - 1) * self.hop_s(batch.tokens)
         if self.pp == 1 or not batch.sampled:
             return stage
         return pipeline_s(stage, 1, self.pp, self.hop_s(batch.tokens))
@@ -250,7 +260,7 @@ class LatencyModel:
     def decode_coeffs(self, seqs: int, ctx_sum: float) -> DecodeCoeffs:
         """Coefficients of a pure decode stretch: `seqs` sequences, `ctx_sum` cached tokens."""
         w = self.work(Batch(seqs, seqs, 0, ctx_sum, seqs))
-        per_ctx = self._attn_flops / self._attn_s + self.eff.per_cached_token_s  # per token
+        per_ctx = self._attn_flops / self._attn_s + self.eff.per_cached_token_s * self._share
         kv = self.kv_bytes_per_token_gpu / self._bytes_s
         return DecodeCoeffs(
             self._fixed(Batch(seqs, seqs, 0, 0, seqs)) + per_ctx * ctx_sum,

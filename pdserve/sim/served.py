@@ -15,7 +15,9 @@ those steps, so the simulator runs at the speed the engine actually had while se
   engine, whose other thread then spins at the barrier), and streams wait for those too;
 * `step_gaps` measures the worker's loop between two decode steps (receiving messages,
   sending tokens, heartbeats): the serving overhead per step and per sequence, as
-  `pdserve.sim.deployment.ServingOverhead` carries it.
+  `pdserve.sim.deployment.ServingOverhead` carries it;
+* `refit_profile` rewrites a profile's efficiencies to fit the logged steps (what `pdserve
+  profile --from-steps` does, and the benchmarks that calibrate from a served run).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
+from pdserve.sim.calibration import load_profile, save_served_fit
 from pdserve.sim.hardware import Accelerator
 from pdserve.sim.latency import Batch
 from pdserve.sim.models import ModelSpec
@@ -143,6 +146,18 @@ def fit_steps(
     fit = fit_batches([g.batch for g in groups], [g.seconds for g in groups], model, accel,
                       weight_dtype, [shares[p] for p in prefill])  # fmt: skip
     return fit, accel
+
+
+def refit_profile(
+    path: str | Path, steps_dir: str | Path, inside: Sequence[Window] = ()
+) -> tuple[Fit, int]:
+    """Refit the profile at `path` (written by `pdserve profile`) in place to the steps logged
+    under `steps_dir` (those inside `inside`, when given); returns the fit and its steps."""
+    prof = load_profile(path)
+    steps = read_steps(steps_dir, inside=inside)
+    fit, accel = fit_steps(steps, prof.model, prof.accelerator, prof.weight_dtype)
+    save_served_fit(path, fit, accel, len(steps), str(steps_dir))
+    return fit, len(steps)
 
 
 def served_accelerator(

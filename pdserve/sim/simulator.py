@@ -73,13 +73,14 @@ class Loop:
 
     def new_instance(self, pool: str, index: int) -> Instance:
         """Instance `index` of `pool` ("colocated", "prefill" or "decode") as `dep` lays it out."""
-        dep, budget, pp = self.dep, self.budget, 1
+        dep, budget, pp, shared = self.dep, self.budget, 1, False
         if pool == "colocated":
             name, role, tp, budget = f"c{index}", "both", dep.tp, dep.chunk or budget
             gpu, ep = dep.gpu, 1
         elif pool == "prefill":
             name, role, tp, budget = f"p{index}", "prefill", dep.prefill_tp, dep.chunk or budget
             gpu, ep, pp = dep.prefill_gpu, dep.prefill_ep, dep.prefill_pp
+            shared = dep.prefill_pp_shared
         elif dep.local_prefill_threshold > 0:  # conditional disaggregation: D prefills short ones
             name, role, tp = f"d{index}", "both", dep.decode_tp
             budget = dep.decode_chunk or dep.chunk or budget
@@ -87,7 +88,7 @@ class Loop:
         else:
             name, role, tp, budget = f"d{index}", "decode", dep.decode_tp, 1
             gpu, ep = dep.decode_gpu, dep.decode_ep
-        lat = self.cluster.latency(tp, dep.mode, gpu, ep, pp)
+        lat = self.cluster.latency(tp, dep.mode, gpu, ep, pp, shared)
         inst = Instance(name, role, lat, budget, dep.max_num_seqs, self.itl)
         # Each end's own link; a flow runs at the slower end's share (`Fabric._rerate`). A
         # pipeline's stages each push their own layers' KV over their own devices' ports.

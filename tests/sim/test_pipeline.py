@@ -1,8 +1,10 @@
 """Prefill pipeline parallelism in the latency model, the simulator and the planner's shapes:
-the bubble, the activations' hop, memory per stage, KV over every stage's ports, refusals."""
+the bubble, the activations' hop, memory per stage, KV over every stage's ports, stages that
+share one stage's devices (as `pdserve serve` pins them on a machine short of cores), refusals."""
 
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -82,6 +84,40 @@ def test_simulated_ttft_of_a_pipelined_prompt_is_its_chunks_through_the_stages()
     assert lat.prefill(256, chunk=64) == pytest.approx(sum(chunks) + final, rel=1e-12)
 
 
+def test_stages_that_share_one_stages_devices_overlap_nothing():
+    # (a stage gathers its own layers' cached KV: 1/P of the per-cached-token cost)
+    cl = replace(tiny(), eff=replace(EFF, per_cached_token_s=1e-7))
+    shared, one = cl.latency(1, pp=2, shared_stages=True), cl.latency(1)
+    first, last = Batch(64, 0, 64 * 32, 0, 1), Batch(64, 1, 64 * (192 + 32), 192, 1)
+    for batch in (first, last):  # every step: both stages' passes in turn and the hop
+        assert shared.iteration(batch) == 2 * shared.stage(batch) + shared.hop_s(64)
+    # the whole model's work once, and the second stage's per-pass overhead (1 ms); a step that
+    # samples costs the output head in each stage's pass (as any pipeline's, < 1 % of a chunk)
+    head = 2 * MODEL.vocab_size * MODEL.hidden_size / (ACCEL.peak_flops * EFF.mfu)
+    for batch, extra in ((first, 0.0), (last, head)):
+        assert shared.iteration(batch) == pytest.approx(
+            one.iteration(batch) + 0.001 + shared.hop_s(64) + extra, rel=1e-12
+        )
+    assert (shared.devices, cl.latency(1, pp=2).devices) == (1, 2)
+    assert shared.kv_capacity_tokens == pytest.approx(one.kv_capacity_tokens, abs=1)
+    # simulated: a prompt of 4 chunks takes one process's time, a pass and a hop more a chunk,
+    # where stages of their own devices would have overlapped its chunks
+    alone = [RequestSpec(0, 0.0, "t", 256, 1)]
+
+    def ttft(**pp) -> float:
+        return (
+            simulate(cl, Deployment("disagg", chunk=64, **pp), alone, SLO_LOOSE).records[0].ttft_s
+        )
+
+    base, piped = ttft(), ttft(prefill_pp=2, decode_tp=2)
+    assert ttft(prefill_pp=2, prefill_pp_shared=True) == pytest.approx(
+        base + 4 * (0.001 + shared.hop_s(64)) + head, rel=1e-9
+    )
+    assert piped < base
+    dep = Deployment("disagg", prefill_pp=2, prefill_pp_shared=True)
+    assert (dep.num_gpus, dep.label) == (2, "disaggregated 1P x TP1 PP2 (shared) : 1D x TP1")
+
+
 def test_kv_leaves_over_every_stages_ports():
     link = Link("slow", "", 1e9, 1e9)
     dep = Deployment("disagg", prefill_pp=2, decode_tp=2)
@@ -117,6 +153,9 @@ def test_micro_batches_fill_the_pipeline_or_it_is_not_searched():
         (lambda: Deployment("disagg", prefill_pp=0), "prefill_pp must be >= 1, got 0"),
         (lambda: Deployment("colocated", prefill_pp=2),
          "--prefill-pp 2 pipelines the prefill pool of --mode disagg"),
+        (lambda: Deployment("disagg", prefill_pp_shared=True),
+         "--prefill-pp-shared puts a prefill pipeline's stages on one stage's devices: add "
+         "--prefill-pp N"),
         (lambda: tiny().latency(1, pp=5),
          "--prefill-pp 5 is more stages than tiny's 4 layers (each stage needs one): use at "
          "most 4"),
@@ -148,6 +187,9 @@ def test_simulate_runs_a_prefill_pipeline(capsys):
     assert main([*SIM, "--prefill-pp", "2", "--chunk", "512", "--prefill-tp", "8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("disaggregated 1P x TP8 PP2 : 1D x TP1 (17 x h100-sxm)")
+    assert main([*SIM, "--prefill-pp", "2", "--prefill-pp-shared", "--prefill-tp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("disaggregated 1P x TP8 PP2 (shared) : 1D x TP1 (9 x h100-sxm)")
 
 
 # Llama-3.1-70B on H100 nodes over IB NDR: 16k-token prompts, 128 tokens out, 1 req/s

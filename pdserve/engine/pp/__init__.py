@@ -15,7 +15,9 @@ layer. A prefill worker pushes each stage's layers over a connection of that sta
 (`kv_transfer/stage_senders.py`): the bytes each stage sends are exactly its layers' share.
 A connector's `after_layer` for a later stage's layer runs once the step's hidden states are
 back, and only for steps that sample (the prefill push's: the step that completes a prompt);
-`wait_for_layer_load` for those layers runs before the step is sent on.
+`wait_for_layer_load` for those layers runs before the step is sent on. A connector that reads
+or writes blocks outside a step's hooks (the KV store link: loads, eviction copies) first
+drains the pipeline (`PPGroup.drain`), since a step not waited for may still be writing them.
 
 A stage that dies fails the engine's next exchange with `StageLost`: the worker exits and its
 launcher restarts it, with every stage; the router meanwhile has the decode workers prefill

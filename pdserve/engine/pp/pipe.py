@@ -29,9 +29,10 @@ class StageLost(RuntimeError):
 class Hop(msgspec.Struct):
     """One step on its way down the pipeline: rank 0's inputs (`Step`: token ids, positions,
     attention metadata), the residual stream after the previous stages' layers (T, hidden),
-    and whether the last stage sends its hidden states back to stage 0 (the step samples)."""
+    and whether the last stage sends its hidden states back to stage 0 (the step samples).
+    No step: a drain (`PPGroup.drain`), passed on without computing and answered."""
 
-    step: Step
+    step: Step | None
     hidden: torch.Tensor
     reply: bool
 
@@ -46,6 +47,8 @@ class PPGroup:
         self.restore: tuple[set[int], int] | None = None  # stage 0: its cores and threads before
         self._store, self._pg = gloo_group(stage, len(layers), port)
         self._sent: list[tuple] = []  # (works, tensors) of sends not yet known complete
+        # stage 0: steps sent down and not waited for (they sample nothing) since the last reply
+        self.unsettled = 0
 
     @property
     def size(self) -> int:
@@ -95,6 +98,17 @@ class PPGroup:
                 w.wait()
         except RuntimeError as exc:
             raise StageLost(f"a pipeline stage is gone: {exc}") from None
+
+    def drain(self) -> None:
+        """Stage 0: return once every later stage has run every step sent to it. A step that
+        samples nothing is not waited for, so its KV may still be landing in the later
+        stages' caches, in blocks stage 0 may already have freed (an aborted or preempted
+        prompt's): whatever reads or writes those caches outside a step's layer hooks (the KV
+        store link) drains first. A round trip when steps are unsettled, else nothing."""
+        if self.unsettled:
+            self.send(Hop(None, torch.zeros(1), True), 1)  # (frombuffer refuses 0 bytes)
+            self.recv(self.size - 1, torch.Tensor)
+            self.unsettled = 0
 
     def check(self) -> None:
         """Stage 0: StageLost if a later stage's process has exited (an idle engine would

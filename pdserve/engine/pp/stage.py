@@ -58,7 +58,7 @@ def follow(stage: int, size: int, port: int, threads: int) -> None:
     del start
     try:
         while (hop := group.recv(stage - 1, Hop | None)) is not None:
-            hidden = runner.run_stage(hop)
+            hidden = hop.hidden if hop.step is None else runner.run_stage(hop)  # None: drain
             if not group.is_last:
                 group.send(Hop(hop.step, hidden, hop.reply), stage + 1)
             elif hop.reply:

@@ -60,6 +60,7 @@ class Sequence:
     # decayed counts of proposals accepted / tried (a rejection ends a try): how many to propose
     spec_hits: float = 3.0
     spec_tries: float = 4.0
+    ngrams: object | None = None  # prompt lookup's index of this sequence's n-grams
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

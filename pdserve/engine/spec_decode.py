@@ -27,7 +27,6 @@ import json
 import math
 from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 
 from pdserve.engine.guided import apply_bitmask
@@ -127,14 +126,36 @@ class NgramProposer:
             raise ValueError("--speculative-config: method 'ngram' takes no 'model'")
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        tokens = np.asarray(seq.token_ids, dtype=np.int64)
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(self.min_n, self.max_n)
+        return seq.ngrams.propose(seq.token_ids, k)
+
+
+class NgramIndex:
+    """A sequence's n-grams (min_n .. max_n long) that have a token after them, each with
+    where it first starts; grown by the tokens appended since the last call, so a step costs
+    a few dictionary operations, not a scan of the whole context (the scan took ~0.3 ms of a
+    ~5 ms step at 700 tokens)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.sizes = range(min_n, max_n + 1)
+        self.first: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.length = 0  # the tokens indexed
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens after the earliest occurrence of the longest n-gram ending `tokens`
+        that also occurs earlier in them."""
         n_tok = len(tokens)
-        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)
-            hits = np.flatnonzero((windows == tokens[n_tok - n :]).all(axis=1))
-            if len(hits):
-                start = int(hits[0]) + n
-                return tokens[start : start + k].tolist()
+        for n in self.sizes:  # windows [i, i + n) with a token after them: i + n <= n_tok - 1
+            first = self.first[n]
+            for i in range(max(0, self.length - n), n_tok - n):
+                first.setdefault(tuple(tokens[i : i + n]), i)
+        self.length = n_tok
+        for n in reversed(self.sizes):
+            if n < n_tok:
+                i = self.first[n].get(tuple(tokens[n_tok - n :]))
+                if i is not None:
+                    return tokens[i + n : i + n + k]
         return []
 
 

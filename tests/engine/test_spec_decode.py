@@ -110,6 +110,27 @@ def test_each_verify_row_counts_the_proposals_before_it_as_emitted():
     assert verify(logits, seq, [7, 7]) == [7, 9]
 
 
+def test_the_ngram_index_grown_step_by_step_proposes_what_a_full_scan_would():
+    import random
+
+    def scan(tokens, k, lo, hi):  # every window of the whole context, each call
+        for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+            hits = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+            if hits:
+                return tokens[hits[0] + n : hits[0] + n + k]
+        return []
+
+    rng = random.Random(0)
+    cfg = parse_speculative_config(SPEC)
+    for trial in range(20):
+        prop = NgramProposer(cfg, 100)
+        seq = make_sequence([rng.randrange(6) for _ in range(rng.randrange(1, 12))])
+        for _ in range(40):
+            k = rng.randrange(1, 5)
+            assert prop.propose(seq, k) == scan(seq.token_ids, k, 1, 3), (trial, seq.token_ids)
+            seq.token_ids.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
 def test_max_tokens_stops_and_adaptive_batch_limit(files):
     params = SamplingParams(max_tokens=7, ignore_eos=True)
     base = run(make_engine(files), PROMPTS, [params] * 3)

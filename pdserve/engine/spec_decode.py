@@ -274,7 +274,8 @@ class Speculator:
     def propose(self, running) -> None:
         """Set `spec_token_ids` of the running sequences: proposals for those decoding that
         speculate, unless they are more than `disable_by_batch_size` (then speculation costs
-        more than it gains); [] for the others."""
+        more than it gains), and only as many as keep the step within `row_budget` rows (the
+        earlier sequences first); [] for the others."""
         decoding = []
         for seq in running:
             seq.spec_token_ids = []

@@ -55,7 +55,11 @@ def test_a_restarted_pipeline_loads_the_prompt_from_the_store_into_both_stages(
         return now not in (None, pid) and len(stage_pids(now)) == 1
 
     wait_until(restarted, 120, "prefill-0 restarted with its stage")
-    wait_until(lambda: "prefill-0" in server.health()["workers"], 120, "prefill-0 registered")
+    new = server.worker_pids()["prefill-0"]
+    # the new process registered (until the router declares the killed one lost, /health may
+    # still list it under the same id: then a turn finds no prefill worker)
+    wait_until(lambda: server.health()["workers"].get("prefill-0", {}).get("pid") == new, 120,
+               "the restarted prefill-0 registered")  # fmt: skip
 
     turn2 = turn1 + first + "\nUser: And zone 7?\nAssistant:"
     remote = metric(server.url, REMOTE)

@@ -109,6 +109,17 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return out
 
 
+def process(logits: torch.Tensor, seqs: list, bitmask: torch.Tensor | None = None):
+    """The logits a row is drawn from: penalties, then logit bias, then the grammar's mask
+    (`bitmask`). A new tensor when any applies (the raw logits give the logprobs). `seqs`:
+    each row's sequence, or anything with its params and token ids (speculation's rows)."""
+    processed = apply_logit_bias(apply_penalties(logits, seqs), seqs)
+    if bitmask is not None:
+        processed = processed.clone() if processed is logits else processed
+        apply_bitmask(processed, bitmask)
+    return processed
+
+
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None = None
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -116,11 +127,7 @@ def sample(
     the guided rows' allowed tokens (engine/guided.py). Logprobs (of the raw logits, as vLLM
     reports them) for the rows that ask."""
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    processed = apply_logit_bias(apply_penalties(logits, seqs), seqs)
-    if bitmask is not None:
-        processed = processed.clone() if processed is logits else processed
-        apply_bitmask(processed, bitmask)
-    tokens = _draw(processed, seqs)
+    tokens = _draw(process(logits, seqs, bitmask), seqs)
     logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
     if want:
         chosen = torch.tensor([tokens[i] for i in want])

@@ -29,14 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pdserve.engine.guided import apply_bitmask
-from pdserve.engine.sampler import (
-    TokenLogprobs,
-    _filter,
-    apply_logit_bias,
-    apply_penalties,
-    token_logprobs,
-)
+from pdserve.engine.sampler import TokenLogprobs, _filter, process, token_logprobs
 from pdserve.engine.sequence import Sequence
 from pdserve.model.quant import quantized_linears
 
@@ -381,14 +374,8 @@ def processed_logits(
     """seq's k+1 rows of logits as `sample` processes a row before drawing: penalties (row j
     counting draft[:j] as output), logit bias, the grammar's mask. A new tensor when any
     applies (the raw logits give the logprobs)."""
-    if seq.params.penalized:
-        rows = [_Row(seq, draft[:j]) for j in range(len(logits))]
-        logits = apply_penalties(logits, rows)
-    out = apply_logit_bias(logits, [seq] * len(logits))
-    if mask is not None:
-        out = out.clone()
-        apply_bitmask(out, mask)
-    return out
+    rows = [_Row(seq, draft[:j]) for j in range(len(logits))] if seq.params.penalized else None
+    return process(logits, rows or [seq] * len(logits), mask)
 
 
 def target_probs(processed: torch.Tensor, seq: Sequence) -> torch.Tensor:

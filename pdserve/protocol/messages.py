@@ -41,7 +41,7 @@ class Register(msgspec.Struct, tag=True):
     cached: list[int] = []  # block hashes in its prefix cache (a new router's index starts here)
     placement: dict[str, str] = {}  # where it runs: host; under Ray its node and actor ids
     kv_compression: str = "none"  # its KV pushes on the wire: none | fp8
-    kv_transport: str = "tcp"  # how it moves KV (tcp | nixl): a prefill and a decode worker share one
+    kv_transport: str = "tcp"  # how it moves KV (tcp | nixl): prefill and decode share one
 
 
 class RegisterAck(msgspec.Struct, tag=True):

@@ -100,7 +100,9 @@ def test_penalized_sequences_speculate_with_the_plain_tokens(files):
 
 
 def test_each_verify_row_counts_the_proposals_before_it_as_emitted():
-    seq = make_sequence([1, 2, 3], frequency_penalty=1.0, presence_penalty=0.5, logit_bias=[(9, 2.0)])
+    seq = make_sequence(
+        [1, 2, 3], frequency_penalty=1.0, presence_penalty=0.5, logit_bias=[(9, 2.0)]
+    )
     seq.token_ids.append(7)  # one output token so far
     rows = processed_logits(torch.zeros(3, 16), seq, [7, 7])
     assert rows[:, 7].tolist() == [-1.5, -2.5, -3.5]  # 1, 2, 3 sevens emitted before the row

@@ -288,6 +288,28 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def tcp_sockets(pid: int) -> list[tuple[int, int, str]]:
+    """(local port, remote port, state: "LISTEN", "ESTABLISHED", ...) of each IPv4 TCP socket
+    `pid` holds (its fds' inodes matched in /proc/PID/net/tcp; psutil is not a dependency)."""
+    states = {"01": "ESTABLISHED", "0A": "LISTEN"}
+    try:
+        inodes = {
+            link.removeprefix("socket:[").rstrip("]")
+            for link in (os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir())
+            if link.startswith("socket:[")
+        }
+        rows = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return []  # exited while we looked
+    out = []
+    for row in rows:
+        f = row.split()
+        if f[9] in inodes:
+            local, remote = (int(a.rsplit(":", 1)[1], 16) for a in f[1:3])
+            out.append((local, remote, states.get(f[3], f[3])))
+    return out
+
+
 def cmdline(pid: int) -> list[str]:
     """The argv of `pid` ([] once it has exited)."""
     try:

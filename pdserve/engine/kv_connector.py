@@ -28,10 +28,9 @@ worker side, around one step's forward pass
                                 counters were moved back to the first token that did not land).
 
 In a pipeline-parallel engine (`engine/pp/`) the later stages' layers run in other processes:
-`wait_for_layer_load` for them runs before stage 0 sends the step on, and `after_layer` for them
-once the step's hidden states are back, which happens only for a step that samples (the one
-that completes a prompt, where a prefill push starts); a step that samples nothing calls
-`after_layer` for stage 0's layers alone.
+`wait_for_layer_load` and `after_layer` for them run before stage 0 sends the step on. What a
+prefill push's `after_layer` queues for a later stage's layer travels down with the step and is
+sent by that stage once it has computed the layer (`kv_transfer/stage_link.py`).
 
 A worker gives its engine one connector (`LLMEngine.connect`): a prefill worker's push, a
 worker's KV store link, or several together (`MultiConnector`). An engine with none moves no KV.

@@ -338,31 +338,33 @@ class ModelRunner:
     def _run_pipeline(self, input_ids, positions, meta: AttentionMetadata, wait: bool):
         """Stage 0's part of a step: embed, its layers, then the step down the pipeline. With
         `wait` (the step samples) the final hidden states (T, hidden) once the last stage sends
-        them back, the later stages' layers' hooks run then; else None at once."""
+        them back; else None at once. The later stages' layers' hooks run before the step is
+        sent: what they push (`StageLink`) goes down with it, and each stage pushes its layers
+        as it computes them."""
         pp, model = self.pp, self.model
         x = model.run_layers(model.embed[input_ids], positions, self.kv_caches, meta)
         later = range(pp.held.stop, self.model_config.num_layers)
-        if meta.before_layer is not None:  # KV loading into later layers lands before they run
-            for i in later:
-                meta.before_layer(i)
+        for hook in (meta.before_layer, meta.layer_hook):  # loads land before the layers run
+            if hook is not None:
+                for i in later:
+                    hook(i)
         step = Step(input_ids, positions, meta.slot_mapping, meta.num_decodes,
                     meta.decode_groups, meta.prefills)  # fmt: skip
-        pp.send(Hop(step, x, wait), 1)
+        pp.send(Hop(step, x, wait, pp.take_pushes()), 1)
         if not wait:
             pp.unsettled += 1
             return None
         x = pp.recv(pp.size - 1, torch.Tensor)
         pp.unsettled = 0  # the stages ran every step before this one too
-        if meta.layer_hook is not None:
-            for i in later:
-                meta.layer_hook(i)
         return model.final_norm(x)
 
     @torch.inference_mode()
-    def run_stage(self, hop) -> torch.Tensor:
-        """A later stage's part of a step: its layers over the hidden states that came down."""
-        step = hop.step
-        return self.model.run_layers(hop.hidden, step.positions, self.kv_caches, step.meta())
+    def run_stage(self, hop, layer_hook=None) -> torch.Tensor:
+        """A later stage's part of a step: its layers over the hidden states that came down;
+        `layer_hook(i)` after each (the stage's own KV push)."""
+        step, meta = hop.step, hop.step.meta()
+        meta.layer_hook = layer_hook
+        return self.model.run_layers(hop.hidden, step.positions, self.kv_caches, meta)
 
     def _prompt_logprobs(self, seq, hidden, row: int, start: int, n: int) -> None:
         """Append the logprobs of seq's prompt tokens start+1 .. (those this step's rows

@@ -82,7 +82,10 @@ class NixlAgent:
         self.lock = threading.Lock()
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         self.agent = nixl_agent(self.name, config)
-        self._registered = [self.agent.register_memory(list(caches))] if caches else []
+        # each tensor once: a pipeline stage's sender has its first layer's cache in place of
+        # the layers it does not hold (`stage_link.stage_caches`)
+        caches = list({t.data_ptr(): t for t in caches}.values())
+        self._registered = [self.agent.register_memory(caches)] if caches else []
         self.peers: dict[str, int] = {}  # remote agent name -> live connections using it
 
     def register(self, address: int, nbytes: int) -> None:

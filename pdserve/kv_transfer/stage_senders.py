@@ -2,7 +2,9 @@
 
 Each stage's layers go over that stage's own sender: its own connection to each decode rank
 (tcp), its own NIXL agent (nixl), so the stages' pushes do not queue behind each other and each
-stage sends exactly its layers' bytes (`stage_stats`). A transfer has ended when it has ended
+stage sends exactly its layers' bytes (`stage_stats`). Stage 0's sender is in stage 0's
+process; each later stage's is in that stage's own, driven through a `StageLink`
+(`stage_link.py`). A transfer has ended when it has ended
 on every stage's sender; the receiver counts it complete when every layer has landed, whichever
 connection it came over. The prefill side sees one sender (`PrefillSide` is unchanged).
 """

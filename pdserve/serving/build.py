@@ -15,6 +15,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_store.mooncake import open_store_client
 from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender, make_receiver, make_sender
 from pdserve.kv_transfer.group import ReceiverGroup
+from pdserve.kv_transfer.stage_link import LinkSpec, StageLink, stage_caches
 from pdserve.kv_transfer.stage_senders import StageSenders
 from pdserve.protocol.channel import Codec, require_secret_for, resolve_secret
 from pdserve.serving.decode_side import DecodeSide
@@ -68,17 +69,20 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
 
 
 def prefill_sender(config: WorkerConfig, engine: LLMEngine, layout: KVLayout, ranks) -> KVSender:
-    """The prefill worker's KV sender (reading every rank's caches: `ranks`); a pipeline's
-    is one sender per stage (`StageSenders`), each with its own connections, sending only its
-    stage's layers."""
-    group = {"ranks": ranks} if len(ranks) > 1 else {}
-
-    def one() -> KVSender:
+    """The prefill worker's KV sender (reading every rank's caches: `ranks`). A pipeline's
+    is one sender per stage (`StageSenders`), each in its stage's process, on its own caches
+    and connections, sending only its stage's layers: stage 0's here, each later stage's
+    driven through a `StageLink`."""
+    pp = engine.runner.pp
+    if pp is None:
+        group = {"ranks": ranks} if len(ranks) > 1 else {}
         return make_sender(config.kv_transport, layout, *ranks[0],
                            compression=config.compression, **group)  # fmt: skip
-
-    pp = engine.runner.pp
-    return one() if pp is None else StageSenders([one() for _ in pp.layers], pp.layers)
+    mine = make_sender(config.kv_transport, layout, *stage_caches(*ranks[0], pp.held),
+                       compression=config.compression)  # fmt: skip
+    addresses = pp.open_links(LinkSpec(config.kv_transport, layout, config.compression))
+    links = [StageLink(s, a, pp.queue_push) for s, a in enumerate(addresses, start=1)]
+    return StageSenders([mine, *links], pp.layers)
 
 
 def store_link(client, engine: LLMEngine, role: str) -> StoreLink:

@@ -304,8 +304,12 @@ def test_biases_the_decoder_does_not_add_are_refused_not_ignored(tmp_path):
 def test_speculative_rows_through_the_fused_step_keep_mistrals_window(checkpoints, references):
     """A sequence verifying k proposals is k+1 fused rows at consecutive positions: each attends
     to its own last WINDOW positions, so the tokens are transformers'."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-            "disable_by_batch_size": len(PROMPTS)}  # every sequence speculates
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "disable_by_batch_size": len(PROMPTS),
+    }  # every sequence speculates
     files = checkpoints["mistral"][1]
     engine = make_engine(files, enable_prefix_caching=False, speculative_config=json.dumps(spec))
     assert engine.runner.fused is not None

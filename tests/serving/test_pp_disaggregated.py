@@ -1,8 +1,9 @@
 """Per-phase pipeline parallelism: a prefill worker of 2 stages (real processes, gloo) pushes a
 prompt's KV into a decode worker of TP 1 or TP 2 over the real tcp and nixl connectors, each
-stage over its own connections (`kv_transfer/stage_senders.py`, as `serving/build.py` wires
-it). The decode worker then gives the greedy tokens of one co-located engine, each stage sent
-exactly its layers' share of the bytes, and both sides free every block. The sides are driven
+stage from its own process, over its own connections (`kv_transfer/stage_link.py`, as
+`serving/build.py` wires it). The decode worker then gives the greedy tokens of one co-located
+engine, each stage sent exactly its layers' share of the bytes, and both sides free every
+block. The sides are driven
 in-process, as tests/serving/test_tp_disaggregated.py does (the test relays what the router
 would); the prompt is chunked, so its earlier chunks go down the pipeline without waiting."""
 
@@ -75,8 +76,8 @@ def test_each_stage_pushes_its_layers_and_decode_gives_the_tokens_of_one_worker(
     whole = layout.split(1)  # the model's every KV head
     share = [n * 2 * blocks * whole.block_bytes for n in stage_layers]
     assert [s.bytes for s in stages] == share
-    # the last stage's layers go once the prompt is computed (a layer per rank); stage 0's
-    # as each chunk completes blocks (it sees every step), so in more messages
-    assert stages[-1].layers == stage_layers[-1] * d
+    # every stage pushes each layer as each chunk completes blocks (in its own process, as it
+    # computes the chunk), not once the prompt is done: as many messages per layer on each
     assert stages[0].layers > stage_layers[0] * d
+    assert stages[0].layers * stage_layers[-1] == stages[-1].layers * stage_layers[0]
     assert done.transfer_bytes == sum(share)

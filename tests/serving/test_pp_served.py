@@ -1,9 +1,9 @@
 """`pdserve serve --prefill-pp 2` on a tiny random Qwen3 folder (4 layers, float32, split 1,3):
-one prefill worker of 2 stages pushes into one decode worker. Greedy tokens equal transformers'
-`generate`; stage 1 killed (kill -9) while the prefill worker waits on it mid-prompt: the prefill
-worker exits (`StageLost`), the decode worker prefills the request itself and it completes with
-the same tokens, nothing leaks, and serve's supervision restarts the worker with its stages,
-which then serves remotely again.
+one prefill worker of 2 stages pushes into one decode worker, each stage from its own process.
+Greedy tokens equal transformers' `generate`; stage 1 killed (kill -9) while the prefill worker
+waits on it mid-prompt: the prefill worker exits (`StageLost`), the decode worker prefills the
+request itself and it completes with the same tokens, nothing leaks, and serve's supervision
+restarts the worker with its stages, which then serves remotely again.
 (Refusals at start-up: tests/launch/test_serve_flags.py.)"""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 from chaos.cluster import complete
 from family_models import build
-from servers import Server, children, cmdline, exited, metric, metric_sum
+from servers import Server, children, cmdline, exited, metric, metric_sum, tcp_sockets
 from waiting import wait_until
 
 from pdserve.model.loader import load_tokenizer
@@ -77,7 +77,14 @@ def test_greedy_tokens_equal_transformers_through_the_pipeline(server, folder):
     assert (out.kind, out.text) == ("ok", expected(folder[1], PROMPT))
     assert metric(server.url, REMOTE) == remote + 1  # prefilled by the pipeline
     assert metric_sum(server.url, KV_BYTES) > kv
-    assert len(stage_pids(server.worker_pids()["prefill-0"])) == 1
+    pids = server.worker_pids()
+    [stage] = stage_pids(pids["prefill-0"])
+    # the stage pushed its layers itself: it holds a connection of its own to the decode
+    # worker's KV receiver (stage 0 holds another)
+    listening = {port for port, _, state in tcp_sockets(pids["decode-1"]) if state == "LISTEN"}
+    for pid in (stage, pids["prefill-0"]):
+        assert any(remote in listening and state == "ESTABLISHED"
+                   for _, remote, state in tcp_sockets(pid)), pid  # fmt: skip
     server.wait_idle_and_clean()
 
 

@@ -9,15 +9,16 @@ samples nothing (a chunk of a long prompt before its last) is not waited for: st
 the next chunk while the later stages compute this one, so the stages overlap on one prompt.
 Each stage's KV cache holds its own layers only, at the same block ids as stage 0's.
 
-The later stages' caches live in shared memory that stage 0 maps (as a tensor-parallel group's
-ranks: `engine/tp/shm.py`), so the worker's KV connectors, which run in stage 0, reach every
-layer. A prefill worker pushes each stage's layers over a connection of that stage's own
-(`kv_transfer/stage_senders.py`): the bytes each stage sends are exactly its layers' share.
-A connector's `after_layer` for a later stage's layer runs once the step's hidden states are
-back, and only for steps that sample (the prefill push's: the step that completes a prompt);
-`wait_for_layer_load` for those layers runs before the step is sent on. A connector that reads
-or writes blocks outside a step's hooks (the KV store link: loads, eviction copies) first
-drains the pipeline (`PPGroup.drain`), since a step not waited for may still be writing them.
+A prefill worker's stages each push their own layers' KV, from their own process, with a sender
+of their own on their own caches (`kv_transfer/stage_link.py`): stage 0's connectors run every
+layer's hooks (`wait_for_layer_load`, `after_layer`) before it sends a step on; the pushes they
+queue for a later stage's layers travel down with the step (`Hop.pushes`), and that stage sends
+each once it has computed the layer, so each stage's push overlaps the pipeline's next chunks
+and the bytes each stage sends are exactly its layers' share. The later stages' caches also
+live in shared memory that stage 0 maps (as a tensor-parallel group's ranks:
+`engine/tp/shm.py`), for the KV store link, which moves whole blocks from stage 0: it reads or
+writes them outside a step's hooks (loads, eviction copies), so it first drains the pipeline
+(`PPGroup.drain`), since a step not waited for may still be writing them.
 
 A stage that dies fails the engine's next exchange with `StageLost`: the worker exits and its
 launcher restarts it, with every stage; the router meanwhile has the decode workers prefill

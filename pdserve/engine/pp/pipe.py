@@ -1,5 +1,6 @@
 """A stage's place in a pipeline-parallel engine and its messages over gloo: point to point,
-stage s to stage s+1 (a `Hop`: the step's inputs and the hidden states after stage s's layers),
+stage s to stage s+1 (a `Hop`: the step's inputs, the hidden states after stage s's layers and
+the later stages' KV pushes),
 the last stage back to stage 0 (the hidden states, when the step samples), and the other
 stages' KV caches as stage 0 sees them (in shared memory: `engine/tp/shm.py`).
 
@@ -17,6 +18,7 @@ import torch
 from pdserve.engine.tp.codec import Step, decode, encode
 from pdserve.engine.tp.group import gloo_group, reap
 from pdserve.engine.tp.shm import map_caches, shared_caches
+from pdserve.kv_transfer.stage_link import LinkAddress, LinkSpec, Push
 
 _TAG = 0
 
@@ -29,12 +31,17 @@ class StageLost(RuntimeError):
 class Hop(msgspec.Struct):
     """One step on its way down the pipeline: rank 0's inputs (`Step`: token ids, positions,
     attention metadata), the residual stream after the previous stages' layers (T, hidden),
-    and whether the last stage sends its hidden states back to stage 0 (the step samples).
-    No step: a drain (`PPGroup.drain`), passed on without computing and answered."""
+    and whether the last stage sends its hidden states back to stage 0 (the step samples);
+    `pushes`: the KV pushes of the later stages' layers this step computes (each stage queues
+    its own on its sender as it computes the layer: `kv_transfer/stage_link.py`).
+    No step: a drain (`PPGroup.drain`), passed on without computing and answered; with `link`,
+    the stages' KV senders' set-up (`PPGroup.open_links`)."""
 
     step: Step | None
     hidden: torch.Tensor
     reply: bool
+    pushes: list[Push] = []
+    link: LinkSpec | None = None
 
 
 class PPGroup:
@@ -49,6 +56,21 @@ class PPGroup:
         self._sent: list[tuple] = []  # (works, tensors) of sends not yet known complete
         # stage 0: steps sent down and not waited for (they sample nothing) since the last reply
         self.unsettled = 0
+        self.outbox: list[Push] = []  # stage 0: the later stages' pushes for the next step
+
+    def queue_push(self, push: Push) -> None:
+        """Stage 0: send `push` with the next step down the pipeline (a `StageLink`'s)."""
+        self.outbox.append(push)
+
+    def take_pushes(self) -> list[Push]:
+        pushes, self.outbox = self.outbox, []
+        return pushes
+
+    def open_links(self, spec: LinkSpec) -> list[LinkAddress]:
+        """Stage 0: every later stage builds its own KV sender on its own caches (`spec`) and
+        says where its control connection listens (stage 1's address first)."""
+        self.send(Hop(None, torch.zeros(1), False, link=spec), 1)
+        return [self.recv(s, LinkAddress) for s in range(1, self.size)]
 
     @property
     def size(self) -> int:

@@ -56,11 +56,16 @@ def follow(stage: int, size: int, port: int, threads: int) -> None:
     )
     runner = ModelRunner(config, start.files(), start.max_model_len, pp=group)
     del start
+    link = None  # this stage's KV sender, once stage 0 asks for it (a prefill worker's)
     try:
         while (hop := group.recv(stage - 1, Hop | None)) is not None:
-            hidden = hop.hidden if hop.step is None else runner.run_stage(hop)  # None: drain
+            hidden = hop.hidden  # no step: a drain, or the senders' set-up
+            if hop.link is not None:
+                link = open_link(group, runner, hop.link)
+            elif hop.step is not None:
+                hidden = runner.run_stage(hop, push_hook(link, hop.pushes))
             if not group.is_last:
-                group.send(Hop(hop.step, hidden, hop.reply), stage + 1)
+                group.send(Hop(hop.step, hidden, hop.reply, hop.pushes, hop.link), stage + 1)
             elif hop.reply:
                 group.send(hidden, 0)
         if not group.is_last:
@@ -68,6 +73,33 @@ def follow(stage: int, size: int, port: int, threads: int) -> None:
         group.flush()
     except StageLost as exc:  # stage 0 went away (it exited, or was killed), or a neighbour
         log.warning("pipeline stage %d: %s; exiting", stage, exc)
+    finally:
+        if link is not None:
+            link.close()
+
+
+def open_link(group: PPGroup, runner, spec):
+    """This stage's KV sender on its own caches (`StageLinkServer`), its control address sent
+    to stage 0. It listens on loopback, as the pipeline's gloo pairs do (one host's stages)."""
+    from pdserve.kv_transfer import make_sender
+    from pdserve.kv_transfer.stage_link import StageLinkServer, stage_caches
+
+    k, v = stage_caches(runner.k_caches, runner.v_caches, group.held)
+    sender = make_sender(spec.transport, spec.layout, k, v, compression=spec.compression)
+    server = StageLinkServer(sender, "127.0.0.1")
+    group.send(server.address, 0)
+    group.flush()
+    return server
+
+
+def push_hook(link, pushes):
+    """The layer hook that queues this stage's pushes of layer i once it is computed."""
+    if link is None or not pushes:
+        return None
+    by_layer: dict[int, list] = {}
+    for p in pushes:
+        by_layer.setdefault(p.layer, []).append(p)
+    return lambda i: link.push(by_layer.get(i, ()))
 
 
 def main() -> None:

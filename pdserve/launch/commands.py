@@ -200,11 +200,18 @@ def pipeline_sizes(args) -> dict[str, int]:
 
 def check_pipelines(args, tp: dict[str, int], pp: dict[str, int]) -> None:
     """Refuse now, by name, what each pipelined pool's workers would refuse as they start:
-    more stages than layers, a partition that does not add up, TP x PP."""
+    more stages than layers, a partition that does not add up, TP x PP, the KV store with
+    stages Ray places (`serving/build.py` `check_store`)."""
     from pdserve.engine.pp.stages import stage_layers
     from pdserve.model.loader import load_model_config
 
     for role, size in pp.items():
+        if size > 1 and args.kv_store and args.launcher == "ray":
+            raise ValueError(
+                "--kv-store with --prefill-pp under --launcher ray: Ray may place the stages "
+                "on other hosts, and the store link moves every layer from stage 0, which "
+                "reaches the other stages' caches only on one host; drop one of them"
+            )
         if size > 1:
             EngineConfig(role=role, tensor_parallel_size=tp[role], pipeline_parallel_size=size,
                          pp_layer_partition=args.pp_layer_partition)  # fmt: skip
@@ -312,7 +319,7 @@ def serve(args) -> int:
         argv = pool_worker_argv(base_argv, role, args, tp[role], role_argv[role], device, ep[role],
                                 pp[role])  # fmt: skip
         procs.start(f"{role}-{i}", role, cpus, frontend.core.endpoint, argv, args.kv_transport,
-                    procs_per_worker[role])  # fmt: skip
+                    procs_per_worker[role], pp[role])  # fmt: skip
         return f"{role}-{i}"
 
     def add_worker(role: str) -> str:

@@ -85,9 +85,10 @@ class WorkerProcs:
         engine_argv: list[str],
         transport: str,
         tp: int = 1,
+        stages: int = 1,
     ) -> Child:
-        """Start a worker process pinned to `cpus`; its `tp` ranks share them (`engine/tp/rank.py`
-        pins each rank to its part)."""
+        """Start a worker process pinned to `cpus`; its `tp` processes (ranks, or `stages`
+        pipeline stages) share them (`engine/tp/rank.py` pins each to its part)."""
         cmd = [
             sys.executable, "-m", "pdserve.cli", "worker", "--role", role, "--router", router,
             "--worker-id", worker_id, "--cpus", cpus, "--kv-transport", transport, *engine_argv,

@@ -95,9 +95,12 @@ class RayWorkers:
         self.unfixable: dict[str, str] = {}  # worker -> the error no restart can fix
         self.stopping = threading.Event()
 
-    def start(self, worker_id, role, cpus, router, engine_argv, transport, tp: int = 1) -> None:
+    def start(
+        self, worker_id, role, cpus, router, engine_argv, transport, tp: int = 1, stages: int = 1
+    ) -> None:
         """Like `WorkerProcs.start` (`cpus` is not used: Ray places by resources); a worker of
-        `tp` > 1 ranks runs in a placement group of its own (`_group`)."""
+        `tp` > 1 processes (ranks, or `stages` pipeline stages) runs in a placement group of
+        its own (`_group`)."""
         want = dict(self.resources[role])
         num_cpus, num_gpus = want.pop("CPU", 1.0), want.pop("GPU", 0.0)
         argv = ["--role", role, "--router", router, "--worker-id", worker_id,
@@ -113,19 +116,24 @@ class RayWorkers:
         }
         labelled = role in self.roles  # some node is labelled for this pool: only those take it
         if tp > 1:
-            options.update(self._group(worker_id, tp, num_cpus, num_gpus, want, role, labelled))
+            options.update(
+                self._group(worker_id, tp, num_cpus, num_gpus, want, role, labelled, stages > 1)
+            )
         elif labelled:
             options["label_selector"] = {ROLE_LABEL: role}
         actor = self.actor_class.options(**options).remote(argv, self.public)
         self.actors[worker_id] = actor
         self.info_refs[worker_id] = actor.info.remote()
         label = f" on a node labelled {ROLE_LABEL}={role}" if labelled else ""
-        group = f" in {tp} bundles on one node" if tp > 1 else ""
+        group = f" in {tp} bundles {'packed' if stages > 1 else 'on one node'}" if tp > 1 else ""
         self.pending[worker_id] = (time.monotonic(), f"{dict(self.resources[role])}{group}{label}")
 
-    def _group(self, worker_id, tp, num_cpus, num_gpus, custom, role, labelled) -> dict:
-        """A placement group of `tp` bundles on one node, each 1/tp of the worker's resources
-        (custom ones: bundle 0, the actor's); the actor's options that put it in bundle 0."""
+    def _group(self, worker_id, tp, num_cpus, num_gpus, custom, role, labelled, span) -> dict:
+        """A placement group of `tp` bundles, each 1/tp of the worker's resources (custom ones:
+        bundle 0, the actor's), on one node (STRICT_PACK: tensor-parallel ranks share host
+        memory), or with `span` (a pipeline's stages: they exchange only activations and push
+        their own KV) packed, on as few nodes as hold them (PACK); the actor's options that
+        put it in bundle 0."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -136,7 +144,7 @@ class RayWorkers:
             self.ray.util.remove_placement_group(old)
         group = self.groups[worker_id] = placement_group(
             [{k: v for k, v in b.items() if v} or {"CPU": 0.001} for b in bundles],
-            strategy="STRICT_PACK",
+            strategy="PACK" if span else "STRICT_PACK",
             name=f"pdserve-{worker_id}-{os.getpid()}",
             bundle_label_selector=[{ROLE_LABEL: role}] * tp if labelled else None,
         )

@@ -56,6 +56,7 @@ def build_worker(config: WorkerConfig, engine: LLMEngine | None = None) -> Worke
             receiver.start()
         decode = DecodeSide(engine, layout, routers.send, config.worker_id, receiver, staging)
     if config.kv_store:
+        check_store(config, engine)
         client = open_store_client(config.kv_store, layout, runner.k_caches, runner.v_caches)
         store = store_link(client, engine, role)
         if decode is not None and tracing.enabled():  # store hits and misses in its traces
@@ -91,6 +92,18 @@ def store_link(client, engine: LLMEngine, role: str) -> StoreLink:
     link moves whole blocks, once the later stages have run every step sent to them."""
     pp = engine.runner.pp
     return StoreLink.for_role(client, engine.block_manager, role, pp.drain if pp else None)
+
+
+def check_store(config: WorkerConfig, engine: LLMEngine) -> None:
+    """Refuse the KV store for a pipeline whose stages' caches stage 0 cannot reach (Ray
+    placed them: `engine/pp/ray_stages.py`): its link moves every layer from stage 0."""
+    pp = engine.runner.pp
+    if config.kv_store and pp is not None and not pp.shared:
+        raise ValueError(
+            "--kv-store with a pipeline whose stages Ray placed (--launcher ray --prefill-pp): "
+            "the store link moves every layer's blocks from stage 0, which reaches the other "
+            "stages' caches only on one host; run without --kv-store, or with --launcher local"
+        )
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:

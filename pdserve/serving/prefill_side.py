@@ -100,8 +100,8 @@ class PrefillSide(KVConnector):
         """Queue layer `layer`'s KV of the blocks each prompt completed in this step: a chunk's
         whole blocks at once, so the push runs under the next chunks (the last chunk adds the
         partial block at the end), and what a layer has not sent yet. A step that recomputes
-        tokens already sent (a prefix load fell short) sends their blocks again. With `whole`, every layer's
-        blocks go after the last layer of the prompt's last step."""
+        tokens already sent (a prefix load fell short) sends their blocks again. With
+        `whole`, every layer's blocks go after the last layer of the prompt's last step."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             out = self.outgoing.get(seq.request_id)
             if out is None:

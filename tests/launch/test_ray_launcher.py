@@ -17,11 +17,13 @@ import pytest
 import ray
 from chaos.cluster import complete, stream
 from ray.cluster_utils import Cluster
-from servers import Server, run_serve
+from servers import Server, metric, metric_sum, run_serve
+from serving.test_pp_served import REMOTE
 from waiting import wait_until
 
 from launch.autoscaling import GREEDY as AS_GREEDY
 from launch.autoscaling import PROMPTS, at, burst
+from pdserve.engine.pp.ray_stages import NAMESPACE, stage_actor_name
 
 pytestmark = pytest.mark.slow
 ROLE = "pdserve/role"
@@ -147,6 +149,47 @@ def test_a_tensor_parallel_decode_worker_runs_in_a_placement_group_on_its_node(
         30,
         "the placement group to be removed",
     )
+
+
+def test_a_prefill_pipeline_spans_two_nodes_each_stage_pushing_its_own_layers(
+    cluster, disagg_server
+):
+    """--prefill-pp 2 with 2 CPUs on nodes of 1 CPU labelled prefill (a second one joins for
+    this test): the worker's placement group (PACK, a CPU a bundle) spans both nodes, stage 1
+    runs as an actor on the other node, without shared memory, pushing its own layers; the
+    answers are the local launcher's, and the group is removed when serve stops."""
+    node = cluster.add_node(num_cpus=1, labels={ROLE: "prefill"})
+    cluster.wait_for_nodes()
+    try:
+        with Server(
+            "--launcher", "ray", "--ray-address", cluster.address, "--mode", "disagg",
+            "--prefill-pp", "2", "--prefill-resources", '{"CPU": 2}', "--dtype", "float32",
+            "--local-prefill-threshold", "0", "--kv-cache-gb", "0.25", env=ENV,
+        ) as server:  # fmt: skip
+            assert answers(server.url) == answers(disagg_server.url)
+            name = f"pdserve-prefill-0-{server.proc.pid}"
+            [group] = [g for g in ray.util.placement_group_table().values() if g["name"] == name]
+            assert group["state"] == "CREATED" and group["strategy"] == "PACK"
+            assert list(group["bundles"].values()) == [{"CPU": 1.0}] * 2
+            prefill = {n["NodeID"] for n in ray.nodes() if n["Labels"].get(ROLE) == "prefill"}
+            assert set(group["bundles_to_node_id"].values()) == prefill  # one stage on each
+            worker = server.health()["workers"]["prefill-0"]
+            stage = ray.get_actor(stage_actor_name(1, worker["ray_actor_id"]), NAMESPACE)
+            assert ray.get(stage.node_id.remote()) == group["bundles_to_node_id"][1]
+            assert worker["ray_node_id"] == group["bundles_to_node_id"][0]
+            kv = metric_sum(server.url, "pdserve_kv_transfer_bytes_total")
+            assert kv > 0 and metric(server.url, REMOTE) >= 4  # every answer pushed from P
+            server.wait_idle_and_clean()
+        wait_until(
+            lambda: (
+                ray.util.placement_group_table().get(group["placement_group_id"], {}).get("state")
+                in (None, "REMOVED")
+            ),
+            30,
+            "the placement group to be removed",
+        )
+    finally:
+        cluster.remove_node(node)
 
 
 def test_a_worker_that_cannot_start_fails_the_start_up_with_its_error(cluster):

@@ -21,6 +21,7 @@ from servers import run_serve
         (["--prefill-pp", "2", "--pp-layer-partition", "15,14"], "adds up to 29 layers"),
         (["--decode-pp", "2"], "pipeline parallelism is for the prefill pool"),
         (["--pp-layer-partition", "15,15"], "add --prefill-pp N"),
+        (["--launcher", "ray", "--prefill-pp", "2", "--kv-store"], "--kv-store with --prefill-pp"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(flags, message):

@@ -22,10 +22,11 @@ writes them outside a step's hooks (loads, eviction copies), so it first drains 
 
 A stage that dies fails the engine's next exchange with `StageLost`: the worker exits and its
 launcher restarts it, with every stage; the router meanwhile has the decode workers prefill
-what it held. Stages run on CPU (gloo), on one host; not with tensor parallelism yet.
+what it held. Stages run on CPU (gloo), as processes of stage 0's host, or under Ray as actors
+that may span hosts (`ray_stages.py`); not with tensor parallelism yet.
 
 The parts: `stages.py` which layers each stage holds (torch-free, checked by `serve` too);
 `pipe.py` a stage's messages (`PPGroup`, `Hop`, `StageLost`); `stage.py` starting the stages
-(`start_pipeline`) and a stage's loop (`follow`). This package imports none of them (`serve`
+(`start_pipeline`) and a stage's loop (`follow`); `ray_stages.py` the stages as Ray actors. This package imports none of them (`serve`
 checks a split with `stages.py` alone, without torch).
 """

@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from pdserve.engine.tp.codec import Step, decode, encode
-from pdserve.engine.tp.group import gloo_group, reap
+from pdserve.engine.tp.group import LOOPBACK, gloo_group, reap
 from pdserve.engine.tp.shm import map_caches, shared_caches
 from pdserve.kv_transfer.stage_link import LinkAddress, LinkSpec, Push
 
@@ -45,14 +45,26 @@ class Hop(msgspec.Struct):
 
 
 class PPGroup:
-    """This process's stage and its messages. `layers[s]`: the layers stage s holds."""
+    """This process's stage and its messages. `layers[s]`: the layers stage s holds. The
+    rendezvous is stage 0's `master`:`port`, this stage's pairs bind to its `address`
+    (loopback for one host's stages). `shared`: the later stages' caches are in shared memory
+    that stage 0 maps (its stages are this host's processes), else each stage's are its own
+    alone (Ray placed them, maybe on other hosts)."""
 
     def __init__(
-        self, stage: int, layers: list[range], port: int, procs: list[subprocess.Popen] = ()
+        self,
+        stage: int,
+        layers: list[range],
+        port: int,
+        procs: list[subprocess.Popen] = (),
+        master: str = LOOPBACK,
+        address: str = LOOPBACK,
+        shared: bool = True,
     ):
         self.stage, self.layers, self.procs = stage, layers, list(procs)
+        self.address, self.shared = address, shared
         self.restore: tuple[set[int], int] | None = None  # stage 0: its cores and threads before
-        self._store, self._pg = gloo_group(stage, len(layers), port)
+        self._store, self._pg = gloo_group(stage, len(layers), port, master, address)
         self._sent: list[tuple] = []  # (works, tensors) of sends not yet known complete
         # stage 0: steps sent down and not waited for (they sample nothing) since the last reply
         self.unsettled = 0
@@ -142,11 +154,13 @@ class PPGroup:
     def caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, per_layer=2):
         """(K caches, V caches) indexed by the model's layer number (V empty: MLA's latent).
         Collective: every stage calls it at once. Stage 0 gets every layer's: its own, and
-        the later stages' mapped from their shared memory (so the worker's KV connectors, in
-        stage 0, read every layer); a later stage gets its own layers' and an empty tensor
-        in place of each other layer's."""
+        the later stages' mapped from their shared memory (for the KV store link, in stage 0);
+        a later stage gets its own layers' and an empty tensor in place of each other layer's
+        (stage 0 too, for the later layers, when the caches are not `shared`)."""
         held = len(self.held) * per_layer
-        if self.stage == 0:
+        if not self.shared:
+            parts = {self.stage: [torch.zeros(shape, dtype=dtype) for _ in range(held)]}
+        elif self.stage == 0:
             mine = [torch.zeros(shape, dtype=dtype) for _ in range(held)]
             parts = {0: mine}
             for s in range(1, self.size):

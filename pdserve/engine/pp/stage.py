@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 
 from pdserve.engine.pp.pipe import Hop, PPGroup, StageLost
+from pdserve.engine.pp.ray_stages import ray_placement, spawn_ray_stages
 from pdserve.engine.pp.stages import stage_layers, stage_weights
 from pdserve.engine.tp.codec import Start
 from pdserve.engine.tp.rank import rank_main, spawn_ranks
@@ -31,9 +32,13 @@ def start_pipeline(config, files, max_model_len: int) -> PPGroup:
             "--pipeline-parallel-size > 1 runs on CPU stages (gloo) for now; on a GPU use "
             "--pipeline-parallel-size 1"
         )
-    spawned = spawn_ranks("pdserve.engine.pp", len(layers), config.num_threads)
-    group = PPGroup(0, layers, spawned.port, spawned.procs)
-    group.restore = spawned.pin_self()
+    placed = ray_placement(len(layers))
+    if placed is not None:  # a Ray actor: the stages go to its placement group's bundles
+        group = spawn_ray_stages(placed, layers, config.num_threads, follow)
+    else:
+        spawned = spawn_ranks("pdserve.engine.pp", len(layers), config.num_threads)
+        group = PPGroup(0, layers, spawned.port, spawned.procs)
+        group.restore = spawned.pin_self()
     path = str(files.path) if files.path is not None else None
     for s in range(1, len(layers)):
         part = stage_weights(files.weights, layers[s], first=False)
@@ -42,13 +47,14 @@ def start_pipeline(config, files, max_model_len: int) -> PPGroup:
     return group
 
 
-def follow(stage: int, size: int, port: int, threads: int) -> None:
+def follow(stage: int, size: int, port: int, threads: int, **where) -> None:
     """Stages 1 .. N-1: build this stage's layers, then run every step that comes down the
-    pipeline until None comes (passed on, so that the next stage stops too)."""
+    pipeline until None comes (passed on, so that the next stage stops too). `where`: the
+    group's addresses and whether its caches are shared (`PPGroup`; one host's by default)."""
     from pdserve.engine.model_runner import ModelRunner
 
     torch.set_num_threads(threads)
-    group = PPGroup(stage, [range(0)] * size, port)
+    group = PPGroup(stage, [range(0)] * size, port, **where)
     start = group.recv(0, Start)
     config = replace(start.config, num_threads=threads)
     group.layers = stage_layers(  # as stage 0 split them (it checked the split)
@@ -80,13 +86,13 @@ def follow(stage: int, size: int, port: int, threads: int) -> None:
 
 def open_link(group: PPGroup, runner, spec):
     """This stage's KV sender on its own caches (`StageLinkServer`), its control address sent
-    to stage 0. It listens on loopback, as the pipeline's gloo pairs do (one host's stages)."""
+    to stage 0. It listens where the pipeline's gloo pairs do (`PPGroup.address`)."""
     from pdserve.kv_transfer import make_sender
     from pdserve.kv_transfer.stage_link import StageLinkServer, stage_caches
 
     k, v = stage_caches(runner.k_caches, runner.v_caches, group.held)
     sender = make_sender(spec.transport, spec.layout, k, v, compression=spec.compression)
-    server = StageLinkServer(sender, "127.0.0.1")
+    server = StageLinkServer(sender, group.address)
     group.send(server.address, 0)
     group.flush()
     return server

@@ -17,6 +17,7 @@ from pdserve.engine.tp.shm import map_caches, shared_caches
 from pdserve.model.attention import AttentionMetadata
 
 INIT_TIMEOUT_S = 300.0  # for the other ranks to start, load and join
+LOOPBACK = "127.0.0.1"  # a group of one host's processes: its pairs stay on it
 
 
 class TPGroup:
@@ -98,20 +99,19 @@ class TPGroup:
         self.restore = None
 
 
-def gloo_group(rank: int, size: int, port: int):
-    """(store, process group): this process as `rank` of a gloo group of `size` processes of
-    this host, whose rank 0 hosts the rendezvous at `port`. The group is its engine's own, not
-    torch.distributed's default one: a process may hold several engines (tests do). Shared by
-    the tensor-parallel ranks and the pipeline's stages (`engine/pp/`)."""
-    store = dist.TCPStore(
-        "127.0.0.1", port, size, rank == 0, timeout=timedelta(seconds=INIT_TIMEOUT_S)
-    )
+def gloo_group(rank: int, size: int, port: int, master: str = LOOPBACK, address: str = LOOPBACK):
+    """(store, process group): this process as `rank` of a gloo group of `size` processes,
+    whose rank 0 hosts the rendezvous at `master`:`port`, reached by the others at their own
+    `address` (loopback: one host's processes; a pipeline's stages that Ray placed on other
+    hosts give their host's). The group is its engine's own, not torch.distributed's default
+    one: a process may hold several engines (tests do). Shared by the tensor-parallel ranks and
+    the pipeline's stages (`engine/pp/`)."""
+    store = dist.TCPStore(master, port, size, rank == 0, timeout=timedelta(seconds=INIT_TIMEOUT_S))
     options = dist.ProcessGroupGloo._Options()
     # no timeout on steps: an idle engine's ranks wait for the next one as long as it takes;
     # a rank that dies closes its sockets, which fails the others' collectives at once
     options._timeout = timedelta(days=365)
-    # the ranks are one host's processes: their pairs (the steps' inputs) stay on it
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     return store, dist.ProcessGroupGloo(store, rank, size, options)
 
 

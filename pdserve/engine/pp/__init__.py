@@ -27,6 +27,7 @@ that may span hosts (`ray_stages.py`); not with tensor parallelism yet.
 
 The parts: `stages.py` which layers each stage holds (torch-free, checked by `serve` too);
 `pipe.py` a stage's messages (`PPGroup`, `Hop`, `StageLost`); `stage.py` starting the stages
-(`start_pipeline`) and a stage's loop (`follow`); `ray_stages.py` the stages as Ray actors. This package imports none of them (`serve`
-checks a split with `stages.py` alone, without torch).
+(`start_pipeline`) and a stage's loop (`follow`); `ray_stages.py` the stages as Ray actors.
+This package imports none of them (`serve` checks a split with `stages.py` alone, without
+torch).
 """

@@ -186,11 +186,6 @@ class EngineConfig:
                 "--pp-layer-partition splits the layers of a pipeline: add "
                 "--pipeline-parallel-size N (N counts, e.g. 15,15 for 2 stages)"
             )
-        if pp > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "--pipeline-parallel-size and --tensor-parallel-size do not compose yet (a "
-                "stage of several ranks): use one of them"
-            )
         if pp > 1 and self.role == "decode":
             raise ValueError(
                 "pipeline parallelism is for prefill (role prefill, or a co-located engine): a "

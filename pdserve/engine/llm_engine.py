@@ -11,6 +11,7 @@ import functools
 import itertools
 import os
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -59,16 +60,16 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        tp = None
-        if config.tensor_parallel_size > 1:  # start the other ranks and hand them the model
-            from pdserve.engine.tp import start_group
-
-            tp = start_group(config, self.files, self.max_model_len)
         pp = None
         if config.pipeline_parallel_size > 1:  # start the later stages, each with its layers
             from pdserve.engine.pp.stage import start_pipeline
 
             pp = start_pipeline(config, self.files, self.max_model_len)
+        tp = None
+        if config.tensor_parallel_size > 1:  # start the other ranks and hand them the model
+            from pdserve.engine.tp import start_group
+
+            tp = start_group(*stage_part(config, self.files, pp), self.max_model_len)
         self.runner = ModelRunner(config, self.files, self.max_model_len, tp, pp)
         # The model holds its own (fused, cast) copies: drop the float32 arrays (~0.5 GiB).
         self.files = self.files._replace(weights={})
@@ -326,3 +327,15 @@ class LLMEngine:
             **spec_stats(self.speculator),
             "pid": os.getpid(),
         }
+
+
+def stage_part(config: EngineConfig, files, pp):
+    """(config, files) a tensor-parallel group starts its ranks from: the whole model, or in a
+    pipeline's stage 0 (a stage of several ranks) its layers, on the threads of its share of
+    the cores (`start_pipeline` pinned it to them)."""
+    if pp is None:
+        return config, files
+    from pdserve.engine.pp.stages import stage_weights
+
+    part = files._replace(weights=stage_weights(files.weights, pp.held, first=True))
+    return replace(config, num_threads=torch.get_num_threads()), part

@@ -6,6 +6,7 @@ import logging
 import math
 from pathlib import Path
 
+import msgspec
 import torch
 
 from pdserve.config import EngineConfig, ModelConfig
@@ -79,7 +80,7 @@ class ModelRunner:
         # Per layer, (num_blocks, block_size, heads, dim): one layer's block is one contiguous
         # span. k_caches holds K, or MLA's latent (then v_caches is empty).
         if self.tp is not None:  # rank 0 also reaches the other ranks' caches (KV transfer)
-            self.rank_caches = self.tp.caches(shape, self.dtype, mc.num_layers, kv.tensors)
+            self.rank_caches = self.tp.caches(shape, self.dtype, mc.num_layers, kv.tensors, held)
             self.k_caches, self.v_caches = self.rank_caches[0]
         elif self.pp is not None:  # stage 0 also reaches the later stages' layers
             self.k_caches, self.v_caches = self.pp.caches(
@@ -360,11 +361,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_stage(self, hop, layer_hook=None) -> torch.Tensor:
-        """A later stage's part of a step: its layers over the hidden states that came down;
-        `layer_hook(i)` after each (the stage's own KV push)."""
-        step, meta = hop.step, hop.step.meta()
+        """A later stage's part of a step: its layers over the hidden states that came down
+        (with the stage's other tensor-parallel ranks, sent them first); `layer_hook(i)` after
+        each (the stage's own KV push)."""
+        step = msgspec.structs.replace(hop.step, hidden=hop.hidden)
+        if self.tp is not None:
+            self.tp.broadcast(step)
+        return self.run_layers(step, layer_hook)
+
+    @torch.inference_mode()
+    def run_layers(self, step, layer_hook=None) -> torch.Tensor:
+        """This process's layers over `step.hidden` (a later pipeline stage's rank)."""
+        meta = step.meta()
         meta.layer_hook = layer_hook
-        return self.model.run_layers(hop.hidden, step.positions, self.kv_caches, meta)
+        return self.model.run_layers(step.hidden, step.positions, self.kv_caches, meta)
 
     def _prompt_logprobs(self, seq, hidden, row: int, start: int, n: int) -> None:
         """Append the logprobs of seq's prompt tokens start+1 .. (those this step's rows

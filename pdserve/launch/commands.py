@@ -200,17 +200,24 @@ def pipeline_sizes(args) -> dict[str, int]:
 
 def check_pipelines(args, tp: dict[str, int], pp: dict[str, int]) -> None:
     """Refuse now, by name, what each pipelined pool's workers would refuse as they start:
-    more stages than layers, a partition that does not add up, TP x PP, the KV store with
-    stages Ray places (`serving/build.py` `check_store`)."""
+    more stages than layers, a partition that does not add up, the KV store with stages Ray
+    places or with TP x PP (`serving/build.py` `check_store`), TP x PP under Ray."""
     from pdserve.engine.pp.stages import stage_layers
     from pdserve.model.loader import load_model_config
 
     for role, size in pp.items():
-        if size > 1 and args.kv_store and args.launcher == "ray":
+        if size > 1 and args.kv_store and (args.launcher == "ray" or tp[role] > 1):
             raise ValueError(
-                "--kv-store with --prefill-pp under --launcher ray: Ray may place the stages "
-                "on other hosts, and the store link moves every layer from stage 0, which "
-                "reaches the other stages' caches only on one host; drop one of them"
+                "--kv-store with --prefill-pp under --launcher ray or with TP stages: the "
+                "store link moves every layer from stage 0's process, which reaches the other "
+                "stages' caches only when they are its host's single-rank processes; drop one "
+                "of them"
+            )
+        if size > 1 and tp[role] > 1 and args.launcher == "ray":
+            raise ValueError(
+                "--prefill-pp with --prefill-tp under --launcher ray: a stage of several ranks "
+                "is not placed by Ray yet (its ranks would need bundles on the stage's node); "
+                "use --launcher local, or one of the two"
             )
         if size > 1:
             EngineConfig(role=role, tensor_parallel_size=tp[role], pipeline_parallel_size=size,

@@ -79,8 +79,9 @@ def prefill_sender(config: WorkerConfig, engine: LLMEngine, layout: KVLayout, ra
         group = {"ranks": ranks} if len(ranks) > 1 else {}
         return make_sender(config.kv_transport, layout, *ranks[0],
                            compression=config.compression, **group)  # fmt: skip
-    mine = make_sender(config.kv_transport, layout, *stage_caches(*ranks[0], pp.held),
-                       compression=config.compression)  # fmt: skip
+    held = [stage_caches(k, v, pp.held) for k, v in ranks]  # each TP rank's, of a stage's
+    mine = make_sender(config.kv_transport, layout, *held[0], compression=config.compression,
+                       **({"ranks": held} if len(held) > 1 else {}))  # fmt: skip
     addresses = pp.open_links(LinkSpec(config.kv_transport, layout, config.compression))
     links = [StageLink(s, a, pp.queue_push) for s, a in enumerate(addresses, start=1)]
     return StageSenders([mine, *links], pp.layers)
@@ -103,6 +104,11 @@ def check_store(config: WorkerConfig, engine: LLMEngine) -> None:
             "--kv-store with a pipeline whose stages Ray placed (--launcher ray --prefill-pp): "
             "the store link moves every layer's blocks from stage 0, which reaches the other "
             "stages' caches only on one host; run without --kv-store, or with --launcher local"
+        )
+    if config.kv_store and pp is not None and engine.runner.tp is not None:
+        raise ValueError(
+            "--kv-store with a pipeline of tensor-parallel stages: the store link moves whole "
+            "blocks of one rank's cache per stage; drop --kv-store, or the stages' TP"
         )
 
 

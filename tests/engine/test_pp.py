@@ -1,7 +1,8 @@
 """Pipeline parallelism (`engine/pp/`): an engine of N stages (real processes, gloo) gives the
 greedy tokens of one process, and their logprobs, for an even split and a chosen partition,
 with prompts chunked so that stage 0 sends chunks on without waiting (the stages overlap), and
-prompt logprobs (every row back from the last stage); each stage holds only its layers. Sizes
+prompt logprobs (every row back from the last stage), also with each stage a tensor-parallel
+group; each stage holds only its layers. Sizes
 and partitions that cannot split the model are refused before any process starts, saying what
 to change."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from factories import make_engine, make_model_files
+from servers import children, cmdline
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -46,9 +48,14 @@ def one(files):
     return generate(files)
 
 
-@pytest.mark.parametrize(("pp", "partition"), [(2, None), (2, "1,3"), (4, None)])
-def test_stages_give_the_tokens_of_one_process(files, one, pp, partition):
-    many = generate(files, pipeline_parallel_size=pp, pp_layer_partition=partition)
+@pytest.mark.parametrize(
+    ("pp", "partition", "tp"), [(2, None, 1), (2, "1,3", 1), (4, None, 1), (2, "1,3", 2)]
+)
+def test_stages_give_the_tokens_of_one_process(files, one, pp, partition, tp):
+    """tp 2: each stage a tensor-parallel group of 2 ranks (4 processes): stage 0's ranks
+    embed and run its layer, stage 1's run theirs over the hidden states that came down."""
+    many = generate(files, pipeline_parallel_size=pp, pp_layer_partition=partition,
+                    tensor_parallel_size=tp)  # fmt: skip
     assert {r: t for r, (t, _) in many.items()} == {r: t for r, (t, _) in one.items()}
     for r, (_, logprobs) in many.items():  # the same ops per layer; threads may differ
         assert logprobs == pytest.approx(one[r][1], abs=1e-4)
@@ -82,10 +89,29 @@ def test_each_stage_holds_its_layers_and_stage_0_sees_every_cache(files):
          "model has 4"),
         (dict(pipeline_parallel_size=2, pp_layer_partition="1,1,2"), "names 3 stages"),
         (dict(pp_layer_partition="2,2"), "add --pipeline-parallel-size"),
-        (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "do not compose yet"),
         (dict(pipeline_parallel_size=2, role="decode"), "pipeline parallelism is for prefill"),
     ],
 )  # fmt: skip
 def test_a_split_that_cannot_work_is_refused_before_any_stage_starts(files, config, message):
     with pytest.raises(ValueError, match=message):
         make_engine(files, **config)
+
+
+def test_a_stage_of_two_ranks_holds_half_the_heads_of_its_layers_only(files):
+    """PP 2 x TP 2: stage 0 is rank 0 of its own group (a rank process of its own), stage 1 a
+    process that started its own rank; each rank's cache holds its stage's layers alone."""
+    engine = make_engine(files, pipeline_parallel_size=2, tensor_parallel_size=2,
+                         pp_layer_partition="1,3")  # fmt: skip
+    try:
+        runner = engine.runner
+        cfg = engine.model_config
+        assert (runner.pp.size, runner.tp.size) == (2, 2)
+        assert (runner.model.n_heads, list(runner.model.layer_ids)) == (cfg.num_heads // 2, [0])
+        for k, _ in runner.rank_caches:  # this stage's ranks: layer 0 only
+            assert [t.numel() > 0 for t in k] == [True, False, False, False]
+        [stage] = runner.pp.procs
+        ranks = [c for c in children(stage.pid) if "pdserve.engine.tp" in cmdline(c)]
+        assert len(ranks) == 1 and len(runner.tp.procs) == 1
+    finally:
+        engine.close()
+    assert all(p.poll() is not None for p in (*runner.pp.procs, *runner.tp.procs))

@@ -22,6 +22,8 @@ from servers import run_serve
         (["--decode-pp", "2"], "pipeline parallelism is for the prefill pool"),
         (["--pp-layer-partition", "15,15"], "add --prefill-pp N"),
         (["--launcher", "ray", "--prefill-pp", "2", "--kv-store"], "--kv-store with --prefill-pp"),
+        (["--prefill-pp", "2", "--prefill-tp", "3", "--kv-store"], "or with TP stages"),
+        (["--launcher", "ray", "--prefill-pp", "2", "--prefill-tp", "3"], "not placed by Ray"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(flags, message):

@@ -1,11 +1,11 @@
-"""Per-phase pipeline parallelism: a prefill worker of 2 stages (real processes, gloo) pushes a
-prompt's KV into a decode worker of TP 1 or TP 2 over the real tcp and nixl connectors, each
-stage from its own process, over its own connections (`kv_transfer/stage_link.py`, as
-`serving/build.py` wires it). The decode worker then gives the greedy tokens of one co-located
-engine, each stage sent exactly its layers' share of the bytes, and both sides free every
-block. The sides are driven
-in-process, as tests/serving/test_tp_disaggregated.py does (the test relays what the router
-would); the prompt is chunked, so its earlier chunks go down the pipeline without waiting."""
+"""Per-phase pipeline parallelism: a prefill worker of 2 stages (real processes, gloo; each
+stage one process or a tensor-parallel group of 2) pushes a prompt's KV into a decode worker of
+TP 1 or TP 2 over the real tcp and nixl connectors, each stage from its own process, over its
+own connections (`kv_transfer/stage_link.py`, as `serving/build.py` wires it). The decode
+worker then gives the greedy tokens of one co-located engine, each stage sent exactly its
+layers' share of the bytes, and both sides free every block. The sides are driven in-process,
+as tests/serving/test_tp_disaggregated.py does (the test relays what the router would); the
+prompt is chunked, so its earlier chunks go down the pipeline without waiting."""
 
 from __future__ import annotations
 
@@ -37,12 +37,13 @@ def reference(files):
     return run_to_completion(engine, [PROMPT], SamplingParams(max_tokens=6, ignore_eos=True))[0]
 
 
-def handoff(files, backend: str, partition: str | None, d: int):
-    """PROMPT through a prefill worker of 2 stages into a decode worker of d ranks; returns
-    (tokens, PrefillDone, each stage's sender stats, the decode layout, blocks pushed)."""
+def handoff(files, backend: str, partition: str | None, d: int, p: int = 1):
+    """PROMPT through a prefill worker of 2 stages of p ranks each into a decode worker of d
+    ranks; returns (tokens, PrefillDone, each stage's sender stats, the decode layout, blocks
+    pushed)."""
     d_engine = make_engine(files, role="decode", tensor_parallel_size=d)
     p_engine = make_engine(files, role="prefill", chunk_size=8, pipeline_parallel_size=2,
-                           pp_layer_partition=partition)  # fmt: skip
+                           pp_layer_partition=partition, tensor_parallel_size=p)  # fmt: skip
     d_layout, p_layout = kv_layout(d_engine), kv_layout(p_engine)
     receiver = ReceiverGroup([make_receiver(backend, d_layout.shard(r), k, v)
                               for r, (k, v) in enumerate(d_engine.runner.rank_caches)])  # fmt: skip
@@ -64,12 +65,15 @@ def handoff(files, backend: str, partition: str | None, d: int):
 
 
 @pytest.mark.parametrize("backend", ["tcp", pytest.param("nixl", marks=NO_NIXL)])
-@pytest.mark.parametrize(("partition", "d", "stage_layers"), [(None, 1, [2, 2]),
-                                                              ("1,3", 2, [1, 3])])  # fmt: skip
+@pytest.mark.parametrize(("partition", "p", "d", "stage_layers"),
+                         [(None, 1, 1, [2, 2]), ("1,3", 1, 2, [1, 3]), ("1,3", 2, 1, [1, 3]),
+                          (None, 2, 2, [2, 2])])  # fmt: skip
 def test_each_stage_pushes_its_layers_and_decode_gives_the_tokens_of_one_worker(
-    files, reference, backend, partition, d, stage_layers
+    files, reference, backend, partition, p, d, stage_layers
 ):
-    tokens, done, stages, layout, blocks = handoff(files, backend, partition, d)
+    """p 2: each stage a tensor-parallel group whose sender gathers its ranks' heads for
+    each decode rank (re-sharded to decode TP 1, or rank to rank at decode TP 2)."""
+    tokens, done, stages, layout, blocks = handoff(files, backend, partition, d, p)
     assert done.error is None and done.first_token == reference[0]
     assert tokens == reference
     # K and V of every block of each stage's layers, each decode rank its heads: no more

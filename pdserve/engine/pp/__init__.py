@@ -23,7 +23,9 @@ writes them outside a step's hooks (loads, eviction copies), so it first drains 
 A stage that dies fails the engine's next exchange with `StageLost`: the worker exits and its
 launcher restarts it, with every stage; the router meanwhile has the decode workers prefill
 what it held. Stages run on CPU (gloo), as processes of stage 0's host, or under Ray as actors
-that may span hosts (`ray_stages.py`); not with tensor parallelism yet.
+that may span hosts (`ray_stages.py`). A stage may be a tensor-parallel group: its first rank is
+the stage in the pipeline and starts the stage's other ranks (`engine/tp/`), sending them each
+step with the hidden states that came down (`Step.hidden`).
 
 The parts: `stages.py` which layers each stage holds (torch-free, checked by `serve` too);
 `pipe.py` a stage's messages (`PPGroup`, `Hop`, `StageLost`); `stage.py` starting the stages

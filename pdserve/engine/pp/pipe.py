@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from pdserve.engine.tp.codec import Step, decode, encode
-from pdserve.engine.tp.group import LOOPBACK, gloo_group, reap
+from pdserve.engine.tp.group import LOOPBACK, gloo_group, reap, spread
 from pdserve.engine.tp.shm import map_caches, shared_caches
 from pdserve.kv_transfer.stage_link import LinkAddress, LinkSpec, Push
 
@@ -174,11 +174,11 @@ class PPGroup:
         empty = torch.empty(0, dtype=dtype)
         k, v = [empty] * num_layers, [empty] * num_layers
         for s, tensors in parts.items():
-            n = len(self.layers[s])
-            for j, layer in enumerate(self.layers[s]):
-                k[layer] = tensors[j]
+            ks, vs = spread(tensors, num_layers, self.layers[s], per_layer)
+            for layer in self.layers[s]:
+                k[layer] = ks[layer]
                 if per_layer == 2:
-                    v[layer] = tensors[n + j]
+                    v[layer] = vs[layer]
         return k, (v if per_layer == 2 else [])
 
     def close(self) -> None:

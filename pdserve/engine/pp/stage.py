@@ -60,8 +60,13 @@ def follow(stage: int, size: int, port: int, threads: int, **where) -> None:
     group.layers = stage_layers(  # as stage 0 split them (it checked the split)
         start.model.num_layers, config.pipeline_parallel_size, config.pp_layer_partition
     )
-    runner = ModelRunner(config, start.files(), start.max_model_len, pp=group)
-    del start
+    files, tp = start.files(), None
+    if config.tensor_parallel_size > 1:  # this stage is a tensor-parallel group: its ranks
+        from pdserve.engine.tp import start_group
+
+        tp = start_group(config, files, start.max_model_len, stage)
+    runner = ModelRunner(config, files, start.max_model_len, tp=tp, pp=group)
+    del start, files
     link = None  # this stage's KV sender, once stage 0 asks for it (a prefill worker's)
     try:
         while (hop := group.recv(stage - 1, Hop | None)) is not None:
@@ -82,6 +87,8 @@ def follow(stage: int, size: int, port: int, threads: int, **where) -> None:
     finally:
         if link is not None:
             link.close()
+        if tp is not None:
+            tp.close()
 
 
 def open_link(group: PPGroup, runner, spec):
@@ -90,8 +97,10 @@ def open_link(group: PPGroup, runner, spec):
     from pdserve.kv_transfer import make_sender
     from pdserve.kv_transfer.stage_link import StageLinkServer, stage_caches
 
-    k, v = stage_caches(runner.k_caches, runner.v_caches, group.held)
-    sender = make_sender(spec.transport, spec.layout, k, v, compression=spec.compression)
+    ranks = [stage_caches(k, v, group.held) for k, v in runner.rank_caches]
+    group_ranks = {"ranks": ranks} if len(ranks) > 1 else {}  # a stage of several TP ranks
+    sender = make_sender(spec.transport, spec.layout, *ranks[0], compression=spec.compression,
+                         **group_ranks)  # fmt: skip
     server = StageLinkServer(sender, group.address)
     group.send(server.address, 0)
     group.flush()

@@ -5,8 +5,26 @@
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class StagePlace(NamedTuple):
+    """Where a process of a pipeline stage that is itself a tensor-parallel group sits, for
+    one of the stage's ranks other than its first (which holds the stage's `PPGroup`): its
+    stage and every stage's layers, as `PPGroup` gives them (`size`, `held`)."""
+
+    stage: int
+    layers: list[range]
+
+    @property
+    def size(self) -> int:
+        return len(self.layers)
+
+    @property
+    def held(self) -> range:
+        return self.layers[self.stage]
 
 
 def parse_partition(text: str) -> list[int]:

@@ -16,7 +16,9 @@ from pdserve.model.loader import ModelFiles
 
 
 class Step(msgspec.Struct):
-    """One step's inputs, as rank 0 prepared them (`ModelRunner._prepare`)."""
+    """One step's inputs, as rank 0 prepared them (`ModelRunner._prepare`). `hidden`: for
+    the ranks of a later pipeline stage, the residual stream its layers run over (T, hidden)
+    instead of the embedded tokens."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -24,6 +26,7 @@ class Step(msgspec.Struct):
     num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    hidden: torch.Tensor | None = None
 
     def meta(self) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping, self.num_decodes, self.decode_groups,
@@ -31,7 +34,8 @@ class Step(msgspec.Struct):
 
 
 class Start(msgspec.Struct):
-    """What the other ranks build their part from: the engine config and the model."""
+    """What the other ranks build their part from: the engine config and the model (for a
+    pipeline stage's ranks: the stage's layers, `stage`)."""
 
     config: EngineConfig
     model: ModelConfig
@@ -39,6 +43,7 @@ class Start(msgspec.Struct):
     fingerprint: str
     path: str | None
     max_model_len: int
+    stage: int = 0
 
     def files(self) -> ModelFiles:
         return ModelFiles(self.path and Path(self.path), self.model, self.weights, self.fingerprint)

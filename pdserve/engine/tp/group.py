@@ -70,21 +70,27 @@ class TPGroup:
         self.broadcast(Step(input_ids, positions, meta.slot_mapping, meta.num_decodes,
                             meta.decode_groups, meta.prefills))  # fmt: skip
 
-    def caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, per_layer=2):
+    def caches(
+        self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, per_layer=2,
+        held: range | None = None,
+    ):  # fmt: skip
         """This rank's KV cache (K and V: `num_layers` tensors of `shape` each; `per_layer` 1:
         MLA's latent, and V empty), and on rank 0 every rank's, in rank order. Collective:
-        every rank calls it at once. The other ranks' are `shared_caches` that rank 0 maps."""
-        count = per_layer * num_layers
+        every rank calls it at once. The other ranks' are `shared_caches` that rank 0 maps.
+        `held`: a pipeline stage's layers, the only ones allocated (the others empty)."""
+        held = range(num_layers) if held is None else held
+        count = per_layer * len(held)
         if self.shard.rank == 0:
             mine = [torch.zeros(shape, dtype=dtype) for _ in range(count)]
             handle = None
         else:
             mine, handle = shared_caches(shape, dtype, count)
         handles = self.gather(handle, tuple[int, int] | None)
-        ranks = [_split(mine, num_layers)]
+        ranks = [spread(mine, num_layers, held, per_layer)]
         if self.shard.rank == 0:
             for pid, fd in handles[1:]:
-                ranks.append(_split(map_caches(pid, fd, shape, dtype, count), num_layers))
+                mapped = map_caches(pid, fd, shape, dtype, count)
+                ranks.append(spread(mapped, num_layers, held, per_layer))
         return ranks
 
     def close(self) -> None:
@@ -115,8 +121,18 @@ def gloo_group(rank: int, size: int, port: int, master: str = LOOPBACK, address:
     return store, dist.ProcessGroupGloo(store, rank, size, options)
 
 
-def _split(tensors: list[torch.Tensor], num_layers: int):
-    return tensors[:num_layers], tensors[num_layers:]
+def spread(tensors: list[torch.Tensor], num_layers: int, held: range, per_layer: int = 2):
+    """(K caches, V caches) indexed by the model's layer number, from the tensors allocated
+    for the `held` layers (all K, then all V; V empty for a latent): an empty tensor in place
+    of each layer not held."""
+    empty = torch.empty(0, dtype=tensors[0].dtype) if tensors else torch.empty(0)
+    k, v = [empty] * num_layers, [empty] * num_layers
+    n = len(held)
+    for j, layer in enumerate(held):
+        k[layer] = tensors[j]
+        if per_layer == 2:
+            v[layer] = tensors[n + j]
+    return k, (v if per_layer == 2 else [])
 
 
 def reap(procs, restore) -> None:

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve.engine.pp.stages import StagePlace, stage_layers
 from pdserve.engine.tp.codec import Start, Step
 from pdserve.engine.tp.group import TPGroup
 from pdserve.engine.tp.shard import TPShard
@@ -23,8 +24,9 @@ from pdserve.subprocs import die_with_parent, free_port, split_cores
 log = logging.getLogger("pdserve.engine.tp")
 
 
-def start_group(config, files, max_model_len: int) -> TPGroup:
-    """Rank 0: start ranks 1 .. N-1, join them, and send them what they build their part from."""
+def start_group(config, files, max_model_len: int, stage: int = 0) -> TPGroup:
+    """Rank 0: start ranks 1 .. N-1, join them, and send them what they build their part from
+    (`files`: a pipeline stage's part, for the ranks of `stage`)."""
     from pdserve.engine.model_runner import resolve_device
 
     size, ep = config.tensor_parallel_size, config.expert_parallel_size
@@ -39,7 +41,7 @@ def start_group(config, files, max_model_len: int) -> TPGroup:
     group.restore = spawned.pin_self()
     path = str(files.path) if files.path is not None else None
     group.broadcast(
-        Start(config, files.config, files.weights, files.fingerprint, path, max_model_len)
+        Start(config, files.config, files.weights, files.fingerprint, path, max_model_len, stage)
     )
     return group
 
@@ -101,11 +103,19 @@ def follow(rank: int, size: int, port: int, threads: int) -> None:
     start = group.broadcast(None, Start)
     group.shard = replace(group.shard, ep=start.config.expert_parallel_size)
     config = replace(start.config, num_threads=threads)
-    runner = ModelRunner(config, start.files(), start.max_model_len, group)
+    place = None  # a pipeline stage's rank: its stage's layers
+    if config.pipeline_parallel_size > 1:
+        layers = stage_layers(start.model.num_layers, config.pipeline_parallel_size,
+                              config.pp_layer_partition)  # fmt: skip
+        place = StagePlace(start.stage, layers)
+    runner = ModelRunner(config, start.files(), start.max_model_len, group, place)
     del start
     try:
         while (step := group.broadcast(None, Step | None)) is not None:
-            runner.forward(step.input_ids, step.positions, step.meta())
+            if step.hidden is not None:  # a later stage's: its layers over the hidden states
+                runner.run_layers(step)
+            else:
+                runner.forward(step.input_ids, step.positions, step.meta())
     except RuntimeError:  # rank 0 went away without saying so (it exited, or was killed)
         log.warning("tensor-parallel rank %d: rank 0 is gone; exiting", rank)
 

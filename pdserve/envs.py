@@ -19,6 +19,9 @@ LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
 # oneDNN's primitive cache and PyTorch's own cache of oneDNN matmul primitives (ideep)
 KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 KERNEL_CACHE_ENTRIES = 64
+# Mooncake's own: how much its client library logs (TRACE, INFO, WARNING, ERROR)
+MC_LOG_LEVEL = "MC_LOG_LEVEL"
+MC_LOG_LEVEL_DEFAULT = "WARNING"  # pdserve's default; Mooncake's is INFO
 MODEL = "PDSERVE_MODEL"
 QUANT_MAX_ROWS = "PDSERVE_QUANT_MAX_ROWS"
 INT8_ACT_ROWS = "PDSERVE_INT8_ACT_ROWS"
@@ -79,6 +82,13 @@ def _rows(name: str) -> int | None:
 def library_path() -> list[str]:
     """`LD_LIBRARY_PATH`'s folders (a child given more keeps these after them)."""
     return [p for p in os.environ.get(LD_LIBRARY_PATH, "").split(":") if p]
+
+
+def mooncake_log_level() -> str:
+    """`MC_LOG_LEVEL`, Mooncake's own variable: how much its client library logs (TRACE, INFO,
+    WARNING or ERROR; any other value is INFO to it). Unset: WARNING, where Mooncake's default
+    is INFO (each client's every step of joining and leaving the pool, each failed call)."""
+    return os.environ.get(MC_LOG_LEVEL) or MC_LOG_LEVEL_DEFAULT
 
 
 def model_path() -> str | None:

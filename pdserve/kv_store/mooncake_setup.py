@@ -12,11 +12,15 @@ Prometheus /metrics; `zero_copy=1` registers the KV cache and loads under an eng
 straight into it (off by default: over TCP each contiguous piece is a transfer of its own, and
 a layer object's K and V halves are two pieces in the cache, so it measured slower than one
 staged read and a copy: docs/serving.md).
+
+Logs: the library at WARNING and the master without its metrics summary every 10 s, unless
+`MC_LOG_LEVEL` (Mooncake's own variable, `envs.mooncake_log_level`) asks for INFO or TRACE.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 import sys
 from pathlib import Path
@@ -54,7 +58,9 @@ def _load_private_libs() -> None:
 
 
 def import_mooncake():
-    """(MooncakeDistributedStore, ReplicateConfig), or ImportError saying what to install."""
+    """(MooncakeDistributedStore, ReplicateConfig), or ImportError saying what to install.
+    Its library logs at `envs.mooncake_log_level()` (WARNING unless `MC_LOG_LEVEL` says)."""
+    os.environ[envs.MC_LOG_LEVEL] = envs.mooncake_log_level()  # read by the library: set first
     try:
         _load_private_libs()
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -110,5 +116,13 @@ def master_command(host: str, port: int, metrics_port: int, client_ttl_s: int = 
         *(["env", f"LD_LIBRARY_PATH={path}"] if libs else []),
         exe, f"--rpc_address={host}", f"--rpc_port={port}", f"--metrics_host={host}",
         f"--metrics_port={metrics_port}", f"--client_ttl={client_ttl_s}",
-        "--enable_http_metadata_server=false",
+        "--enable_http_metadata_server=false", f"--enable_metric_reporting={_verbose()}",
     ]  # fmt: skip
+
+
+def _verbose() -> str:
+    """Whether `mooncake_master` logs a metrics summary every 10 s ("true" or "false"): as its
+    clients' library does INFO, unless `MC_LOG_LEVEL` is WARNING or ERROR (the figures are on
+    its /metrics either way). Its other lines stay: a few per client joining or leaving, and
+    "Master service started", which `pdserve serve` waits for."""
+    return str(envs.mooncake_log_level() not in ("WARNING", "ERROR")).lower()

@@ -65,6 +65,11 @@ def run_worker(config) -> int:
     another error (no router answered, a failure after it served)."""
     from pdserve.serving.build import build_worker
 
+    # SIGINT stops a worker (KeyboardInterrupt: exit 0) also when this process was started with
+    # it ignored, as a non-interactive shell starts its background jobs (`cmd &`; CI runners):
+    # Python then sets no handler, and a launcher stopping its workers with SIGINT waited for
+    # its SIGKILL fallback
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     worker = None
     try:
         worker = build_worker(config)

@@ -32,7 +32,8 @@ INSTALL_HINT = (
     "--launcher local"
 )
 # what the actors inherit from `serve`'s environment (Ray starts them from its own)
-PASSED_ENV = ("PDSERVE_", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY", "HF_", "OTEL_")
+PASSED_ENV = ("PDSERVE_", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY", "HF_", "OTEL_",
+              "MC_LOG_LEVEL")  # fmt: skip
 PLACEMENT_WARNING_S = 20.0  # a worker Ray has not started by then is reported with its needs
 
 

@@ -104,25 +104,31 @@ class Cluster:
             lambda: wid not in self.health(), timeout_s, f"{wid} to leave /health", interval_s=0.1
         )
 
-    def restart(self, wid: str, timeout_s: float = 120.0) -> None:
-        """Start `wid` again with the same command line and environment; wait until it has
-        re-registered."""
+    def restart(self, wid: str, timeout_s: float = 120.0, extra: tuple[str, ...] = ()) -> None:
+        """Start `wid` again with the same command line (and `extra` flags after it) and
+        environment; wait until it has re-registered."""
         if wid in self.pids():
             self.kill(wid)
         if wid in self.health():
             self.wait_gone(wid)
         log = open(self.log_dir / f"{wid}-{time.monotonic_ns()}.log", "w")  # noqa: SIM115
         self.restarted[wid] = subprocess.Popen(
-            self.argv[wid], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [*self.argv[wid], *extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=self.env[wid] or None,
         )  # fmt: skip
         log.close()
         wait_until(lambda: wid in self.health(), timeout_s, f"{wid} to re-register", interval_s=0.1)
 
-    def ensure_all(self) -> None:
-        """Every worker the server started is alive and registered (restart those that are not)."""
+    def ensure_all(self, down: tuple[str, ...] = ()) -> None:
+        """Every worker the server started is alive and registered (restart those that are not),
+        but those in `down`: stopped (kill -9) and gone from /health."""
         for wid in self.argv:
-            if wid not in self.health() or wid not in self.pids():
+            if wid in down:
+                if wid in self.pids():
+                    self.kill(wid)
+                if wid in self.health():
+                    self.wait_gone(wid)
+            elif wid not in self.health() or wid not in self.pids():
                 self.restart(wid)
 
     def assert_clean(self, timeout_s: float = 30.0) -> dict:

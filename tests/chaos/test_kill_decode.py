@@ -2,7 +2,8 @@
 client's stream goes on with exactly the tokens an uninterrupted run gives (greedy, float32);
 the restarted worker re-registers and takes traffic again; no block leaks anywhere. With
 tracing on (pdserve[otel]), the migrated request's one trace holds both decode workers' spans
-and the router's migration event."""
+and the router's migration event. Moved to a worker that speculates (prompt lookup), the
+replayed request's proposals are accepted and the client's text is still the plain run's."""
 
 from __future__ import annotations
 
@@ -101,6 +102,40 @@ def assert_trace_shows_both_decode_workers(receiver, trace_id: bytes, victim: st
         assert span.parent_span_id == request.span_id, span.name
     assert moved.time_unix_nano >= before["decode.first_token"].end_time_unix_nano
     assert moved.time_unix_nano <= after["decode.first_token"].start_time_unix_nano + 2_000_000
+
+
+COUNT = "one two three four five six seven eight nine ten"
+# Over one block: the baseline leaves its first block cached on its worker, which placement
+# then prefers for the same prompt; prompt lookup finds the count it goes on copying.
+REPEAT = f"{COUNT}, {COUNT}, one two"
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'
+
+
+def test_a_request_migrated_to_a_speculating_worker_keeps_the_plain_greedy_text(cluster):
+    decoders = [w for w in cluster.argv if w.startswith("decode")]
+    # the one the test before left down, if any: starting it with speculation costs no more
+    speculating = next((w for w in decoders if w not in cluster.pids()), decoders[0])
+    (plain,) = [w for w in decoders if w != speculating]
+    cluster.ensure_all(down=(speculating,))
+    want = complete(cluster.url, {"prompt": REPEAT, **GREEDY})  # on `plain`, alone: cached there
+    assert (want.kind, want.completion_tokens) == ("ok", N), want
+    cluster.restart(speculating, extra=("--speculative-config", SPEC))
+    try:
+        victim = []
+
+        def on_chunk(n: int) -> None:
+            if n == 3:
+                victim.append(cluster.busy_decode_worker())
+            if n == 8 and victim == [plain]:  # placed where its first block is cached
+                cluster.kill(plain)
+
+        out = stream(cluster.url, {"prompt": REPEAT, **GREEDY}, on_chunk=on_chunk)
+        assert victim == [plain], (victim, plain)
+        assert (out.kind, out.completion_tokens, out.text) == ("ok", N, want.text), out
+        workers = cluster.assert_clean()  # their reports since the stream ended
+        assert workers[speculating]["spec_accepted_tokens"] > 0, workers[speculating]
+    finally:
+        cluster.restart(speculating)  # as the server started it, for the tests after this one
 
 
 def test_restarted_decode_worker_takes_traffic(cluster):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 from factories import make_engine, make_model_files, run_to_completion
 from waiting import wait_until
 
+from pdserve import envs
 from pdserve.engine.block_hash import block_hashes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_store import mooncake, mooncake_calls, mooncake_setup
@@ -176,6 +178,31 @@ def test_the_endpoint_is_checked_and_the_pool_counters_are_served(local, master)
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     for name in ("hits", "misses", "evictions_seen", "put_bytes", "load_bytes", "timeouts"):
         assert f"pdserve_kv_pool_{name}_total " in text
+
+
+JOIN = """from pdserve.kv_store.mooncake_setup import import_mooncake
+store = import_mooncake()[0]()
+assert store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", {master!r}) == 0
+store.close()"""
+
+
+@pytest.mark.parametrize(("level", "info"), [(None, False), ("INFO", True)])
+def test_mooncake_logs_warnings_and_errors_unless_mc_log_level_asks_for_more(
+    master, monkeypatch, level, info
+):
+    """Mooncake's INFO lines (every client's every step of joining and leaving the pool) flooded
+    the output of each process in the pool, and its master logged a summary every 10 s."""
+    if level is None:
+        monkeypatch.delenv(envs.MC_LOG_LEVEL, raising=False)
+    else:
+        monkeypatch.setenv(envs.MC_LOG_LEVEL, level)
+    join = JOIN.format(master=f"127.0.0.1:{master.port}")
+    done = subprocess.run([sys.executable, "-c", join], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert any(re.match(r"I\d{4} ", line) for line in done.stderr.splitlines()) == info, done.stderr
+    command = mooncake_setup.master_command("127.0.0.1", master.port, master.metrics)
+    assert f"--enable_metric_reporting={str(info).lower()}" in command
 
 
 def test_another_layout_and_a_corrupt_block_are_misses(local, peer, reference, master):

@@ -28,6 +28,16 @@ def llm():
 
 
 @pytest.fixture(scope="module")
+def spec():
+    """`llm`'s model and settings, speculating by prompt lookup (ngram, up to 4 tokens)."""
+    import json
+
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+           "prompt_lookup_max": 4}  # fmt: skip
+    return LLM(dtype="float32", device="cpu", weights="bf16", speculative_config=json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
 def eager():
     return LLM(dtype="float32", device="cpu", weights="bf16", enforce_eager=True)
 
@@ -240,7 +250,7 @@ def test_a_replayed_request_continues_as_if_it_had_not_moved(llm):
     assert_clean(llm)
 
 
-def test_guided_and_penalized_requests_speculate_with_the_plain_greedy_tokens(llm):
+def test_guided_and_penalized_requests_speculate_with_the_plain_greedy_tokens(llm, spec):
     """Prompt lookup under a JSON schema and under penalties: proposals are cut at the first
     token the grammar refuses, each verify row is masked and penalized as if the proposals
     before it had been emitted, so the tokens are the plain engine's, and proposals are
@@ -262,9 +272,6 @@ def test_guided_and_penalized_requests_speculate_with_the_plain_greedy_tokens(ll
     guided = SamplingParams(max_tokens=48, guide=GuideSpec("json_schema", json.dumps(schema)))
     penalized = SamplingParams(max_tokens=32, frequency_penalty=0.3, presence_penalty=0.2,
                                repetition_penalty=1.1, ignore_eos=True)  # fmt: skip
-    spec = LLM(dtype="float32", device="cpu", weights="bf16", speculative_config=json.dumps(
-        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 4}))  # fmt: skip
     for params in (guided, penalized):
         before = spec.engine.stats()
         want = llm.generate(ids, params)[0]
@@ -275,3 +282,25 @@ def test_guided_and_penalized_requests_speculate_with_the_plain_greedy_tokens(ll
         assert_clean(spec)
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(json.loads(spec.generate(ids, guided)[0].text), schema)
+
+
+def test_a_replayed_request_speculates_and_continues_with_the_plain_greedy_tokens(llm, spec):
+    """Migration with speculative decoding: replayed after k tokens (prompt + those tokens,
+    `replayed=k`), a request's prompt lookup finds the sequence it goes on copying, proposals
+    are accepted, and the continuation is the plain engine's (the penalties count the replayed
+    tokens in every verify row)."""
+    count = "one two three four five six seven eight nine ten"
+    ids = llm.tokenizer.encode(f"{count}, {count}, one two")
+    params = SamplingParams(max_tokens=20, frequency_penalty=0.1, ignore_eos=True)
+    whole = llm.generate(ids, params)[0].token_ids
+    k = 5
+    eng = spec.engine
+    before = eng.stats()["spec_accepted_tokens"]
+    seq = eng.add_request(
+        ids + whole[:k], SamplingParams(**{**vars(params), "max_tokens": 20 - k}), replayed=k
+    )
+    while eng.has_work():
+        eng.step()
+    assert seq.output_token_ids == whole[k:]
+    assert eng.stats()["spec_accepted_tokens"] > before
+    assert_clean(spec)

@@ -42,7 +42,8 @@ class StageSenders(KVSender):
         return _combined(results)
 
     def settled(self, transfer_id: str) -> bool:
-        return all(s.settled(transfer_id) for s in self.senders)
+        # every sender asked (no short cut): a stage's link seals the transfer when first asked
+        return all([s.settled(transfer_id) for s in self.senders])
 
     def wait_change(self, timeout_s: float) -> None:
         # each sender in turn for its share of the time: a change on another one is seen

@@ -196,9 +196,10 @@ POOL_FLAGS = (  # serve: how many workers of each kind
         "--prefill-pp", int, metavar="N",
         help="disagg mode: pipeline-parallel size of each prefill worker: N stages (processes), "
         "each holding consecutive layers (--pp-layer-partition 15,15 to choose) and pushing its "
-        "own layers' KV to the decode worker over its own connection. It pays across hosts, "
-        "where each stage brings its own cores and link; on one small machine it is expected to "
-        "lose to --prefill-tp (docs/serving.md). Default 1",
+        "own layers' KV to the decode worker from its own process; with --prefill-tp T each "
+        "stage is a group of T ranks; under --launcher ray the stages may span hosts. It pays "
+        "across hosts, where each stage brings its own cores and link; on one 2-core machine it "
+        "ties with one worker (docs/serving.md). Default 1",
     ),
     Flag(
         "--decode-pp", int, metavar="N",

@@ -134,21 +134,28 @@ def test_a_tensor_parallel_decode_worker_runs_in_a_placement_group_on_its_node(
         "--local-prefill-threshold", "0", "--kv-cache-gb", "0.25", env=ENV,
     ) as server:  # fmt: skip
         assert answers(server.url) == answers(disagg_server.url)
-        name = f"pdserve-decode-1-{server.proc.pid}"
-        [group] = [g for g in ray.util.placement_group_table().values() if g["name"] == name]
+        group = placement_group_of(server, "decode-1")
         assert group["state"] == "CREATED" and group["strategy"] == "STRICT_PACK"
         assert list(group["bundles"].values()) == [{"CPU": 0.5}] * 3
         decode_node = next(n["NodeID"] for n in ray.nodes() if n["Labels"].get(ROLE) == "decode")
         assert set(group["bundles_to_node_id"].values()) == {decode_node}
         server.wait_idle_and_clean()
-    wait_until(
-        lambda: (
-            ray.util.placement_group_table().get(group["placement_group_id"], {}).get("state")
-            in (None, "REMOVED")
-        ),
-        30,
-        "the placement group to be removed",
-    )
+    wait_removed(group)
+
+
+def placement_group_of(server: Server, worker_id: str) -> dict:
+    """The placement group the Ray launcher made for a worker of `server` (by its name)."""
+    name = f"pdserve-{worker_id}-{server.proc.pid}"
+    [group] = [g for g in ray.util.placement_group_table().values() if g["name"] == name]
+    return group
+
+
+def wait_removed(group: dict) -> None:
+    def removed() -> bool:
+        table = ray.util.placement_group_table()
+        return table.get(group["placement_group_id"], {}).get("state") in (None, "REMOVED")
+
+    wait_until(removed, 30, "the placement group to be removed")
 
 
 def test_a_prefill_pipeline_spans_two_nodes_each_stage_pushing_its_own_layers(
@@ -167,8 +174,7 @@ def test_a_prefill_pipeline_spans_two_nodes_each_stage_pushing_its_own_layers(
             "--local-prefill-threshold", "0", "--kv-cache-gb", "0.25", env=ENV,
         ) as server:  # fmt: skip
             assert answers(server.url) == answers(disagg_server.url)
-            name = f"pdserve-prefill-0-{server.proc.pid}"
-            [group] = [g for g in ray.util.placement_group_table().values() if g["name"] == name]
+            group = placement_group_of(server, "prefill-0")
             assert group["state"] == "CREATED" and group["strategy"] == "PACK"
             assert list(group["bundles"].values()) == [{"CPU": 1.0}] * 2
             prefill = {n["NodeID"] for n in ray.nodes() if n["Labels"].get(ROLE) == "prefill"}
@@ -180,14 +186,7 @@ def test_a_prefill_pipeline_spans_two_nodes_each_stage_pushing_its_own_layers(
             kv = metric_sum(server.url, "pdserve_kv_transfer_bytes_total")
             assert kv > 0 and metric(server.url, REMOTE) >= 4  # every answer pushed from P
             server.wait_idle_and_clean()
-        wait_until(
-            lambda: (
-                ray.util.placement_group_table().get(group["placement_group_id"], {}).get("state")
-                in (None, "REMOVED")
-            ),
-            30,
-            "the placement group to be removed",
-        )
+        wait_removed(group)
     finally:
         cluster.remove_node(node)
 

@@ -15,6 +15,7 @@ import subprocess
 import msgspec
 import torch
 
+from pdserve.engine.pp.stages import StagePlace
 from pdserve.engine.tp.codec import Step, decode, encode
 from pdserve.engine.tp.group import LOOPBACK, gloo_group, reap, spread
 from pdserve.engine.tp.shm import map_caches, shared_caches
@@ -44,7 +45,7 @@ class Hop(msgspec.Struct):
     link: LinkSpec | None = None
 
 
-class PPGroup:
+class PPGroup(StagePlace):
     """This process's stage and its messages. `layers[s]`: the layers stage s holds. The
     rendezvous is stage 0's `master`:`port`, this stage's pairs bind to its `address`
     (loopback for one host's stages). `shared`: the later stages' caches are in shared memory
@@ -61,7 +62,8 @@ class PPGroup:
         address: str = LOOPBACK,
         shared: bool = True,
     ):
-        self.stage, self.layers, self.procs = stage, layers, list(procs)
+        super().__init__(stage, layers)
+        self.procs = list(procs)
         self.address, self.shared = address, shared
         self.restore: tuple[set[int], int] | None = None  # stage 0: its cores and threads before
         self._store, self._pg = gloo_group(stage, len(layers), port, master, address)
@@ -83,15 +85,6 @@ class PPGroup:
         says where its control connection listens (stage 1's address first)."""
         self.send(Hop(None, torch.zeros(1), False, link=spec), 1)
         return [self.recv(s, LinkAddress) for s in range(1, self.size)]
-
-    @property
-    def size(self) -> int:
-        return len(self.layers)
-
-    @property
-    def held(self) -> range:
-        """This stage's layers."""
-        return self.layers[self.stage]
 
     @property
     def is_last(self) -> bool:

@@ -5,18 +5,17 @@
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-class StagePlace(NamedTuple):
-    """Where a process of a pipeline stage that is itself a tensor-parallel group sits, for
-    one of the stage's ranks other than its first (which holds the stage's `PPGroup`): its
-    stage and every stage's layers, as `PPGroup` gives them (`size`, `held`)."""
+class StagePlace:
+    """A process's place in a pipeline: its `stage` and every stage's `layers`. `PPGroup` is
+    one (with the stage's messages); so, bare, is a rank of a stage that is itself a
+    tensor-parallel group, other than its first (which holds the stage's `PPGroup`)."""
 
-    stage: int
-    layers: list[range]
+    def __init__(self, stage: int, layers: list[range]) -> None:
+        self.stage, self.layers = stage, layers
 
     @property
     def size(self) -> int:

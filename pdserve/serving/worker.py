@@ -36,6 +36,7 @@ log = logging.getLogger("pdserve.worker")
 PUSH_POLL_S = 0.002  # an idle prefill worker with pushes in flight reads the router this often
 TRIM_INTERVAL_S = 5.0  # an idle worker gives freed heap back at most this often
 IDLE_POLL_MS = 20  # an idle worker reads the routers this often
+REGISTER_POLL_S = 0.2  # a worker waiting for a router to accept it sees a SIGTERM this often
 
 
 class Worker:
@@ -82,7 +83,8 @@ class Worker:
 
     def register(self, timeout_s: float = 60.0) -> None:
         """Register with every router; return once one has accepted (the others accept
-        when they answer: a router that is down gets the registration when it comes up)."""
+        when they answer: a router that is down gets the registration when it comes up), or
+        unregistered as soon as the worker is asked to leave (SIGTERM while it waits)."""
         for link in self.links:
             self.routers.send_to(link, self.registration())
         poller = zmq.Poller()
@@ -90,7 +92,9 @@ class Worker:
             poller.register(link.sock, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            for sock, _ in poller.poll(int(left * 1000)):
+            if self.drain_requested:
+                return
+            for sock, _ in poller.poll(int(min(left, REGISTER_POLL_S) * 1000)):
                 link = next(x for x in self.links if x.sock is sock)
                 ack = self.routers.codec.decode(sock.recv_multipart())
                 if not isinstance(ack, m.RegisterAck):
@@ -251,6 +255,8 @@ class Worker:
 
     def run(self) -> None:
         self.register()
+        if not self.registered:  # asked to leave before any router answered
+            return
         self.reporter.publish()
         self.reporter.start()
         runner = self.engine.runner

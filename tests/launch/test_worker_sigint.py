@@ -40,3 +40,24 @@ def test_a_worker_that_inherited_sigint_ignored_stops_on_sigint():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_worker_told_to_stop_while_it_waits_for_a_router_leaves_at_once():
+    """SIGTERM while it waits for a router's answer to its registration (none comes): it
+    leaves unregistered, exit status 0, instead of waiting out the registration's 60 s."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "worker", "--role", "both",
+                             "--router", f"tcp://127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        # the drain handler is installed once the engine is built, right before registering
+        wait_until(lambda: proc.poll() is not None or _catches(proc.pid, signal.SIGTERM), 60,
+                   "the worker to handle SIGTERM")  # fmt: skip
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

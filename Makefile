@@ -42,7 +42,7 @@ serve: $(STAMP)
 	$(BIN)/pdserve serve $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

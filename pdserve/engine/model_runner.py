@@ -345,13 +345,16 @@ class ModelRunner:
         pp, model = self.pp, self.model
         x = model.run_layers(model.embed[input_ids], positions, self.kv_caches, meta)
         later = range(pp.held.stop, self.model_config.num_layers)
-        for hook in (meta.before_layer, meta.layer_hook):  # loads land before the layers run
-            if hook is not None:
-                for i in later:
-                    hook(i)
+        try:
+            for hook in (meta.before_layer, meta.layer_hook):  # loads land before layers run
+                if hook is not None:
+                    for i in later:
+                        hook(i)
+        finally:  # (a hook that failed fails the step: its pushes go with no later step)
+            pushes = pp.take_pushes()
         step = Step(input_ids, positions, meta.slot_mapping, meta.num_decodes,
                     meta.decode_groups, meta.prefills)  # fmt: skip
-        pp.send(Hop(step, x, wait, pp.take_pushes()), 1)
+        pp.send(Hop(step, x, wait, pushes), 1)
         if not wait:
             pp.unsettled += 1
             return None

@@ -9,7 +9,7 @@ the step that computes those layers (`Hop.pushes`), and stage s queues each on i
 it has computed that layer. Nothing of stage s's cache crosses into stage 0.
 
 The rest is a control connection, stage 0 -> stage s (TCP, opened at start-up with a one-time
-token that stage s sent down the pipeline's own authenticated channel):
+token that stage s sent to stage 0 over the pipeline's gloo pair: only stage 0 gets in):
 
     stage 0 -> Seal(tid)          every push of tid has been queued (stage 0 asks only once the
                                   step that completes the prompt came back from the last stage,
@@ -21,7 +21,8 @@ token that stage s sent down the pipeline's own authenticated channel):
                                   sender's counters
 
 A control connection that breaks fails every transfer still open on it ("pipeline stage s is
-gone"); the engine's next step then fails with `StageLost` and the worker is restarted.
+gone"), and the pipeline's next check (`PPGroup.check`, each heartbeat) fails with `StageLost`:
+the worker exits and is restarted with its stages.
 """
 
 from __future__ import annotations
@@ -174,6 +175,11 @@ class StageLink(KVSender):
     def close_endpoint(self, endpoint: str) -> None:
         self._command(CloseEndpoint(endpoint))
 
+    @property
+    def lost(self) -> str | None:
+        """Why the control connection is lost (None while it works, or once closed)."""
+        return None if self._closing else self._gone
+
     def stats(self) -> TransferStats:
         """Stage s's sender's counters, as of its last report (each transfer's end)."""
         with self._cond:
@@ -216,9 +222,10 @@ class StageLink(KVSender):
                 msg = _recv(self._sock, _to_zero)
                 with self._cond:
                     self._stats = msg.stats
-                    self._ended[msg.transfer_id] = TransferResult(
-                        msg.ok, msg.bytes_sent, msg.seconds, msg.error
-                    )
+                    if msg.transfer_id in self._sealed:  # (not a late second answer)
+                        self._ended[msg.transfer_id] = TransferResult(
+                            msg.ok, msg.bytes_sent, msg.seconds, msg.error
+                        )
                     self._cond.notify_all()
         except (OSError, ConnectionError, msgspec.DecodeError) as exc:
             with self._cond:
@@ -260,11 +267,13 @@ class StageLinkServer:
             self._stop.set()
         with self._cond:
             self._cond.notify_all()
+        shutdown_socket(self._listener)  # wakes a thread still waiting in accept
         self._listener.close()
-        if self._sock is not None:
-            shutdown_socket(self._sock)
+        self._break()
         for t in self._threads:
             t.join(timeout=5)
+        if self._sock is not None:
+            self._sock.close()
         self.sender.close()
 
     def _serve(self) -> None:
@@ -292,6 +301,9 @@ class StageLinkServer:
         except (OSError, ConnectionError, msgspec.DecodeError) as exc:
             # stage 0 closed it (it stops), or is gone: its pipeline tells this stage to exit
             log.info("pipeline stage link: stage 0's control connection closed (%s)", exc)
+        except Exception:  # a command failed: break the link, so that stage 0 sees it lost
+            log.exception("pipeline stage link: a command from stage 0 failed")
+            self._break()
 
     def _command(self, msg) -> None:
         if isinstance(msg, Seal):
@@ -303,14 +315,26 @@ class StageLinkServer:
                 self._cancelled[msg.transfer_id] = None
                 while len(self._cancelled) > _FORGET:
                     self._cancelled.popitem(last=False)
-            with self._cond:
-                self._sealed.discard(msg.transfer_id)
-            self._ended(msg.transfer_id, self.sender.cancel(msg.transfer_id, msg.reason))
+                with self._cond:
+                    self._sealed.discard(msg.transfer_id)
+                result = self.sender.cancel(msg.transfer_id, msg.reason)
+            self._ended(msg.transfer_id, result)
         else:
             self.sender.close_endpoint(msg.endpoint)
 
     def _report(self) -> None:
         """Answer each sealed transfer once it has ended on this stage's sender."""
+        try:
+            self._report_loop()
+        except Exception:  # break the link, so that stage 0 sees it lost
+            log.exception("pipeline stage link: reporting to stage 0 failed")
+            self._break()
+
+    def _break(self) -> None:
+        if self._sock is not None:
+            shutdown_socket(self._sock)
+
+    def _report_loop(self) -> None:
         while not self._stop.is_set():
             with self._cond:
                 if not self._sealed:
@@ -321,10 +345,13 @@ class StageLinkServer:
             if not done:
                 self.sender.wait_change(0.05)
                 continue
-            with self._cond:
-                self._sealed.difference_update(done)
-            for tid in done:
-                self._ended(tid, self.sender.wait(tid, 0.0))
+            with self._lock:  # against a cancel: one answer per transfer
+                with self._cond:
+                    done = [t for t in done if t in self._sealed]
+                    self._sealed.difference_update(done)
+                results = [(tid, self.sender.wait(tid, 0.0)) for tid in done]
+            for tid, result in results:
+                self._ended(tid, result)
 
     def _ended(self, tid: str, result: TransferResult) -> None:
         msg = Ended(tid, result.ok, result.bytes_sent, result.seconds, result.error,

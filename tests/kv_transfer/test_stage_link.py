@@ -94,10 +94,14 @@ def test_only_a_connection_with_the_token_gets_in():
 def test_a_lost_stage_fails_the_open_transfers_by_name(stage):
     receiver, server, link, outbox, _ = stage
     send(link, receiver, "lost")
+    assert link.lost is None
     server.close()
     result = link.wait("lost", 10)
     assert not result.ok and result.error.startswith("pipeline stage 1 is gone")
     assert link.settled("other")  # every later transfer fails at once, nothing hangs
+    assert link.lost  # what `PPGroup.check` turns into StageLost: the worker is restarted
+    link.close()
+    assert link.lost is None  # closed on purpose: not lost
 
 
 def test_stage_caches_stand_in_its_first_layer_for_the_others():

@@ -14,11 +14,12 @@ of their own on their own caches (`kv_transfer/stage_link.py`): stage 0's connec
 layer's hooks (`wait_for_layer_load`, `after_layer`) before it sends a step on; the pushes they
 queue for a later stage's layers travel down with the step (`Hop.pushes`), and that stage sends
 each once it has computed the layer, so each stage's push overlaps the pipeline's next chunks
-and the bytes each stage sends are exactly its layers' share. The later stages' caches also
-live in shared memory that stage 0 maps (as a tensor-parallel group's ranks:
-`engine/tp/shm.py`), for the KV store link, which moves whole blocks from stage 0: it reads or
-writes them outside a step's hooks (loads, eviction copies), so it first drains the pipeline
-(`PPGroup.drain`), since a step not waited for may still be writing them.
+and the bytes each stage sends are exactly its layers' share. When the stages are this host's
+single-rank processes, the later stages' caches also live in shared memory that stage 0 maps
+(as a tensor-parallel group's ranks: `engine/tp/shm.py`), for the KV store link, which moves
+whole blocks from stage 0 (refused otherwise): it reads or writes them outside a step's hooks
+(loads, eviction copies), so it first drains the pipeline (`PPGroup.drain`), since a step not
+waited for may still be writing them.
 
 A stage that dies fails the engine's next exchange with `StageLost`: the worker exits and its
 launcher restarts it, with every stage; the router meanwhile has the decode workers prefill

@@ -71,6 +71,7 @@ class PPGroup(StagePlace):
         # stage 0: steps sent down and not waited for (they sample nothing) since the last reply
         self.unsettled = 0
         self.outbox: list[Push] = []  # stage 0: the later stages' pushes for the next step
+        self.links: list = []  # stage 0: its `StageLink`s (a prefill worker's), for `check`
 
     def queue_push(self, push: Push) -> None:
         """Stage 0: send `push` with the next step down the pipeline (a `StageLink`'s)."""
@@ -139,10 +140,14 @@ class PPGroup(StagePlace):
 
     def check(self) -> None:
         """Stage 0: StageLost if a later stage's process has exited (an idle engine would
-        otherwise notice only at its next step)."""
+        otherwise notice only at its next step), or its KV push's control link is lost (every
+        push of it would fail from then on)."""
         for s, p in enumerate(self.procs, start=1):
             if p.poll() is not None:
                 raise StageLost(f"pipeline stage {s} exited (status {p.returncode})")
+        for link in self.links:
+            if link.lost:
+                raise StageLost(f"pipeline stage {link.stage}'s KV push is lost: {link.lost}")
 
     def caches(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, per_layer=2):
         """(K caches, V caches) indexed by the model's layer number (V empty: MLA's latent).

@@ -23,41 +23,33 @@ def _catches(pid: int, sig: int) -> bool:
     return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
 
 
-def test_a_worker_that_inherited_sigint_ignored_stops_on_sigint():
-    port = free_port()  # no router there: the worker is still starting when it is told to stop
+def stops_with_status_0(sig: int, prefix: list[str], handled_within_s: float) -> None:
+    """Start a worker with no router there (it is still starting, or waiting for a router's
+    answer, when it is told to stop), once it handles `sig` send it, and expect exit 0."""
+    port = free_port()
     worker = [sys.executable, "-m", "pdserve.cli", "worker", "--role", "both",
               "--router", f"tcp://127.0.0.1:{port}"]  # fmt: skip
-    proc = subprocess.Popen([*IGNORING_SIGINT, *worker], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*prefix, *worker], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        wait_until(lambda: proc.poll() is not None or _catches(proc.pid, signal.SIGINT), 30,
-                   "the worker to handle SIGINT")  # fmt: skip
+        wait_until(lambda: proc.poll() is not None or _catches(proc.pid, sig), handled_within_s,
+                   f"the worker to handle signal {sig}")  # fmt: skip
         assert proc.poll() is None, proc.communicate()[0]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=20)
         assert proc.returncode == 0, out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_worker_that_inherited_sigint_ignored_stops_on_sigint():
+    stops_with_status_0(signal.SIGINT, IGNORING_SIGINT, 30)
 
 
 def test_a_worker_told_to_stop_while_it_waits_for_a_router_leaves_at_once():
     """SIGTERM while it waits for a router's answer to its registration (none comes): it
-    leaves unregistered, exit status 0, instead of waiting out the registration's 60 s."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "worker", "--role", "both",
-                             "--router", f"tcp://127.0.0.1:{port}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        # the drain handler is installed once the engine is built, right before registering
-        wait_until(lambda: proc.poll() is not None or _catches(proc.pid, signal.SIGTERM), 60,
-                   "the worker to handle SIGTERM")  # fmt: skip
-        assert proc.poll() is None, proc.communicate()[0]
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=20)
-        assert proc.returncode == 0, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    leaves unregistered, exit status 0, instead of waiting out the registration's 60 s. (The
+    drain handler is installed once the engine is built, right before registering.)"""
+    stops_with_status_0(signal.SIGTERM, [], 60)

@@ -223,9 +223,14 @@ class PrefillSide(KVConnector):
             self.staging.release(rid)
 
     def abort(self, rid: str) -> None:
-        self.outgoing.pop(rid, None)
-        if self.pushing.pop(rid, None) is not None:  # stop reading its blocks before they free
+        """Before the engine frees rid's blocks (`Worker.abort`: the sides first): its transfer
+        is cancelled, so the sender stops reading them, whether the prompt was computed
+        (pushing) or is between chunks with layers already queued (outgoing)."""
+        computing = self.outgoing.pop(rid, None)
+        pushed = self.pushing.pop(rid, None)
+        if computing is not None or pushed is not None:
             self.sender.cancel(rid, "request aborted")
+        if pushed is not None:  # held after the engine finished it: freed here
             self._release(rid)
         elif self.staging is not None:
             self.staging.release(rid)

@@ -224,6 +224,27 @@ def test_aborting_a_request_whose_push_is_in_flight_frees_its_blocks(pair):
     _clean(prefill.engine)
 
 
+def test_aborting_a_request_between_its_chunks_cancels_the_layers_it_queued(pair):
+    """An abort between a prompt's chunks, once the first chunk's layers are queued for the
+    decode worker: the transfer ends on the sender (counted failed, nothing left open) before
+    the engine frees the blocks those layers are read from."""
+    decode, d_sent, prefill, p_sent = pair
+    prefill.sender.faults = FaultPlan(delay_s=60)
+    prefill.engine.scheduler.token_budget = prefill.engine.scheduler.chunk_size = 8
+    decode.on_admit(m.Admit("r0", PROMPT, PARAMS, remote_prefill=True, lease_s=60))
+    [placement] = d_sent
+    prefill.on_prefill(
+        m.Prefill("r0", PROMPT, PARAMS, placement.kv_endpoints, placement.block_ids, 0)
+    )
+    prefill.finish(prefill.engine.step())  # the first 8 of 18 tokens: 2 blocks queued
+    assert "r0" in prefill.outgoing and not prefill.sender.settled("r0")
+    prefill.abort("r0")
+    prefill.engine.abort("r0")
+    assert prefill.sender.settled("r0") and prefill.sender.stats().failures == 1
+    assert not prefill.request_ids and not p_sent
+    _clean(prefill.engine)
+
+
 @pytest.fixture
 def spans():
     """Tracing on in this process, into the SDK's in-memory exporter."""

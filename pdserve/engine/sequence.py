@@ -55,8 +55,6 @@ class Sequence:
     # proposed tokens this step verifies (engine/spec_decode.py): never in token_ids, never
     # hashed into the prefix cache; empty outside a step
     spec_token_ids: list[int] = field(default_factory=list)
-    spec_misses: int = 0  # verify steps in a row that accepted no proposal (spec_decode.py)
-    spec_skip: int = 0  # decode steps left before this sequence is proposed for again
     # decayed counts of proposals accepted / tried (a rejection ends a try): how many to propose
     spec_hits: float = 3.0
     spec_tries: float = 4.0

@@ -285,7 +285,10 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start_up(folders):
         make_engine(load_model_files(str(folders["target"])), speculative_config=spec)
 
 
-def test_a_sequence_whose_proposals_fail_backs_off_and_an_accepted_one_resets_it():
+def test_a_sequence_whose_proposals_fail_keeps_proposing_one_token():
+    """No backing off: after verify steps that accept nothing, a sequence still proposes at
+    every step where its n-gram matches, one token (its recent acceptance pays for no more);
+    accepted proposals lengthen its proposals again."""
     from pdserve.engine.spec_decode import Speculator
 
     spec = Speculator(parse_speculative_config(SPEC), 100, 1000)
@@ -295,19 +298,21 @@ def test_a_sequence_whose_proposals_fail_backs_off_and_an_accepted_one_resets_it
 
     def verify_step(argmax: int) -> list[int]:
         spec.propose([seq])
-        if not seq.spec_token_ids:
-            return []
+        assert seq.spec_token_ids  # "... 2, 3" always matches
         logits = torch.full((len(seq.spec_token_ids) + 1, 100), -10.0)
         logits[:, argmax] = 10.0
         return [t for t, _ in spec.accept(seq, logits)]
 
-    assert verify_step(argmax=7) == [7]  # proposed [1, 2, 3] after "... 2, 3": all rejected
-    assert (seq.spec_misses, seq.spec_skip) == (1, 2)
-    assert verify_step(7) == [] and verify_step(7) == []  # two steps without proposals
-    assert verify_step(7) == [7] and (seq.spec_misses, seq.spec_skip) == (2, 4)
-    for _ in range(4):
-        assert verify_step(7) == []
-    assert verify_step(argmax=1) == [1, 1] and (seq.spec_misses, seq.spec_skip) == (0, 0)
+    lengths = []
+    for _ in range(10):  # proposed [1, 2, 3] (or fewer) after "... 2, 3": all rejected
+        assert verify_step(argmax=7) == [7]
+        lengths.append(len(seq.spec_token_ids))
+        seq.token_ids[-1:] = [3]  # the context ends "... 2, 3" again
+    assert lengths[0] == 3 and lengths[-1] == 1 and lengths == sorted(lengths, reverse=True)
+    for _ in range(8):
+        seq.token_ids[-1:] = [3]
+        verify_step(argmax=1)  # the first proposal, 1, accepted
+    assert len(seq.spec_token_ids) > 1
 
 
 def test_a_sequence_proposes_as_many_tokens_as_its_recent_acceptance_pays_for():

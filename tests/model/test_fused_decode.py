@@ -32,6 +32,9 @@ def decode_batch(engine, prompts):
         ("bfloat16", 0.1, {}),
         ("float32", 1e-4, dict(num_heads=8, num_kv_heads=1, hidden_size=256)),  # 8: per query
         ("float32", 1e-4, dict(num_heads=4, num_kv_heads=4, hidden_size=256)),  # 64, no GQA
+        # head_dim 64, GQA groups of 3 (SmolLM2's): bf16 caches attend by vdpbf16ps where the
+        # CPU has AVX512-BF16 (csrc/decode.cpp bf16_attn)
+        ("bfloat16", 0.1, dict(num_heads=6, num_kv_heads=2, hidden_size=384)),
     ],
 )
 def test_fused_step_equals_eager_logits_and_kv(files, dtype, tol, shape):
@@ -142,3 +145,50 @@ def test_an_edited_header_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
     header = tmp_path / "few_rows.h"
     header.write_bytes(header.read_bytes() + b"// edited\n")
     assert fused.build_dir() != before
+
+
+LONG = dict(num_heads=6, num_kv_heads=2, hidden_size=384, max_position_embeddings=1024)
+
+
+def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(monkeypatch):
+    """A sequence verifying 4 proposals is 5 rows of one block table in one fused step (their
+    queries share the K/V rows read). Each row's logits are those of a step of that row alone,
+    bit for bit, so greedy speculation emits plain decoding's tokens; over a context of more
+    than one chunk of attention work (128 tokens) and of many blocks, beside another
+    sequence's row. Int4 weights in bf16: the few-row kernel computes a row alike in any batch
+    (forced: a machine's measured crossover could give a tiny shape the dense GEMM)."""
+    monkeypatch.setenv("PDSERVE_QUANT_MAX_ROWS", "16")
+    files = make_model_files(seed=3, **LONG)
+    eng = make_engine(files, dtype="bfloat16", weights="int4", kv_cache_gb=0.02)
+    assert eng.runner.fused is not None
+    seqs = []
+    for i, n in enumerate((300, 45)):
+        seq = make_sequence([(t * 7 + i) % 250 + 1 for t in range(n)], f"r{i}")
+        assert eng.block_manager.allocate(seq)
+        eng.runner.run(ScheduledBatch([seq], [seq.num_tokens]))
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.extend([11, 12, 13, 14, 15][: 5 if i == 0 else 1])
+        assert eng.block_manager.append_slots(seq, seq.num_tokens)
+        seqs.append(seq)
+    bs = eng.runner.block_size
+    rows = []  # (token, position, sequence): the verify's 5 rows, then the other's one
+    for seq in seqs:
+        for p in range(seq.num_computed_tokens, seq.num_tokens):
+            rows.append((seq.token_ids[p], p, seq))
+    width = max(len(s.block_table) for s in seqs)
+
+    def step(sel):
+        return eng.runner.fused(
+            torch.tensor([rows[i][0] for i in sel]),
+            torch.tensor([rows[i][1] for i in sel]),
+            torch.tensor([rows[i][2].block_table[rows[i][1] // bs] * bs + rows[i][1] % bs
+                          for i in sel]),  # fmt: skip
+            torch.tensor([rows[i][2].block_table + [0] * (width - len(rows[i][2].block_table))
+                          for i in sel]),  # fmt: skip
+            torch.tensor([rows[i][1] + 1 for i in sel]),
+        )
+
+    together = step(range(6))
+    alone = torch.cat([step([i]) for i in range(6)])
+    assert torch.equal(together, alone)
+    assert torch.isfinite(together).all() and together.std() > 0

@@ -178,14 +178,13 @@ def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(monkeypatch):
     width = max(len(s.block_table) for s in seqs)
 
     def step(sel):
+        picked = [rows[i] for i in sel]
         return eng.runner.fused(
-            torch.tensor([rows[i][0] for i in sel]),
-            torch.tensor([rows[i][1] for i in sel]),
-            torch.tensor([rows[i][2].block_table[rows[i][1] // bs] * bs + rows[i][1] % bs
-                          for i in sel]),  # fmt: skip
-            torch.tensor([rows[i][2].block_table + [0] * (width - len(rows[i][2].block_table))
-                          for i in sel]),  # fmt: skip
-            torch.tensor([rows[i][1] + 1 for i in sel]),
+            torch.tensor([token for token, _, _ in picked]),
+            torch.tensor([p for _, p, _ in picked]),
+            torch.tensor([s.block_table[p // bs] * bs + p % bs for _, p, s in picked]),
+            torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for *_, s in picked]),
+            torch.tensor([p + 1 for _, p, _ in picked]),
         )
 
     together = step(range(6))

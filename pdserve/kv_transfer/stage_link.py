@@ -49,13 +49,16 @@ _FORGET = 4096  # cancelled transfer ids a stage remembers (pushes of them may s
 
 
 class Push(msgspec.Struct, array_like=True, frozen=True):
-    """One `send_layer` of a later stage's layer, travelling down the pipeline with its step."""
+    """One `send_layer` of a later stage's layer, travelling down the pipeline with its step.
+    `epoch`: how many times stage 0 cancelled this transfer id before (a cancelled request's id
+    may come again: only the pushes of the cancelled attempt are dropped)."""
 
     layer: int
     endpoint: str
     transfer_id: str
     src: list[int]
     dst: list[int]
+    epoch: int = 0
 
 
 class LinkSpec(msgspec.Struct, frozen=True):
@@ -81,6 +84,7 @@ class Seal(msgspec.Struct, tag="seal", frozen=True):
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     transfer_id: str
     reason: str
+    epoch: int = 0  # the attempt cancelled (Push.epoch)
 
 
 class CloseEndpoint(msgspec.Struct, tag="close_endpoint", frozen=True):
@@ -131,12 +135,13 @@ class StageLink(KVSender):
         self._stats = TransferStats()
         self._gone: str | None = None  # why the control connection is lost
         self._closing = False
+        self._epochs: OrderedDict[str, int] = OrderedDict()  # ids cancelled: their next attempt
         self._reader = threading.Thread(target=self._read, name=f"stage-link {stage}", daemon=True)
         self._reader.start()
 
     def send_layer(self, dest_endpoint, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
         self._queue(Push(layer, dest_endpoint, transfer_id, list(src_block_ids),
-                         list(dst_block_ids)))  # fmt: skip
+                         list(dst_block_ids), self._epochs.get(transfer_id, 0)))  # fmt: skip
 
     def settled(self, transfer_id: str) -> bool:
         with self._cond:
@@ -166,7 +171,11 @@ class StageLink(KVSender):
             if self._over(transfer_id):
                 return self._take(transfer_id)
             self._sealed.add(transfer_id)
-        self._command(Cancel(transfer_id, reason))
+            epoch = self._epochs.pop(transfer_id, 0)
+            self._epochs[transfer_id] = epoch + 1  # pushes of this id from now on: a new attempt
+            while len(self._epochs) > _FORGET:
+                self._epochs.popitem(last=False)
+        self._command(Cancel(transfer_id, reason, epoch))
         with self._cond:
             if not self._cond.wait_for(lambda: self._over(transfer_id), CANCEL_TIMEOUT_S):
                 self._lose(f"it did not answer a cancel within {CANCEL_TIMEOUT_S:g} s")
@@ -241,7 +250,7 @@ class StageLinkServer:
         self._listener = socket.create_server((host, 0))
         self.address = LinkAddress(host, self._listener.getsockname()[1], secrets.token_bytes(16))
         self._lock = threading.Lock()  # a push vs a cancel of its transfer
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._cancelled: OrderedDict[tuple[str, int], None] = OrderedDict()  # (id, epoch)
         self._sealed: set[str] = set()
         self._cond = threading.Condition()
         self._sock: socket.socket | None = None
@@ -259,7 +268,7 @@ class StageLinkServer:
         cancelled transfer are dropped."""
         with self._lock:
             for p in pushes:
-                if p.transfer_id not in self._cancelled:
+                if (p.transfer_id, p.epoch) not in self._cancelled:
                     self.sender.send_layer(p.endpoint, p.transfer_id, p.layer, p.src, p.dst)
 
     def close(self) -> None:
@@ -312,7 +321,7 @@ class StageLinkServer:
                 self._cond.notify_all()
         elif isinstance(msg, Cancel):
             with self._lock:
-                self._cancelled[msg.transfer_id] = None
+                self._cancelled[(msg.transfer_id, msg.epoch)] = None
                 while len(self._cancelled) > _FORGET:
                     self._cancelled.popitem(last=False)
                 with self._cond:

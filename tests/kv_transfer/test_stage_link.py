@@ -74,6 +74,21 @@ def test_a_cancel_drops_the_pushes_still_on_their_way(stage):
     assert server.sender.stats().layers == 2  # next's alone (c's would have gone before it)
 
 
+def test_a_cancelled_transfer_id_used_again_is_pushed(stage):
+    """A request id can come again after its transfer was cancelled (a request prefilled here
+    once more): only the cancelled attempt's pushes are dropped, the new attempt's land, even
+    when the old ones reach the stage after the new ones were recorded."""
+    receiver, server, link, outbox, _ = stage
+    send(link, receiver, "again")
+    assert link.cancel("again", "request aborted").bytes_sent == 0
+    receiver.release("again")
+    send(link, receiver, "again")  # the same id: a new attempt
+    server.push(outbox)  # the cancelled attempt's 2 pushes, then the new one's 2
+    result = link.wait("again", 10)
+    assert result.ok and result.bytes_sent > 0
+    assert server.sender.stats().layers == 2 and receiver.layers_landed("again") == 2
+
+
 def test_only_a_connection_with_the_token_gets_in():
     layout = make_layout()
     server = StageLinkServer(make_sender("tcp", layout, *make_caches(layout, 4)), "127.0.0.1")

@@ -39,6 +39,7 @@ import msgspec
 
 from pdserve.kv_transfer.base import KVSender, TransferResult, TransferStats
 from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.memory import check_block_ids
 from pdserve.kv_transfer.wire import recv_exact, shutdown_socket
 
 log = logging.getLogger("pdserve.kv_transfer")
@@ -121,10 +122,14 @@ def _failed(error: str) -> TransferResult:
 
 class StageLink(KVSender):
     """Stage 0's handle on stage `stage`'s sender: `send_layer` records the push for the next
-    step down the pipeline (`queue`); the rest goes over the control connection."""
+    step down the pipeline (`queue`), its block ids checked now (`num_blocks`: every stage's
+    cache has as many as stage 0's), as any sender's are; the rest goes over the control
+    connection."""
 
-    def __init__(self, stage: int, address: LinkAddress, queue: Callable[[Push], None]) -> None:
-        self.stage, self._queue = stage, queue
+    def __init__(
+        self, stage: int, address: LinkAddress, queue: Callable[[Push], None], num_blocks: int
+    ) -> None:
+        self.stage, self._queue, self.num_blocks = stage, queue, num_blocks
         self._sock = socket.create_connection((address.host, address.port), timeout=10)
         self._sock.settimeout(None)
         self._sock.sendall(address.token)
@@ -140,6 +145,11 @@ class StageLink(KVSender):
         self._reader.start()
 
     def send_layer(self, dest_endpoint, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(
+                f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
+            )
+        check_block_ids(src_block_ids, self.num_blocks, "source")
         self._queue(Push(layer, dest_endpoint, transfer_id, list(src_block_ids),
                          list(dst_block_ids), self._epochs.get(transfer_id, 0)))  # fmt: skip
 

@@ -32,7 +32,7 @@ def stage():
     server = StageLinkServer(make_sender("tcp", layout, *stage_caches(src_k, src_v, HELD)),
                              "127.0.0.1")  # fmt: skip
     outbox = []
-    link = StageLink(1, server.address, outbox.append)
+    link = StageLink(1, server.address, outbox.append, num_blocks=8)
     yield receiver, server, link, outbox, (src_k, src_v, dst_k, dst_v)
     link.close()
     server.close()
@@ -89,6 +89,16 @@ def test_a_cancelled_transfer_id_used_again_is_pushed(stage):
     assert server.sender.stats().layers == 2 and receiver.layers_landed("again") == 2
 
 
+def test_a_push_with_bad_block_ids_is_refused_when_it_is_recorded(stage):
+    """As any sender's `send_layer`: bad ids raise now, in stage 0, not later in the stage."""
+    receiver, _, link, outbox, _ = stage
+    with pytest.raises(ValueError, match="2 source blocks but 1 destination"):
+        link.send_layer(receiver.endpoint, "bad", 1, [2, 5], [2])
+    with pytest.raises(ValueError, match=r"source block ids \[8\] are outside \[0, 8\)"):
+        link.send_layer(receiver.endpoint, "bad", 1, [2, 8], [2, 5])
+    assert outbox == []
+
+
 def test_only_a_connection_with_the_token_gets_in():
     layout = make_layout()
     server = StageLinkServer(make_sender("tcp", layout, *make_caches(layout, 4)), "127.0.0.1")
@@ -97,7 +107,7 @@ def test_only_a_connection_with_the_token_gets_in():
         with socket.create_connection(where, timeout=5) as s:
             s.sendall(b"x" * len(server.address.token))
             assert s.recv(1) == b""  # closed on it
-        link = StageLink(1, server.address, lambda push: None)
+        link = StageLink(1, server.address, lambda push: None, num_blocks=8)
         assert link.wait("unknown", 5).ok  # answered: the link is in
         with pytest.raises(OSError):  # and the listener closed behind it
             socket.create_connection(where, timeout=5)

@@ -83,7 +83,8 @@ def run_worker(config) -> int:
         print(f"pdserve worker: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
-        pass
+        if worker is not None:
+            worker.leave_now()
     return 0
 
 

@@ -186,7 +186,7 @@ class RouterCore:
             w.draining = True
             log.info("worker %s is draining: nothing new is placed on it", wid)
         else:
-            self.worker_lost(w, "it drained and left", failure=False)
+            self.worker_lost(w, "it left (drained, or stopped)", failure=False)
 
     def worker_lost(self, w: WorkerInfo, why: str, failure: bool = True) -> None:
         """Stop routing to w; migrate or re-prefill every request it held."""

@@ -307,6 +307,16 @@ class Worker:
                 self.drain(time.monotonic())
         self.close()
 
+    def leave_now(self) -> None:
+        """SIGINT (stop at once, `launch/local.py`): no more heartbeats, and the routers are
+        told (`Leaving`), so they move what this worker held to others now rather than once
+        its heartbeat lapses (`--heartbeat-timeout-s`) and without counting a failure. The
+        rest goes with the process."""
+        self.reporter.stop()
+        if self.registered:
+            self.send(m.Leaving(self.config.worker_id))
+        self.routers.close()  # lingers until the Leaving is out
+
     def close(self) -> None:
         receiver = self.decode.receiver if self.decode else None
         sender = self.prefill.sender if self.prefill else None

@@ -8,6 +8,7 @@ replayed request's proposals are accepted and the client's text is still the pla
 from __future__ import annotations
 
 import secrets
+import signal
 import threading
 
 import pytest
@@ -71,6 +72,32 @@ def test_decode_worker_killed_mid_stream_migrates(cluster, receiver):
     cluster.assert_clean()
     if receiver is not None:
         assert_trace_shows_both_decode_workers(receiver, trace_id, victim[0])
+
+
+def test_decode_worker_stopped_with_ctrl_c_mid_stream_leaves_at_once(cluster):
+    """SIGINT (Ctrl-C on a `pdserve worker`) stops it at once, and it tells the router so
+    (`Leaving`): its stream moves to the other decode worker then, not once its heartbeat has
+    lapsed, and no worker failure is counted; the client's text is the uninterrupted run's."""
+    cluster.ensure_all()
+    want = complete(cluster.url, {"prompt": PROMPTS[0], **GREEDY})
+    assert (want.kind, want.completion_tokens) == ("ok", N), want
+    failures = metric(cluster.url, "pdserve_worker_failures_total")
+    migrations = metric(cluster.url, "pdserve_migrations_total")
+    cluster.wait_decoders_idle()
+    victim = []
+
+    def on_chunk(n: int) -> None:
+        if n == 3:
+            victim.append(cluster.busy_decode_worker())
+        if n == 8:
+            cluster.signal(victim[0], signal.SIGINT)
+
+    out = stream(cluster.url, {"prompt": PROMPTS[0], **GREEDY}, on_chunk=on_chunk)
+    assert (out.kind, out.completion_tokens, out.text) == ("ok", N, want.text), out
+    assert metric(cluster.url, "pdserve_migrations_total") == migrations + 1
+    assert metric(cluster.url, "pdserve_worker_failures_total") == failures  # left, not lost
+    cluster.wait_gone(victim[0])
+    cluster.assert_clean()
 
 
 def assert_trace_shows_both_decode_workers(receiver, trace_id: bytes, victim: str) -> None:

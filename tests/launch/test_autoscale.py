@@ -31,14 +31,17 @@ FLAGS = (
 def test_a_burst_grows_the_pools_and_they_shrink_back_when_it_stops():
     with Server(*FLAGS) as server:
         url = server.url
-        expected = {p: complete(url, {"prompt": p, **GREEDY}, 120).text for p in PROMPTS}
+        # 8 prompts, as the Ray launcher's test sends: their ~2,200 tokens at once break the
+        # TTFT SLO as 12 did, and the one-by-one reference run (most of this test) is 2/3 as long
+        prompts = PROMPTS[:8]
+        expected = {p: complete(url, {"prompt": p, **GREEDY}, 120).text for p in prompts}
         # the reference run is load too (this machine prefills ~300 tokens/s per core in
         # float32): wait until the pools are back at 1P+1D with nothing starting
         wait_until(lambda: at(server, 1, 1), 60, "1P+1D before the burst",
                    state=lambda: server.health().get("autoscale"))  # fmt: skip
         ups_before = scale_events(url, "up")
         stop = threading.Event()
-        threads, out = burst(url, PROMPTS, stop)  # until the new worker serves
+        threads, out = burst(url, prompts, stop)  # until the new worker serves
         try:
             wait_until(lambda: scale_events(url, "up") > ups_before, 2 * INTERVAL_S + 3.0,
                        "a scale-up within two intervals (+ 3 s for a loaded machine)",
@@ -51,7 +54,7 @@ def test_a_burst_grows_the_pools_and_they_shrink_back_when_it_stops():
             for t in threads:
                 t.join(300)
         assert all(out.values()), "a prompt got no answer"
-        assert {p: set(texts) for p, texts in out.items()} == {p: {expected[p]} for p in PROMPTS}
+        assert {p: set(texts) for p, texts in out.items()} == {p: {expected[p]} for p in prompts}
         shrunk = wait_until(lambda: at(server, 1, 1) and scale_events(url, "down"), 90,
                             "the pools to shrink back to 1P+1D after the cooldown",
                             state=lambda: server.health().get("autoscale"))  # fmt: skip

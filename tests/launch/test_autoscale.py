@@ -12,11 +12,10 @@ import re
 import threading
 
 import pytest
-from chaos.cluster import complete
 from servers import Server, live_workers, run_serve, scale_events
 from waiting import wait_until
 
-from launch.autoscaling import GREEDY, PROMPTS, at, burst
+from launch.autoscaling import PROMPTS, at, burst, reference_texts
 
 pytestmark = pytest.mark.slow
 INTERVAL_S = 1.0
@@ -34,7 +33,7 @@ def test_a_burst_grows_the_pools_and_they_shrink_back_when_it_stops():
         # 8 prompts, as the Ray launcher's test sends: their ~2,200 tokens at once break the
         # TTFT SLO as 12 did, and the one-by-one reference run (most of this test) is 2/3 as long
         prompts = PROMPTS[:8]
-        expected = {p: complete(url, {"prompt": p, **GREEDY}, 120).text for p in prompts}
+        expected = reference_texts(url, prompts)
         # the reference run is load too (this machine prefills ~300 tokens/s per core in
         # float32): wait until the pools are back at 1P+1D with nothing starting
         wait_until(lambda: at(server, 1, 1), 60, "1P+1D before the burst",

@@ -21,8 +21,7 @@ from servers import Server, metric, metric_sum, run_serve
 from serving.test_pp_served import REMOTE
 from waiting import wait_until
 
-from launch.autoscaling import GREEDY as AS_GREEDY
-from launch.autoscaling import PROMPTS, at, burst
+from launch.autoscaling import PROMPTS, at, burst, reference_texts
 from pdserve.engine.pp.ray_stages import NAMESPACE, stage_actor_name
 
 pytestmark = pytest.mark.slow
@@ -259,8 +258,7 @@ def test_the_autoscaler_adds_and_drains_ray_actors(cluster):
         "--max-decode", "2", "--slo-ttft", "3", "--slo-tpot", "0.25", "--scale-interval", "1",
         "--scale-cooldown", "5", env=ENV,
     ) as server:  # fmt: skip
-        expected = {p: complete(server.url, {"prompt": p, **AS_GREEDY}, 120).text
-                    for p in PROMPTS[:8]}  # fmt: skip
+        expected = reference_texts(server.url, PROMPTS[:8])
         wait_until(lambda: at(server, 1, 1), 60, "1P+1D before the burst")
         before = set(server.health()["workers"])
         stop = threading.Event()

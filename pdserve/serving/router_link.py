@@ -74,7 +74,9 @@ class Routers:
         for rid in [rid for rid in self.owner if rid not in live]:
             del self.owner[rid]
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 1000) -> None:
+        """Close every link; the last messages (Leaving) get `linger_ms` to go out (a router
+        that is there takes them at once: the wait is only for one that is gone)."""
         for link in self.links:
-            link.sock.setsockopt(zmq.LINGER, 1000)  # the last messages (Leaving) go out
+            link.sock.setsockopt(zmq.LINGER, linger_ms)
             link.sock.close()

@@ -315,7 +315,9 @@ class Worker:
         self.reporter.stop()
         if self.registered:
             self.send(m.Leaving(self.config.worker_id))
-        self.routers.close()  # lingers until the Leaving is out
+        # briefly: Ctrl-C on `pdserve serve` stops its router at the same moment, and a
+        # router that is gone would hold each worker's exit for the whole linger
+        self.routers.close(linger_ms=100)
 
     def close(self) -> None:
         receiver = self.decode.receiver if self.decode else None

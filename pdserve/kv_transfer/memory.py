@@ -77,6 +77,13 @@ def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> None:
         raise ValueError(f"{what} block ids repeat: {list(ids)[:16]}")
 
 
+def check_layer_blocks(src_ids: Sequence[int], dst_ids: Sequence[int], num_blocks: int) -> None:
+    """A `send_layer`'s ids: as many destinations as sources, sources in [0, num_blocks) once."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    check_block_ids(src_ids, num_blocks, "source")
+
+
 def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[Run]:
     """Group block pairs into runs consecutive on both sides, so each run is one span per side."""
     runs: list[Run] = []

@@ -25,7 +25,7 @@ import torch
 
 from pdserve.kv_transfer.base import KVSender, StatsCounter, TransferResult, TransferStats
 from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.memory import check_block_ids, check_caches
+from pdserve.kv_transfer.memory import check_caches, check_layer_blocks
 
 log = logging.getLogger("pdserve.kv_transfer")
 _ERROR_GRACE_S = 1.0  # after a refusal, let an in-flight layer finish before cutting the link
@@ -285,11 +285,7 @@ class QueuedSender(KVSender):
     def send_layer(self, dest_endpoint, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} is outside [0, {self.layout.num_layers})")
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError(
-                f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
-            )
-        check_block_ids(src_block_ids, self.num_blocks, "source")
+        check_layer_blocks(src_block_ids, dst_block_ids, self.num_blocks)
         job = Job(dest_endpoint, transfer_id, layer, tuple(src_block_ids), tuple(dst_block_ids))
         with self._lock:
             if self._closed:

@@ -39,7 +39,7 @@ import msgspec
 
 from pdserve.kv_transfer.base import KVSender, TransferResult, TransferStats
 from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.memory import check_block_ids
+from pdserve.kv_transfer.memory import check_layer_blocks
 from pdserve.kv_transfer.wire import recv_exact, shutdown_socket
 
 log = logging.getLogger("pdserve.kv_transfer")
@@ -145,11 +145,7 @@ class StageLink(KVSender):
         self._reader.start()
 
     def send_layer(self, dest_endpoint, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError(
-                f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
-            )
-        check_block_ids(src_block_ids, self.num_blocks, "source")
+        check_layer_blocks(src_block_ids, dst_block_ids, self.num_blocks)
         self._queue(Push(layer, dest_endpoint, transfer_id, list(src_block_ids),
                          list(dst_block_ids), self._epochs.get(transfer_id, 0)))  # fmt: skip
 

@@ -179,7 +179,8 @@ def test_a_prefill_pipeline_spans_two_nodes_each_stage_pushing_its_own_layers(
             prefill = {n["NodeID"] for n in ray.nodes() if n["Labels"].get(ROLE) == "prefill"}
             assert set(group["bundles_to_node_id"].values()) == prefill  # one stage on each
             worker = server.health()["workers"]["prefill-0"]
-            stage = ray.get_actor(stage_actor_name(1, worker["ray_actor_id"]), NAMESPACE)
+            name = stage_actor_name(1, worker["ray_actor_id"], worker["pid"])
+            stage = ray.get_actor(name, NAMESPACE)
             assert ray.get(stage.node_id.remote()) == group["bundles_to_node_id"][1]
             assert worker["ray_node_id"] == group["bundles_to_node_id"][0]
             kv = metric_sum(server.url, "pdserve_kv_transfer_bytes_total")

@@ -10,6 +10,7 @@ the worker that started it (Ray's ownership); one that dies fails the engine's n
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -51,10 +52,13 @@ class StageActor:
         return ray.get_runtime_context().get_node_id()
 
 
-def stage_actor_name(stage: int, actor_id: str) -> str:
+def stage_actor_name(stage: int, actor_id: str, pid: int) -> str:
     """Stage `stage`'s actor's name (in Ray namespace NAMESPACE), of the pipeline whose stage
-    0 is actor `actor_id` (a worker's `ray_actor_id` in /health): `ray list actors` shows it."""
-    return f"pdserve-stage-{stage}-of-{actor_id}"
+    0 is actor `actor_id` (a worker's `ray_actor_id` in /health) in process `pid` (its
+    `ray_pid`): `ray list actors` shows it. A worker actor Ray restarts keeps its id but not
+    its process, so its new stages do not take the names of its old ones, which Ray may not
+    have reaped yet (creating a named actor whose name is taken fails)."""
+    return f"pdserve-stage-{stage}-of-{actor_id}-{pid}"
 
 
 class RayStage:
@@ -116,7 +120,7 @@ def spawn_ray_stages(group, layers: list[range], num_threads: int | None, follow
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, s),
             max_restarts=0,
             max_concurrency=2,
-            name=stage_actor_name(s, me),
+            name=stage_actor_name(s, me, os.getpid()),
             namespace=NAMESPACE,
         ).remote()
         procs.append(RayStage(actor, actor.run.remote(follow, s, size, port, threads, address)))

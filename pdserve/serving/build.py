@@ -83,7 +83,7 @@ def prefill_sender(config: WorkerConfig, engine: LLMEngine, layout: KVLayout, ra
     mine = make_sender(config.kv_transport, layout, *held[0], compression=config.compression,
                        **({"ranks": held} if len(held) > 1 else {}))  # fmt: skip
     addresses = pp.open_links(LinkSpec(config.kv_transport, layout, config.compression))
-    blocks = ranks[0][0][0].shape[0]  # every stage's cache: as many blocks as stage 0's
+    blocks = engine.runner.num_blocks  # every stage's cache has as many as stage 0's
     pp.links = [StageLink(s, a, pp.queue_push, blocks) for s, a in enumerate(addresses, start=1)]
     return StageSenders([mine, *pp.links], pp.layers)
 

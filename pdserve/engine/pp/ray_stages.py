@@ -54,8 +54,8 @@ class StageActor:
 
 def stage_actor_name(stage: int, actor_id: str, pid: int) -> str:
     """Stage `stage`'s actor's name (in Ray namespace NAMESPACE), of the pipeline whose stage
-    0 is actor `actor_id` (a worker's `ray_actor_id` in /health) in process `pid` (its
-    `ray_pid`): `ray list actors` shows it. A worker actor Ray restarts keeps its id but not
+    0 is actor `actor_id` in process `pid` (a worker's `ray_actor_id` and `pid` in /health):
+    `ray list actors` shows it. A worker actor Ray restarts keeps its id but not
     its process, so its new stages do not take the names of its old ones, which Ray may not
     have reaped yet (creating a named actor whose name is taken fails)."""
     return f"pdserve-stage-{stage}-of-{actor_id}-{pid}"

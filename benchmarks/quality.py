@@ -64,6 +64,7 @@ def chunk_nll(llm, ids: list[int], step: int | None = STEP) -> tuple[float, int]
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.scheduler import ScheduledBatch
     from pdserve.engine.sequence import Sequence
+    from pdserve.model import quant
 
     runner, bm = llm.engine.runner, llm.engine.block_manager
     seq = Sequence("ppl", ids, SamplingParams(max_tokens=1))
@@ -73,6 +74,9 @@ def chunk_nll(llm, ids: list[int], step: int | None = STEP) -> tuple[float, int]
         step = len(ids)
     else:
         step = min([step] + [x.max_rows for x in quantized_linears(runner.model)])
+        # the text is a prompt, whose rows the engine keeps off the few-row kernels: score
+        # those kernels (a decode step's) all the same
+        quant.FEW_ROWS_FOR_PROMPTS = True
     try:
         with torch.inference_mode():
             for start in range(0, len(ids), step):
@@ -81,6 +85,7 @@ def chunk_nll(llm, ids: list[int], step: int | None = STEP) -> tuple[float, int]
                 inp, pos, meta, *_ = runner._prepare(ScheduledBatch([seq], [n]))
                 logits.append(runner.model.logits(runner.model(inp, pos, runner.kv_caches, meta)))
     finally:
+        quant.FEW_ROWS_FOR_PROMPTS = False
         bm.free(seq)
     first = len(ids) // 2
     logp = torch.cat(logits)[first:-1].log_softmax(-1)

@@ -229,7 +229,8 @@ class ModelRunner:
                 dec_lens.append(end)
             else:
                 t = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=dev)
-                prefills.append(PrefillSpan(len(ids) - n, len(ids), end, t, start == 0))
+                prompt = start < seq.num_prompt_tokens
+                prefills.append(PrefillSpan(len(ids) - n, len(ids), end, t, start == 0, prompt))
             if seq.spec_token_ids:  # verifying proposals: every row is scored
                 sample_rows.extend((i, r) for r in range(len(ids) - n, len(ids)))
             elif end == seq.num_tokens:

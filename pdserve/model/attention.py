@@ -18,13 +18,15 @@ import torch.nn.functional as F
 @dataclass
 class PrefillSpan:
     """Tokens [start, end) of the flat batch: one sequence's chunk at positions ending at
-    context_len - 1. `fresh` means nothing of it is cached yet, so it attends to its own K/V."""
+    context_len - 1. `fresh` means nothing of it is cached yet, so it attends to its own K/V;
+    `prompt` that the chunk computes prompt tokens (not a verify step's proposals)."""
 
     start: int
     end: int
     context_len: int
     block_table: torch.Tensor  # (num_blocks,) long
     fresh: bool
+    prompt: bool = True
 
 
 @dataclass

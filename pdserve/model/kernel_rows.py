@@ -28,7 +28,7 @@ from pdserve import envs
 from pdserve.model.extension import cpu_flags
 
 log = logging.getLogger(__name__)
-VERSION = 2  # of the measurement (2: the few-row int4/int8 kernels); a new one re-measures
+VERSION = 3  # of the measurement (3: few-row kernels of int8 rows); a new one re-measures
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # row counts timed, in order
 MIN_CALLS, MAX_CALLS = 20, 400  # timed calls of each kernel per row count
 BUDGET_S = 0.1  # beyond MIN_CALLS, time spent per row count

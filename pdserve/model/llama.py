@@ -17,7 +17,7 @@ from pdserve.config import ModelConfig
 from pdserve.model import registry
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.parts import rms
-from pdserve.model.quant import Dense
+from pdserve.model.quant import Dense, prompt_rows
 from pdserve.model.rope import rope_inv_freq
 
 
@@ -91,6 +91,10 @@ class LlamaModel(nn.Module):
         the final norm); `kv_caches` indexed by the model's layer number."""
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, d): broadcast over heads (d: RoPE's)
         sin = self.sin[positions].unsqueeze(1)
+        with prompt_rows(any(span.prompt for span in meta.prefills)):
+            return self._layers(x, cos, sin, kv_caches, meta)
+
+    def _layers(self, x, cos, sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         for i, layer in zip(self.layer_ids, self.layers, strict=True):
             if meta.before_layer is not None:
                 meta.before_layer(i)

@@ -5,8 +5,9 @@ A decode step at small batch reads every weight once per step, so its time is th
 bytes over DRAM bandwidth; fewer bytes per weight is the speed-up. Formats:
 
 * `int4`: groups of 32 input columns share a scale and a zero; x @ ((q - 8) * scale + zero).T
-  with q in [0, 16), by pdserve's few-row kernel (csrc/few_rows.h, in bf16 where the C++
-  extension builds) or torch's `_weight_int4pack_mm_for_cpu`.
+  with q in [0, 16), by pdserve's few-row kernel (csrc/few_rows.h, for bf16 models where the
+  C++ extension builds: the rows quantized to int8 groups of 32 as llama.cpp's Q8 activations,
+  the products summed exactly in int32 by VNNI) or torch's `_weight_int4pack_mm_for_cpu`.
   GGUF's Q4_0 and Q4_1 blocks are exactly this (32 wide; Q4_1 stores w = d * q + m, so
   scale = d and zero = m + 8 d; Q4_0 stores w = d * (q - 8), so zero = 0): they are packed as
   the file has them, never expanded and re-quantized. Other weights get min/max groups.
@@ -33,6 +34,8 @@ dense copy where this machine runs them faster: prefills and big decode batches.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import numpy as np
@@ -89,6 +92,25 @@ class Dense:
         return self.kind, self.max_rows, [self.weight, *self.packed], 0, 0, []
 
 
+# True while a step computes prompt tokens (model/llama.py): their K/V is read by every later
+# token, so their rows keep bf16 precision (the dense GEMM) rather than the few-row kernels'
+# int8 rows. The first token of "What is the capital of France?" is a near tie ("The" 0.13
+# nats ahead of "L'" with bf16 rows) that int8 rows over the 37-token prompt flipped.
+# benchmarks/quality.py sets FEW_ROWS_FOR_PROMPTS to score the decode kernels on held text.
+_PROMPT = contextvars.ContextVar("pdserve_prompt_rows", default=False)
+FEW_ROWS_FOR_PROMPTS = False
+
+
+@contextlib.contextmanager
+def prompt_rows(prompt: bool):
+    """While `prompt`, quantized linears leave their few-row kernels to the dense weight."""
+    token = _PROMPT.set(prompt and not FEW_ROWS_FOR_PROMPTS)
+    try:
+        yield
+    finally:
+        _PROMPT.reset(token)
+
+
 class _Quantized(Dense):
     """A quantized kernel for inputs of up to `max_rows` rows; above, int8 activations (`a8`,
     model/act_quant.py) up to `a8_rows` rows when the model has them, the dense weight beyond."""
@@ -106,7 +128,7 @@ class _Quantized(Dense):
         if self.calib_amax is not None:
             torch.maximum(self.calib_amax, x.detach().abs().amax(0).float(), out=self.calib_amax)
             return F.linear(x, self.weight)
-        if rows <= self.max_rows:
+        if rows <= self.max_rows and not _PROMPT.get():
             return self.quantized_mm(x)
         if self.a8_rows[0] <= rows <= self.a8_rows[1]:
             return self.a8(x)
@@ -153,9 +175,9 @@ class Int4Linear(_Quantized):
 
 
 def few_rows_extension(weight: torch.Tensor):
-    """The extension whose few-row int4 kernel can run `weight` (bf16, rows a multiple of 16),
-    or None (then torch's int4 kernel)."""
-    if weight.dtype != torch.bfloat16 or weight.shape[0] % FEW_ROWS_TILE:
+    """The extension whose few-row kernels can run `weight` (bf16, N a multiple of 16, K of
+    32), or None (then torch's int4 / int8 kernel)."""
+    if weight.dtype != torch.bfloat16 or weight.shape[0] % FEW_ROWS_TILE or weight.shape[1] % GROUP:
         return None
     from pdserve.model.extension import extension_or_none
 
@@ -163,12 +185,16 @@ def few_rows_extension(weight: torch.Tensor):
 
 
 def pack_few_rows(blocks: Int4Blocks, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`blocks` in csrc/few_rows.h's layout: q (N/16, K/2, 16) uint8, two k's per byte (the
-    even one low), and sz (N/16, K/32, 2, 16): each group's scale and zero per column."""
+    """`blocks` in csrc/few_rows.h's layout: q (N/16, K/32, 256) uint8, a group's 32 k's of
+    a tile's 16 columns as 4 loads of 64 bytes, byte 4c + i of load j holding k = 8j + i of
+    column c in its low nibble and 8j + 4 + i in its high one (so one and / shift gives
+    vpdpbusd 4 k's a column); and sz (N/16, K/32, 2, 16): each group's scale and zero per
+    column."""
     n, k = blocks.q.shape
     t = FEW_ROWS_TILE
-    q = blocks.q.reshape(n // t, t, k // 2, 2)  # (tiles, column, pair, k of the pair)
-    q = (q[..., 0] | (q[..., 1] << 4)).transpose(0, 2, 1)  # (tiles, pair, column)
+    q = blocks.q.reshape(n // t, t, k // GROUP, 4, 2, 4)  # (tile, column, group, load, nibble, i)
+    q = q[..., 0, :] | (q[..., 1, :] << 4)  # (tile, column, group, load, i)
+    q = q.transpose(0, 2, 3, 1, 4).reshape(n // t, k // GROUP, 4 * t * 4)
     sz = np.stack([blocks.scale, blocks.zero], 0).reshape(2, n // t, t, k // GROUP)
     sz = sz.transpose(1, 3, 0, 2)  # (tiles, group, scale | zero, column)
     return (
@@ -190,16 +216,22 @@ class Int8Linear(_Quantized):
         q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
         self.ext = few_rows_extension(weight)
         self.kind = 2 if self.ext is None else 4
-        if self.kind == 4:  # (N/16, K, 16): a tile's 16 columns side by side at each k
+        if self.kind == 4:  # few_rows.h's: (N/16, K/4, 64) uint8, byte 4c + i = q[c, 4p + i] + 128
             n, k = q.shape
-            q = q.reshape(n // FEW_ROWS_TILE, FEW_ROWS_TILE, k).transpose(1, 2).contiguous()
+            q = (q.to(torch.int16) + 128).to(torch.uint8)
+            q = q.reshape(n // FEW_ROWS_TILE, FEW_ROWS_TILE, k // 4, 4).transpose(1, 2)
+            q = q.reshape(n // FEW_ROWS_TILE, k // 4, 4 * FEW_ROWS_TILE).contiguous()
         self.tensors = (q, scale.to(weight.dtype))
 
     @property
     def q(self) -> torch.Tensor:
         """The int8 weight (N, K), whatever the kernel's layout."""
         q = self.tensors[0]
-        return q if self.kind == 2 else q.transpose(1, 2).reshape(-1, q.shape[1])
+        if self.kind == 2:
+            return q
+        tiles, quads = q.shape[:2]
+        q = q.reshape(tiles, quads, FEW_ROWS_TILE, 4).transpose(1, 2).reshape(-1, quads * 4)
+        return (q.to(torch.int16) - 128).to(torch.int8)
 
     @property
     def scales(self) -> torch.Tensor:

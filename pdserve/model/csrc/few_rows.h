@@ -1,21 +1,20 @@
-// Int4 weights times a few bf16 rows (a decode step of a few sequences, or one sequence
+// Int4 and int8 weights times a few rows (a decode step of a few sequences, or one sequence
 // verifying k speculated tokens), included by decode.cpp.
 //
 // Why: torch's int4 CPU kernel costs about as much per row as for one (3072 x 576 on a Zen 5, 2
 // threads: 63 us for 1 row, 178 us for 5, 403 us for 16), so a step verifying 1 + k tokens cost
 // nearly k + 1 steps and the dense bf16 GEMM (4x the weight bytes) won from 5-12 rows. Here
-// each 16-column tile of the weight is unpacked once and used for every row, so a row costs
-// one multiply-add per 32 weights (AVX512-BF16: vdpbf16ps over pairs of k) on top of the
-// unpacking that one row pays anyway.
+// each 16-column tile of the weight is unpacked once and used for every row.
 //
-// Layout (model/quant.py `pack_few_rows`), a weight (N, K) with N % 16 == 0, K % 32 == 0:
-//   q  (N/16, K/2, 16) uint8: tile t, pair p, column c: low nibble k = 2p, high nibble 2p + 1
-//   sz (N/16, K/32, 2, 16) bf16: each group of 32 k's scale then zero, per column
-// w = (q - 8) * scale + zero, so per row m and group g:
-//   out[m, n] += scale[n, g] * sum_k x[m, k] (q[n, k] - 8) + zero[n, g] * sum_k x[m, k]
-// q - 8 is exact in bf16, products are exact in float, sums are in float. Every row is
-// computed by the same instructions in the same order whatever the number of rows, so a row's
-// result does not depend on the rows beside it (a verify step's first row equals a plain step).
+// The rows are quantized to int8 in groups of 32 (each group its own scale d = amax / 127, as
+// llama.cpp's Q8 activations), so a group's sum over k of xq * q is an exact int32 and the
+// float work is per group, not per weight. AVX512-VNNI's vpdpbusd does 64 u8 x s8 products an
+// instruction: twice AVX512-BF16's vdpbf16ps, which this file used until 2026-12-05 with bf16
+// rows (1.5x the time at 5-16 rows). What the rows' rounding costs, perplexity on held text in
+// 8-token steps (benchmarks/quality.py): int4 13.970 -> 13.986 (+0.1 %), int8 weights 13.992 ->
+// 14.078 (+0.6 %). Prompts keep bf16 rows (model/quant.py `prompt_rows`). Every row is computed
+// by the same instructions in the same order whatever the number of rows, so a row's result
+// does not depend on the rows beside it (a verify step's first row equals a plain step).
 #pragma once
 
 #include <torch/extension.h>
@@ -25,6 +24,8 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -32,7 +33,7 @@
 namespace few_rows {
 
 constexpr int64_t kTile = 16;   // output columns per tile: one register of floats
-constexpr int64_t kGroup = 32;  // k's per scale and zero
+constexpr int64_t kGroup = 32;  // k's per scale (and zero) of the weight, and of the rows
 constexpr int kMaxRows = 8;     // rows per pass over a tile (accumulators stay in registers)
 
 inline float bf16_to_float(uint16_t h) {
@@ -42,201 +43,270 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// Sum of each row's groups of 32: xs[m * G + g], in float, pairs in order.
-inline void group_sums(const uint16_t* x, int64_t rows, int64_t k, float* xs) {
+
+// Per row m and group g: xq (int8), its scale d[m * G + g] and sums[m * G + g] = sum xq.
+inline void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq, float* d,
+                            int32_t* sums) {
   const int64_t groups = k / kGroup;
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) s += bf16_to_float(x[m * k + g * kGroup + i]);
-      xs[m * groups + g] = s;
+      const uint16_t* xg = x + m * k + g * kGroup;
+#if defined(__AVX512F__)  // the scalar loop's arithmetic, 16 at a time
+      __m512 v[2];
+      for (int h = 0; h < 2; ++h)
+        v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16 * h))), 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      const float dg = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      __m512i sum = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q8 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)),
+                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * k + g * kGroup + 16 * h),
+                         _mm512_cvtepi32_epi8(q8));
+        sum = _mm512_add_epi32(sum, q8);
+      }
+      d[m * groups + g] = dg;
+      sums[m * groups + g] = _mm512_reduce_add_epi32(sum);
+#else
+      float v[kGroup], amax = 0.f;
+      for (int i = 0; i < kGroup; ++i) {
+        v[i] = bf16_to_float(xg[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float dg = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const int32_t q8 = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+        xq[m * k + g * kGroup + i] = static_cast<int8_t>(q8);
+        sum += q8;
+      }
+      d[m * groups + g] = dg;
+      sums[m * groups + g] = sum;
+#endif
     }
 }
 
-#if defined(__AVX512BF16__)
+// ---- Int4 weights (model/quant.py `pack_few_rows`) -----------------------------------------
+// w = (q - 8) * scale + zero, q in [0, 16), per group of 32 k's and column: per row m, group g
+//   out[m, n] += (scale * d) * sum_k xq q + (zero - 8 scale) * (d * sum_k xq)
+// The weights unpack by one and / shift per 128 of them. Layout: q (N/16, K/32, 4, 64) uint8:
+// in group g, load j, byte 4c + i: low nibble q[c, 32g + 8j + i], high nibble
+// q[c, 32g + 8j + 4 + i] (c a column of the tile, i < 4); sz (N/16, K/32, 2, 16) bf16: each
+// group's scale then zero, per column.
+#if defined(__AVX512VNNI__)
 
-// One tile (16 columns) for R rows: out[m * ldo + c] (float).
 template <int R>
-inline void tile(const uint16_t* x, int64_t k, const float* xs, const uint8_t* q,
-                 const uint16_t* sz, float* out, int64_t ldo) {
-  // bf16 of q - 8 for q = 0..15 (the other 16 entries are never indexed)
-  alignas(64) static const uint16_t kTable[32] = {
-      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-  const __m512i table = _mm512_load_si512(kTable);
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs,
+                    const uint8_t* q, const uint16_t* sz, float* out, int64_t ldo) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.f);
   const int64_t groups = k / kGroup;
   __m512 acc_out[R];
   for (int m = 0; m < R; ++m) acc_out[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[R];
-    for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
-    const uint8_t* qg = q + g * (kGroup / 2) * kTile;
-    for (int64_t p = 0; p < kGroup / 2; ++p) {
-      // one byte per column -> (q[k] - 8, q[k + 1] - 8) as two bf16 in each 32-bit lane
-      __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + p * kTile)));
-      __m512i idx = _mm512_and_si512(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), nibbles);
-      __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, table);
-      const int64_t kk = g * kGroup + 2 * p;
+    // one row: two chains (the low and the high nibbles) hide vpdpbusd's latency; more rows
+    // are chains enough, and two each would not fit the 32 registers
+    constexpr int C = R <= 2 ? 2 : 1;
+    __m512i acc[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int m = 0; m < R; ++m) acc[c][m] = _mm512_setzero_si512();
+    const uint8_t* qg = q + g * 4 * 64;
+    for (int j = 0; j < 4; ++j) {
+      const __m512i b = _mm512_loadu_si512(qg + 64 * j);
+      const __m512i lo = _mm512_and_si512(b, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
       for (int m = 0; m < R; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, x + m * k + kk, sizeof pair);
-        acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));
+        const int8_t* xg = xq + m * k + g * kGroup + 8 * j;
+        int32_t a0, a1;
+        std::memcpy(&a0, xg, 4);
+        std::memcpy(&a1, xg + 4, 4);
+        acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], lo, _mm512_set1_epi32(a0));
+        acc[C - 1][m] = _mm512_dpbusd_epi32(acc[C - 1][m], hi, _mm512_set1_epi32(a1));
       }
     }
     const uint16_t* sg = sz + g * 2 * kTile;
-    __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg))), 16));
-    __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kTile))), 16));
+    const __m512 z8 = _mm512_fnmadd_ps(eight, s, z);  // zero - 8 scale
     for (int m = 0; m < R; ++m) {
-      acc_out[m] = _mm512_fmadd_ps(s, acc[m], acc_out[m]);
-      acc_out[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[m * groups + g]), acc_out[m]);
+      const __m512i sum = C == 2 ? _mm512_add_epi32(acc[0][m], acc[C - 1][m]) : acc[0][m];
+      const __m512 isum = _mm512_cvtepi32_ps(sum);
+      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(d[m * groups + g]));
+      acc_out[m] = _mm512_fmadd_ps(isum, sd, acc_out[m]);
+      acc_out[m] = _mm512_fmadd_ps(z8, _mm512_set1_ps(xs[m * groups + g]), acc_out[m]);
     }
   }
   for (int m = 0; m < R; ++m) _mm512_storeu_ps(out + m * ldo, acc_out[m]);
 }
 
-#else  // the same arithmetic in float with GCC/Clang vector extensions (any CPU)
-
-typedef float fv16 __attribute__((vector_size(64)));
-typedef uint32_t uv16 __attribute__((vector_size(64)));
-typedef uint8_t bv16 __attribute__((vector_size(16)));
-typedef uint16_t hv16 __attribute__((vector_size(32)));
-
-inline fv16 widen(const uint16_t* p) {
-  hv16 h;
-  std::memcpy(&h, p, sizeof h);
-  uv16 w = __builtin_convertvector(h, uv16) << 16;
-  fv16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
+#else  // the same arithmetic in scalar code (any CPU): the integer sums are exact
 
 template <int R>
-inline void tile(const uint16_t* x, int64_t k, const float* xs, const uint8_t* q,
-                 const uint16_t* sz, float* out, int64_t ldo) {
+inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs,
+                    const uint8_t* q, const uint16_t* sz, float* out, int64_t ldo) {
   const int64_t groups = k / kGroup;
-  fv16 acc_out[R];
-  for (int m = 0; m < R; ++m) acc_out[m] = fv16{};
+  float acc_out[R][kTile] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    fv16 acc[R];
-    for (int m = 0; m < R; ++m) acc[m] = fv16{};
-    const uint8_t* qg = q + g * (kGroup / 2) * kTile;
-    for (int64_t p = 0; p < kGroup / 2; ++p) {
-      bv16 b;
-      std::memcpy(&b, qg + p * kTile, sizeof b);
-      uv16 d = __builtin_convertvector(b, uv16);
-      fv16 lo = __builtin_convertvector(d & 15u, fv16) - 8.f;
-      fv16 hi = __builtin_convertvector(d >> 4, fv16) - 8.f;
-      const int64_t kk = g * kGroup + 2 * p;
-      for (int m = 0; m < R; ++m)
-        acc[m] += lo * bf16_to_float(x[m * k + kk]) + hi * bf16_to_float(x[m * k + kk + 1]);
+    const uint8_t* qg = q + g * 4 * 64;
+    for (int m = 0; m < R; ++m) {
+      const int8_t* xg = xq + m * k + g * kGroup;
+      for (int c = 0; c < kTile; ++c) {
+        int32_t isum = 0;
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t b = qg[64 * j + 4 * c + i];
+            isum += (b & 15) * xg[8 * j + i] + (b >> 4) * xg[8 * j + 4 + i];
+          }
+        const float s = bf16_to_float(sz[g * 2 * kTile + c]);
+        const float z8 = std::fma(-8.f, s, bf16_to_float(sz[g * 2 * kTile + kTile + c]));
+        acc_out[m][c] = std::fma(static_cast<float>(isum), s * d[m * groups + g], acc_out[m][c]);
+        acc_out[m][c] = std::fma(z8, xs[m * groups + g], acc_out[m][c]);
+      }
     }
-    const fv16 s = widen(sz + g * 2 * kTile), z = widen(sz + g * 2 * kTile + kTile);
-    for (int m = 0; m < R; ++m) acc_out[m] += s * acc[m] + z * xs[m * groups + g];
   }
-  for (int m = 0; m < R; ++m) std::memcpy(out + m * ldo, &acc_out[m], sizeof acc_out[m]);
+  for (int m = 0; m < R; ++m) std::memcpy(out + m * ldo, acc_out[m], sizeof acc_out[m]);
 }
 
 #endif
 
 template <int R>
-void tile_rows(const uint16_t* x, int64_t k, const float* xs, const uint8_t* q,
-               const uint16_t* sz, float* out, int64_t ldo, int rows) {
+void tile_rows(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
+                  const uint16_t* sz, float* out, int64_t ldo, int rows) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<R - 1>(x, k, xs, q, sz, out, ldo, rows);
+    if (rows < R) return tile_rows<R - 1>(xq, k, d, xs, q, sz, out, ldo, rows);
   }
-  tile<R>(x, k, xs, q, sz, out, ldo);
+  tile<R>(xq, k, d, xs, q, sz, out, ldo);
 }
 
-// y (M, N) bf16 = x (M, K) bf16 times the packed weight; see the header comment.
+// y (M, N) bf16 = x (M, K) bf16, as int8 groups, times the packed int4 weight.
 inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sz) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "few_rows::mm: bf16 rows");
   const at::Tensor x = x_in.contiguous();
-  const int64_t rows = x.size(0), k = x.size(1), n = q.size(0) * kTile;
-  TORCH_CHECK(q.size(1) * 2 == k && k % kGroup == 0, "few_rows::mm: K does not match");
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const int64_t rows = x.size(0), k = x.size(1), n = q.size(0) * kTile, groups = k / kGroup;
+  TORCH_CHECK(q.size(1) * kGroup == k && k % kGroup == 0, "few_rows::mm: K does not match");
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> d(rows * groups), xs(rows * groups);
+  std::vector<int32_t> sums(rows * groups);
+  quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, k,
+                  xq.data(), d.data(), sums.data());
+  for (int64_t i = 0; i < rows * groups; ++i) xs[i] = d[i] * static_cast<float>(sums[i]);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>());
-  std::vector<float> xs(rows * (k / kGroup));
-  group_sums(xp, rows, k, xs.data());
   at::Tensor acc = at::empty({rows, n}, x.options().dtype(at::kFloat));
   float* ap = acc.data_ptr<float>();
-  const int64_t tiles = n / kTile, groups = k / kGroup;
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n / kTile, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t m = 0; m < rows; m += kMaxRows)
-        tile_rows<kMaxRows>(xp + m * k, k, xs.data() + m * groups, qp + t * (k / 2) * kTile,
-                            sp + t * groups * 2 * kTile, ap + m * n + t * kTile, n,
-                            static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
+        tile_rows<kMaxRows>(xq.data() + m * k, k, d.data() + m * groups,
+                                 xs.data() + m * groups, qp + t * (k / 2) * kTile,
+                                 sp + t * groups * 2 * kTile, ap + m * n + t * kTile, n,
+                                 static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
   });
   return acc.to(at::kBFloat16);
 }
 
-// Int8 weights (a per-column scale: the lm_head, model/quant.py Int8Linear) times a few rows,
-// for the same reason (torch's int8 kernel: 2.5 ms for 1 row of SmolLM2's 49152 x 576 lm_head,
-// 5.0 ms for 5). Layout: q (N/16, K, 16) int8, column c of tile t at k; scales (N,) bf16.
-// In float with vector extensions (-march=native makes them AVX-512 where the CPU has it):
-// out[m, n] = scale[n] * sum_k x[m, k] q[n, k], each row in the same order whatever the rows.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
+// ---- Int8 weights, one scale per column (model/quant.py Int8Linear: the lm_head) -----------
+// torch's int8 kernel: 2.5 ms for 1 row of SmolLM2's 49152 x 576 lm_head, 5.0 ms for 5.
+// The weight w stored as w + 128, so
+// vpdpbusd's unsigned operand: sum (w + 128) xq = sum w xq + 128 sum xq, exact in int32.
+// out[m, n] = scale[n] * sum_g d[m, g] * (isum[g] - 128 sums[m, g]).
+// Layout (model/quant.py Int8Linear): q (N/16, K/4, 64) uint8, byte 4c + i of entry p is
+// w[c, 4p + i] + 128 (c a column of the tile).
+#if defined(__AVX512VNNI__)
 
-#if defined(__AVX512F__)
-inline f32x16 int8_column(const int8_t* p) {  // 16 int8 -> float
-  return reinterpret_cast<f32x16>(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+template <int R>
+inline void tile8(const int8_t* xq, int64_t k, const float* d, const int32_t* sums,
+                     const uint8_t* q, __m512 scale, float* out, int64_t ldo) {
+  const int64_t groups = k / kGroup;
+  __m512 acc_out[R];
+  for (int m = 0; m < R; ++m) acc_out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    constexpr int C = R <= 2 ? 2 : 1;  // chains, as in tile
+    __m512i acc[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int m = 0; m < R; ++m) acc[c][m] = _mm512_setzero_si512();
+    for (int j = 0; j < kGroup / 4; ++j) {
+      const __m512i w = _mm512_loadu_si512(q + (g * (kGroup / 4) + j) * 64);
+      for (int m = 0; m < R; ++m) {
+        int32_t a;
+        std::memcpy(&a, xq + m * k + g * kGroup + 4 * j, 4);
+        acc[j % C][m] = _mm512_dpbusd_epi32(acc[j % C][m], w, _mm512_set1_epi32(a));
+      }
+    }
+    for (int m = 0; m < R; ++m) {
+      __m512i sum = C == 2 ? _mm512_add_epi32(acc[0][m], acc[C - 1][m]) : acc[0][m];
+      sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * sums[m * groups + g]));
+      acc_out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d[m * groups + g]),
+                                   acc_out[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out + m * ldo, _mm512_mul_ps(acc_out[m], scale));
 }
+
 #else
-inline f32x16 int8_column(const int8_t* p) {
-  f32x16 w;
-  for (int c = 0; c < kTile; ++c) w[c] = static_cast<float>(p[c]);
-  return w;
+
+template <int R>
+inline void tile8(const int8_t* xq, int64_t k, const float* d, const int32_t* sums,
+                     const uint8_t* q, const float* scale, float* out, int64_t ldo) {
+  const int64_t groups = k / kGroup;
+  float acc_out[R][kTile] = {};
+  for (int64_t g = 0; g < groups; ++g)
+    for (int m = 0; m < R; ++m)
+      for (int c = 0; c < kTile; ++c) {
+        int32_t isum = 0;
+        for (int j = 0; j < kGroup / 4; ++j)
+          for (int i = 0; i < 4; ++i)
+            isum += q[(g * (kGroup / 4) + j) * 64 + 4 * c + i] * xq[m * k + g * kGroup + 4 * j + i];
+        isum -= 128 * sums[m * groups + g];
+        acc_out[m][c] = std::fma(static_cast<float>(isum), d[m * groups + g], acc_out[m][c]);
+      }
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < kTile; ++c) out[m * ldo + c] = acc_out[m][c] * scale[c];
 }
+
 #endif
 
-template <int R>
-inline void tile8(const float* x, int64_t k, const int8_t* q, f32x16 scale, float* out,
-                  int64_t ldo) {
-  f32x16 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = f32x16{};
-  for (int64_t i = 0; i < k; ++i) {
-    const f32x16 w = int8_column(q + i * kTile);
-    for (int m = 0; m < R; ++m) acc[m] += w * x[m * k + i];
-  }
-  for (int m = 0; m < R; ++m) {
-    f32x16 v = acc[m] * scale;
-    std::memcpy(out + m * ldo, &v, sizeof v);
-  }
-}
-
-template <int R>
-void tile8_rows(const float* x, int64_t k, const int8_t* q, f32x16 scale, float* out,
-                int64_t ldo, int rows) {
+template <int R, typename S>
+void tile8_rows(const int8_t* xq, int64_t k, const float* d, const int32_t* sums,
+                   const uint8_t* q, S scale, float* out, int64_t ldo, int rows) {
   if constexpr (R > 1) {
-    if (rows < R) return tile8_rows<R - 1>(x, k, q, scale, out, ldo, rows);
+    if (rows < R) return tile8_rows<R - 1>(xq, k, d, sums, q, scale, out, ldo, rows);
   }
-  tile8<R>(x, k, q, scale, out, ldo);
+  tile8<R>(xq, k, d, sums, q, scale, out, ldo);
 }
 
-// y (M, N) bf16 = x (M, K) bf16 times the packed int8 weight and its column scales.
+// y (M, N) bf16 = x (M, K) bf16, as int8 groups, times the packed int8 weight and its scales.
 inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "few_rows::mm8: bf16 rows");
-  const at::Tensor x = x_in.contiguous().to(at::kFloat);
-  const int64_t rows = x.size(0), k = x.size(1), n = q.size(0) * kTile;
-  TORCH_CHECK(q.size(1) == k, "few_rows::mm8: K does not match");
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = q.size(0) * kTile, groups = k / kGroup;
+  TORCH_CHECK(q.size(1) * 4 == k && k % kGroup == 0, "few_rows::mm8: K does not match");
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> d(rows * groups);
+  std::vector<int32_t> sums(rows * groups);
+  quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, k,
+                  xq.data(), d.data(), sums.data());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
-  at::Tensor acc = at::empty({rows, n}, x.options());
+  at::Tensor acc = at::empty({rows, n}, x.options().dtype(at::kFloat));
   float* ap = acc.data_ptr<float>();
   at::parallel_for(0, n / kTile, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      f32x16 scale;
-      for (int c = 0; c < kTile; ++c) scale[c] = bf16_to_float(sp[t * kTile + c]);
+      alignas(64) float sc[kTile];
+      for (int c = 0; c < kTile; ++c) sc[c] = bf16_to_float(sp[t * kTile + c]);
+#if defined(__AVX512VNNI__)
+      const __m512 scale = _mm512_load_ps(sc);
+#else
+      const float* scale = sc;
+#endif
       for (int64_t m = 0; m < rows; m += kMaxRows)
-        tile8_rows<kMaxRows>(xp + m * k, k, qp + t * k * kTile, scale, ap + m * n + t * kTile, n,
-                             static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
+        tile8_rows<kMaxRows>(xq.data() + m * k, k, d.data() + m * groups,
+                                  sums.data() + m * groups, qp + t * k * kTile, scale,
+                                  ap + m * n + t * kTile, n,
+                                  static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
     }
   });
   return acc.to(at::kBFloat16);

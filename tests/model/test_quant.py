@@ -88,6 +88,39 @@ def test_few_row_kernels_compute_int8_rows_exactly_and_give_each_row_the_same_bi
             assert torch.equal(lin.quantized_mm(x[r : r + 1])[0], lin.quantized_mm(x)[r])
 
 
+def test_prompt_rows_run_the_dense_weight_and_decode_rows_the_few_row_kernels(files):
+    """A step computing prompt tokens keeps bf16 rows (their K/V is read by every later
+    token): its quantized linears leave their few-row kernels (int8 rows) to the dense
+    weight. A chunk past the prompt (a verify step's rows on the eager path) and decode rows
+    keep them; benchmarks/quality.py's FEW_ROWS_FOR_PROMPTS scores them on prompts."""
+    from pdserve.engine.scheduler import ScheduledBatch
+    from pdserve.engine.sequence import Sequence
+
+    torch.manual_seed(0)
+    lin = Int4Linear(torch.randn(96, 128, dtype=torch.bfloat16) * 0.05)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    assert lin.kind == 3 and not torch.equal(lin.quantized_mm(x), F.linear(x, lin.weight))
+    with quant.prompt_rows(True):
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+    assert torch.equal(lin(x), lin.quantized_mm(x))
+    quant.FEW_ROWS_FOR_PROMPTS = True
+    try:
+        with quant.prompt_rows(True):
+            assert torch.equal(lin(x), lin.quantized_mm(x))
+    finally:
+        quant.FEW_ROWS_FOR_PROMPTS = False
+    eng = make_engine(files)
+    seq = Sequence("r", list(range(1, 17)), SamplingParams(max_tokens=4), num_prompt_tokens=10)
+    assert eng.block_manager.allocate(seq)
+    try:
+        for start, n, prompt in ((0, 6, True), (4, 6, True), (10, 3, False)):
+            seq.num_computed_tokens = start
+            meta = eng.runner._prepare(ScheduledBatch([seq], [n]))[2]
+            assert [span.prompt for span in meta.prefills] == [prompt]
+    finally:
+        eng.block_manager.free(seq)
+
+
 def test_few_row_kernels_leave_what_they_cannot_run_to_torch():
     """float32 weights, or N not a multiple of 16 (int8; torch's int4 packing needs it too):
     torch's kernels, as before."""

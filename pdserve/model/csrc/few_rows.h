@@ -10,7 +10,9 @@
 // llama.cpp's Q8 activations), so a group's sum over k of xq * q is an exact int32 and the
 // float work is per group, not per weight. AVX512-VNNI's vpdpbusd does 64 u8 x s8 products an
 // instruction: twice AVX512-BF16's vdpbf16ps, which this file used until 2026-12-05 with bf16
-// rows (1.5x the time at 5-16 rows). What the rows' rounding costs, perplexity on held text in
+// rows (1.5x the time at 5-16 rows). Without VNNI the same integer arithmetic runs as scalar
+// code the compiler vectorizes (AVX2, 3072 x 576 at 1 row: 0.32 ms, the dense GEMM's time, where
+// the bf16-row kernel's vector-extension fallback took 3.7 ms). What the rows' rounding costs, perplexity on held text in
 // 8-token steps (benchmarks/quality.py): int4 13.970 -> 13.986 (+0.1 %), int8 weights 13.992 ->
 // 14.078 (+0.6 %). Prompts keep bf16 rows (model/quant.py `prompt_rows`). Every row is computed
 // by the same instructions in the same order whatever the number of rows, so a row's result
@@ -42,7 +44,6 @@ inline float bf16_to_float(uint16_t h) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
-
 
 // Per row m and group g: xq (int8), its scale d[m * G + g] and sums[m * G + g] = sum xq.
 inline void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq, float* d,
@@ -97,8 +98,8 @@ inline void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, int8_t* 
 #if defined(__AVX512VNNI__)
 
 template <int R>
-inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs,
-                    const uint8_t* q, const uint16_t* sz, float* out, int64_t ldo) {
+inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
+                 const uint16_t* sz, float* out, int64_t ldo) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512 eight = _mm512_set1_ps(8.f);
   const int64_t groups = k / kGroup;
@@ -145,8 +146,8 @@ inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs,
 #else  // the same arithmetic in scalar code (any CPU): the integer sums are exact
 
 template <int R>
-inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs,
-                    const uint8_t* q, const uint16_t* sz, float* out, int64_t ldo) {
+inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
+                 const uint16_t* sz, float* out, int64_t ldo) {
   const int64_t groups = k / kGroup;
   float acc_out[R][kTile] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -174,7 +175,7 @@ inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs,
 
 template <int R>
 void tile_rows(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
-                  const uint16_t* sz, float* out, int64_t ldo, int rows) {
+               const uint16_t* sz, float* out, int64_t ldo, int rows) {
   if constexpr (R > 1) {
     if (rows < R) return tile_rows<R - 1>(xq, k, d, xs, q, sz, out, ldo, rows);
   }
@@ -200,18 +201,18 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   at::parallel_for(0, n / kTile, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t m = 0; m < rows; m += kMaxRows)
-        tile_rows<kMaxRows>(xq.data() + m * k, k, d.data() + m * groups,
-                                 xs.data() + m * groups, qp + t * (k / 2) * kTile,
-                                 sp + t * groups * 2 * kTile, ap + m * n + t * kTile, n,
-                                 static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
+        tile_rows<kMaxRows>(xq.data() + m * k, k, d.data() + m * groups, xs.data() + m * groups,
+                            qp + t * (k / 2) * kTile, sp + t * groups * 2 * kTile,
+                            ap + m * n + t * kTile, n,
+                            static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
   });
   return acc.to(at::kBFloat16);
 }
 
 // ---- Int8 weights, one scale per column (model/quant.py Int8Linear: the lm_head) -----------
 // torch's int8 kernel: 2.5 ms for 1 row of SmolLM2's 49152 x 576 lm_head, 5.0 ms for 5.
-// The weight w stored as w + 128, so
-// vpdpbusd's unsigned operand: sum (w + 128) xq = sum w xq + 128 sum xq, exact in int32.
+// The weight w is stored as w + 128, vpdpbusd's unsigned operand: sum (w + 128) xq =
+// sum w xq + 128 sum xq, exact in int32.
 // out[m, n] = scale[n] * sum_g d[m, g] * (isum[g] - 128 sums[m, g]).
 // Layout (model/quant.py Int8Linear): q (N/16, K/4, 64) uint8, byte 4c + i of entry p is
 // w[c, 4p + i] + 128 (c a column of the tile).
@@ -219,7 +220,7 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
 
 template <int R>
 inline void tile8(const int8_t* xq, int64_t k, const float* d, const int32_t* sums,
-                     const uint8_t* q, __m512 scale, float* out, int64_t ldo) {
+                  const uint8_t* q, __m512 scale, float* out, int64_t ldo) {
   const int64_t groups = k / kGroup;
   __m512 acc_out[R];
   for (int m = 0; m < R; ++m) acc_out[m] = _mm512_setzero_ps();
@@ -250,7 +251,7 @@ inline void tile8(const int8_t* xq, int64_t k, const float* d, const int32_t* su
 
 template <int R>
 inline void tile8(const int8_t* xq, int64_t k, const float* d, const int32_t* sums,
-                     const uint8_t* q, const float* scale, float* out, int64_t ldo) {
+                  const uint8_t* q, const float* scale, float* out, int64_t ldo) {
   const int64_t groups = k / kGroup;
   float acc_out[R][kTile] = {};
   for (int64_t g = 0; g < groups; ++g)
@@ -304,9 +305,9 @@ inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
 #endif
       for (int64_t m = 0; m < rows; m += kMaxRows)
         tile8_rows<kMaxRows>(xq.data() + m * k, k, d.data() + m * groups,
-                                  sums.data() + m * groups, qp + t * k * kTile, scale,
-                                  ap + m * n + t * kTile, n,
-                                  static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
+                             sums.data() + m * groups, qp + t * k * kTile, scale,
+                             ap + m * n + t * kTile, n,
+                             static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
     }
   });
   return acc.to(at::kBFloat16);

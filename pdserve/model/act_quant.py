@@ -16,8 +16,8 @@ of the scored tokens, 14.10, its disjoint last 20 KB 14.17. Per-token int8 rows 
 the error; outlier channels kept in bf16 or finer activation groups would be the next step.
 
 Which rows run this kernel is measured per machine and shape with the quantized kernels'
-crossover (`kernel_rows.py`): the weight-only int4/int8 kernels for a few rows, this one above
-them while it beats the dense GEMM, the dense GEMM beyond. Off by default
+crossover (`kernel_rows.py`): the few-row int4/int8 kernels (int8 groups of 32 per row) for a
+few rows, this one above them while it beats the dense GEMM, the dense GEMM beyond. Off by default
 (`--int8-activations on`): the speed it buys (SmolLM2 decode batches of 16-64 ~10-15 %) is not
 worth the quality it costs there (+1.5 % perplexity; "the capital of France" loses "Paris").
 """

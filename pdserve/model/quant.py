@@ -1,5 +1,5 @@
-"""Weight-only quantized linear layers, applied to a built model as a transform (as gpt-fast
-does): the model calls `layer.attn.qkv(x)` and never sees the format.
+"""Quantized linear layers (int4 / int8 weights), applied to a built model as a transform (as
+gpt-fast does): the model calls `layer.attn.qkv(x)` and never sees the format.
 
 A decode step at small batch reads every weight once per step, so its time is the weights'
 bytes over DRAM bandwidth; fewer bytes per weight is the speed-up. Formats:

@@ -88,6 +88,19 @@ inline void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, int8_t* 
     }
 }
 
+// A bf16 matrix's rows (M, K), contiguous, as int8 groups: what both kernels take.
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums;
+
+  explicit Int8Rows(const at::Tensor& x)
+      : q(x.numel()), d(x.numel() / kGroup), sums(x.numel() / kGroup) {
+    quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.size(0),
+                    x.size(1), q.data(), d.data(), sums.data());
+  }
+};
+
 // ---- Int4 weights (model/quant.py `pack_few_rows`) -----------------------------------------
 // w = (q - 8) * scale + zero, q in [0, 16), per group of 32 k's and column: per row m, group g
 //   out[m, n] += (scale * d) * sum_k xq q + (zero - 8 scale) * (d * sum_k xq)
@@ -188,12 +201,9 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = q.size(0) * kTile, groups = k / kGroup;
   TORCH_CHECK(q.size(1) * kGroup == k && k % kGroup == 0, "few_rows::mm: K does not match");
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> d(rows * groups), xs(rows * groups);
-  std::vector<int32_t> sums(rows * groups);
-  quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, k,
-                  xq.data(), d.data(), sums.data());
-  for (int64_t i = 0; i < rows * groups; ++i) xs[i] = d[i] * static_cast<float>(sums[i]);
+  const Int8Rows xr(x);
+  std::vector<float> xs(rows * groups);  // d * sum xq: the zeros' factor
+  for (int64_t i = 0; i < rows * groups; ++i) xs[i] = xr.d[i] * static_cast<float>(xr.sums[i]);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>());
   at::Tensor acc = at::empty({rows, n}, x.options().dtype(at::kFloat));
@@ -201,7 +211,8 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   at::parallel_for(0, n / kTile, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t m = 0; m < rows; m += kMaxRows)
-        tile_rows<kMaxRows>(xq.data() + m * k, k, d.data() + m * groups, xs.data() + m * groups,
+        tile_rows<kMaxRows>(xr.q.data() + m * k, k, xr.d.data() + m * groups,
+                            xs.data() + m * groups,
                             qp + t * (k / 2) * kTile, sp + t * groups * 2 * kTile,
                             ap + m * n + t * kTile, n,
                             static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
@@ -285,11 +296,7 @@ inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = q.size(0) * kTile, groups = k / kGroup;
   TORCH_CHECK(q.size(1) * 4 == k && k % kGroup == 0, "few_rows::mm8: K does not match");
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> d(rows * groups);
-  std::vector<int32_t> sums(rows * groups);
-  quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), rows, k,
-                  xq.data(), d.data(), sums.data());
+  const Int8Rows xr(x);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
   at::Tensor acc = at::empty({rows, n}, x.options().dtype(at::kFloat));
@@ -304,8 +311,8 @@ inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       const float* scale = sc;
 #endif
       for (int64_t m = 0; m < rows; m += kMaxRows)
-        tile8_rows<kMaxRows>(xq.data() + m * k, k, d.data() + m * groups,
-                             sums.data() + m * groups, qp + t * k * kTile, scale,
+        tile8_rows<kMaxRows>(xr.q.data() + m * k, k, xr.d.data() + m * groups,
+                             xr.sums.data() + m * groups, qp + t * k * kTile, scale,
                              ap + m * n + t * kTile, n,
                              static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
     }

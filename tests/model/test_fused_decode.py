@@ -33,14 +33,20 @@ def decode_batch(engine, prompts):
         ("float32", 1e-4, dict(num_heads=8, num_kv_heads=1, hidden_size=256)),  # 8: per query
         ("float32", 1e-4, dict(num_heads=4, num_kv_heads=4, hidden_size=256)),  # 64, no GQA
         # head_dim 64, GQA groups of 3 (SmolLM2's): bf16 caches attend by vdpbf16ps where the
-        # CPU has AVX512-BF16 (csrc/decode.cpp bf16_attn)
+        # CPU has AVX512-BF16 (csrc/decode.cpp, namespace bf16), blocks of 4 and of 16 tokens
+        # (a whole block a chunk of 16 keys, or the keys listed one by one)
         ("bfloat16", 0.1, dict(num_heads=6, num_kv_heads=2, hidden_size=384)),
+        ("bfloat16", 0.1, dict(num_heads=6, num_kv_heads=2, hidden_size=384, block_size=16)),
+        # a sliding window shorter than two of the prompts
+        ("bfloat16", 0.1, dict(num_heads=6, num_kv_heads=2, hidden_size=384, sliding_window=9)),
     ],
 )
 def test_fused_step_equals_eager_logits_and_kv(files, dtype, tol, shape):
+    shape = dict(shape)
+    block = {"block_size": shape.pop("block_size")} if "block_size" in shape else {}
     files = make_model_files(seed=1, **shape) if shape else files
-    fused = make_engine(files, dtype=dtype)
-    eager = make_engine(files, dtype=dtype, enforce_eager=True)
+    fused = make_engine(files, dtype=dtype, **block)
+    eager = make_engine(files, dtype=dtype, enforce_eager=True, **block)
     assert fused.runner.fused is not None and eager.runner.fused is None
     outs = []
     for eng in (fused, eager):
@@ -150,16 +156,18 @@ def test_an_edited_header_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
 LONG = dict(num_heads=6, num_kv_heads=2, hidden_size=384, max_position_embeddings=1024)
 
 
-def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("block_size,window", [(4, None), (16, None), (16, 100), (4, 37)])
+def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(monkeypatch, block_size, window):
     """A sequence verifying 4 proposals is 5 rows of one block table in one fused step (their
     queries share the K/V rows read). Each row's logits are those of a step of that row alone,
-    bit for bit, so greedy speculation emits plain decoding's tokens; over a context of more
-    than one chunk of attention work (128 tokens) and of many blocks, beside another
-    sequence's row. Int4 weights in bf16: the few-row kernel computes a row alike in any batch
-    (forced: a machine's measured crossover could give a tiny shape the dense GEMM)."""
+    bit for bit, so greedy speculation emits plain decoding's tokens; over a context of many
+    blocks and chunks of 16 keys, beside another sequence's row, whole or through a sliding
+    window (each row's own). Int4 weights in bf16: the few-row kernel computes a row alike in
+    any batch (forced: a machine's measured crossover could give a tiny shape the dense GEMM)."""
     monkeypatch.setenv("PDSERVE_QUANT_MAX_ROWS", "16")
-    files = make_model_files(seed=3, **LONG)
-    eng = make_engine(files, dtype="bfloat16", weights="int4", kv_cache_gb=0.02)
+    files = make_model_files(seed=3, **LONG, sliding_window=window)
+    eng = make_engine(files, dtype="bfloat16", weights="int4", kv_cache_gb=0.02,
+                      block_size=block_size)  # fmt: skip
     assert eng.runner.fused is not None
     seqs = []
     for i, n in enumerate((300, 45)):

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -336,28 +337,37 @@ void softmax(float* s, int64_t n, float scale) {
   }
 }
 
+// Attention's unit of work: queries [q0, q1) of one kv head over a run of one sequence's rows
+// (a verify step's 1 + k, else one row). Query q is row `row + q / group`'s query head
+// `head * group + q % group`; a run's queries count row by row.
+struct Item {
+  int64_t row, head, q0, q1;
+};
+
 struct Batch {
   const int64_t* positions;  // (B,)
   const int64_t* slots;      // (B,) flat cache slot of the new token
   const int64_t* tables;     // (B, W) block ids
   const int64_t* lens;       // (B,) context length including the new token
   int64_t width;
-  std::vector<int64_t> items;  // attention's work items (row * nkv + kv head), in their order
+  std::vector<Item> items;  // attention's work, in its order
 
-  // The items are shared out in order: distinct sequences row by row (a token's heads share
-  // cache lines), but a run of one sequence's rows (a verify step's 1 + k, told by their first
-  // block and consecutive positions) head by head, so the rows after the first read that
-  // head's K/V from L2: 5 rows at 1,950 tokens of context, the whole step 15.8 -> 13.8 ms.
-  void order_items(int64_t rows, int64_t nkv) {
+  // Items of at most `tile` queries, shared out in order. A run of one sequence's rows (told
+  // by their block tables and consecutive positions) goes head by head, so the later items of
+  // a head read its K/V from L2: 5 rows at 1,950 tokens of context, the whole step 15.8 ->
+  // 13.8 ms. Distinct sequences stay row by row (a token's heads share cache lines).
+  void order_items(int64_t rows, int64_t nkv, int64_t group, int64_t tile) {
     items.clear();
-    items.reserve(rows * nkv);
     for (int64_t r0 = 0, r1; r0 < rows; r0 = r1) {
-      for (r1 = r0 + 1; r1 < rows && tables[r1 * width] == tables[r0 * width] &&
-                        positions[r1] == positions[r1 - 1] + 1;
+      for (r1 = r0 + 1; r1 < rows && positions[r1] == positions[r1 - 1] + 1 &&
+                        std::equal(tables + r1 * width, tables + (r1 + 1) * width,
+                                   tables + r0 * width);
            ++r1) {
       }
-      for (int64_t h = 0; h < nkv; ++h)
-        for (int64_t r = r0; r < r1; ++r) items.push_back(r * nkv + h);
+      const int64_t nq = (r1 - r0) * group, parts = (nq + tile - 1) / tile;
+      for (int64_t h = 0; h < nkv; ++h)  // the run's queries in near-equal parts
+        for (int64_t i = 0; i < parts; ++i)
+          items.push_back({r0, h, i * nq / parts, (i + 1) * nq / parts});
     }
   }
 };
@@ -465,6 +475,182 @@ void attend_heads(int64_t group, const float* qf, const KV<T>& kv, float* scores
   }
 }
 
+#if defined(__AVX512BF16__)
+// Bf16 caches where the CPU has AVX512-BF16: q.k and p.v by vdpbf16ps, 32 products of bf16 pairs
+// summed into 16 floats an instruction, with no widening of K and V to float. An item's K and V
+// rows are read once for all its queries: a GQA group's heads, and a verify run's rows (up to
+// max_tile queries, Batch::order_items). V rows are interleaved in pairs of keys, so one
+// instruction adds two keys' values times a broadcast pair of probabilities. A query's sums run
+// over its dims (scores) and its keys (values) in one fixed order whatever else the item holds,
+// and keys it does not see add exact zeros, so each row comes out as a step of that row alone
+// gives it, bit for bit. q, k, v and the probabilities are bf16 values already (as eager rounds
+// them), so every product is exact; only the order of summation differs from eager's.
+namespace bf16 {
+
+inline __m512bh pair(uint32_t two_bf16) { return (__m512bh)_mm512_set1_epi32(two_bf16); }
+
+// One query's place in an item: its roped q as bf16 pairs, its keys [first, ctx), its scores
+// (then probabilities, float) from key `first` on, its probabilities as bf16 from the item's
+// first key on (0 outside its keys), and where its output goes.
+struct Query {
+  const uint32_t* q;
+  float* scores;
+  uint16_t* p;
+  int64_t first, ctx;
+  c10::BFloat16* dst;
+};
+
+// The K and V rows of 16 keys from c0: in one block (its rows `stride` apart), or listed one by
+// one (a chunk at the edge of the keys or of a block, a zero row for a key outside them).
+struct Chunk {
+  const c10::BFloat16 *k, *v;
+  int64_t stride;
+  const c10::BFloat16* const* kl;  // listed: 16 each
+  const c10::BFloat16* const* vl;
+
+  const c10::BFloat16* krow(int i) const { return kl ? kl[i] : k + i * stride; }
+  const c10::BFloat16* vrow(int i) const { return vl ? vl[i] : v + i * stride; }
+};
+
+// Scores of one chunk of 16 keys for NQ queries, key by key: its row (loaded once for all the
+// queries) times each query's, by vdpbf16ps on 32 dims at a time, then summed across lanes (a
+// key's score whatever the item: each row is exact alone). Each query keeps its own keys'.
+// Transposing 16 rows to score 16 keys an instruction without horizontal sums took fewer
+// instructions but made 1-row steps 7-12 % slower (its bursts of 16 rows' loads).
+template <int NQ, int CH2>
+void score_chunk(const Chunk& c, const Query* qs, int64_t c0, const char* ahead, int64_t step) {
+  __m512i q[NQ][CH2];
+  for (int n = 0; n < NQ; ++n)
+    for (int g = 0; g < CH2; ++g) q[n][g] = _mm512_loadu_si512(qs[n].q + 16 * g);
+  alignas(64) float out[NQ][16];
+  for (int i = 0; i < 16; ++i) {
+    if (ahead)
+      for (int b = 0; b < CH2 * 64; b += 64) __builtin_prefetch(ahead + i * step + b);
+    __m512i r[CH2];
+    for (int g = 0; g < CH2; ++g) r[g] = _mm512_loadu_si512(c.krow(i) + 32 * g);
+    for (int n = 0; n < NQ; ++n) {
+      __m512 a = _mm512_setzero_ps();
+      for (int g = 0; g < CH2; ++g) a = _mm512_dpbf16_ps(a, (__m512bh)r[g], (__m512bh)q[n][g]);
+      out[n][i] = _mm512_reduce_add_ps(a);
+    }
+  }
+  for (int n = 0; n < NQ; ++n) {
+    const int64_t lo = std::max<int64_t>(0, qs[n].first - c0);
+    const int64_t hi = std::min<int64_t>(16, qs[n].ctx - c0);
+    if (lo >= hi) continue;
+    const __mmask16 keep = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    _mm512_mask_storeu_ps(qs[n].scores + (c0 - qs[n].first), keep, _mm512_load_ps(out[n]));
+  }
+}
+
+// The dims' order after unpacking a pair of rows by 16-bit words, put back: an accumulator pair
+// (lo, hi) of 32 dims holds, per 128-bit lane L, dims 8L..8L+3 (lo) and 8L+4..8L+7 (hi).
+inline void store_dims(c10::BFloat16* dst, __m512 lo, __m512 hi) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 x = _mm512_permutex2var_ps(lo, first, hi);
+  const __m512 y = _mm512_permutex2var_ps(lo, second, hi);
+  f16v a, b;
+  std::memcpy(&a, &x, sizeof a);
+  std::memcpy(&b, &y, sizeof b);
+  store16(dst, a);
+  store16(dst + 16, b);
+}
+
+// Values of one chunk: its keys in pairs (2i, 2i + 1), their rows interleaved by 16-bit words
+// into CH2 * 2 vectors of pairs, times each query's pair of probabilities, summed in key order.
+template <int NQ, int CH2>
+void value_chunk(const Chunk& c, const Query* qs, int64_t off, __m512 (&acc)[NQ][CH2 * 2],
+                 const char* ahead, int64_t step) {
+  for (int i = 0; i < 16; i += 2) {
+    if (ahead)
+      for (int r = i; r < i + 2; ++r)
+        for (int b = 0; b < CH2 * 64; b += 64) __builtin_prefetch(ahead + r * step + b);
+    __m512i pv[CH2 * 2];
+    for (int g = 0; g < CH2; ++g) {
+      const __m512i x = _mm512_loadu_si512(c.vrow(i) + 32 * g);
+      const __m512i y = _mm512_loadu_si512(c.vrow(i + 1) + 32 * g);
+      pv[2 * g] = _mm512_unpacklo_epi16(x, y);
+      pv[2 * g + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int n = 0; n < NQ; ++n) {
+      uint32_t two;
+      std::memcpy(&two, qs[n].p + off + i, sizeof two);
+      const __m512bh p = pair(two);
+      for (int u = 0; u < CH2 * 2; ++u) acc[n][u] = _mm512_dpbf16_ps(acc[n][u], (__m512bh)pv[u], p);
+    }
+  }
+}
+
+// Chunks this many on are prefetched (a sequence's blocks lie anywhere in the cache: see Ahead).
+constexpr int64_t kAheadChunks = 2;
+
+// An item's NQ queries against one sequence's keys [first, ctx) of kv head kv.offset / d, in
+// chunks of 16 from lo = first rounded down to 16: scores, each query's softmax over its own
+// keys (as a row alone would have it), its probabilities as bf16 (zeros outside its keys),
+// then the values into its dst.
+template <int NQ, int CH2>
+void item(const KV<c10::BFloat16>& kv, Query* qs, float scale, const c10::BFloat16* zero) {
+  const int64_t lo = kv.first / 16 * 16, hi = (kv.ctx + 15) / 16 * 16;
+  const bool blocks_whole = kv.bs % 16 == 0;
+  const c10::BFloat16 *kl[16], *vl[16];
+  const auto chunk = [&](int64_t c0) {
+    if (blocks_whole && c0 >= kv.first && c0 + 16 <= kv.ctx)
+      return Chunk{kv.row(kv.k, c0), kv.row(kv.v, c0), kv.stride, nullptr, nullptr};
+    for (int i = 0; i < 16; ++i) {
+      const bool in = c0 + i >= kv.first && c0 + i < kv.ctx;
+      kl[i] = in ? kv.row(kv.k, c0 + i) : zero;
+      vl[i] = in ? kv.row(kv.v, c0 + i) : zero;
+    }
+    return Chunk{nullptr, nullptr, 0, kl, vl};
+  };
+  const int64_t step = kv.stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const auto ahead = [&](int64_t c0, const c10::BFloat16* cache) -> const char* {
+    c0 += 16 * kAheadChunks;  // a whole chunk's rows, else none
+    if (!blocks_whole || c0 < kv.first || c0 + 16 > kv.ctx) return nullptr;
+    return reinterpret_cast<const char*>(kv.row(cache, c0));
+  };
+  for (int64_t c0 = lo; c0 < hi; c0 += 16)
+    score_chunk<NQ, CH2>(chunk(c0), qs, c0, ahead(c0, kv.k), step);
+  for (int n = 0; n < NQ; ++n) {
+    const int64_t keys = qs[n].ctx - qs[n].first, padded = (keys + 15) / 16 * 16;
+    softmax<c10::BFloat16>(qs[n].scores, keys, scale);
+    uint16_t* p = qs[n].p + (qs[n].first - lo);
+    for (int64_t t = 0; t < padded; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qs[n].scores + t)));
+  }
+  __m512 acc[NQ][CH2 * 2];
+  for (int n = 0; n < NQ; ++n)
+    for (int u = 0; u < CH2 * 2; ++u) acc[n][u] = _mm512_setzero_ps();
+  for (int64_t c0 = lo; c0 < hi; c0 += 16)
+    value_chunk<NQ, CH2>(chunk(c0), qs, c0 - lo, acc, ahead(c0, kv.v), step);
+  for (int n = 0; n < NQ; ++n)
+    for (int g = 0; g < CH2; ++g) store_dims(qs[n].dst + 32 * g, acc[n][2 * g], acc[n][2 * g + 1]);
+}
+
+// The most queries an item takes: the values' accumulators (2 * CH2 registers a query) within
+// 24 of the 32.
+constexpr int64_t max_tile(int64_t d) { return d == 128 ? 3 : 6; }
+
+template <int CH2>
+void run_item(int64_t nq, const KV<c10::BFloat16>& kv, Query* qs, float scale,
+              const c10::BFloat16* zero) {
+  switch (nq) {
+    case 1: return item<1, CH2>(kv, qs, scale, zero);
+    case 2: return item<2, CH2>(kv, qs, scale, zero);
+    case 3: return item<3, CH2>(kv, qs, scale, zero);
+    case 4: return item<4, CH2>(kv, qs, scale, zero);
+    case 5: return item<5, CH2>(kv, qs, scale, zero);
+    case 6: return item<6, CH2>(kv, qs, scale, zero);
+    default: TORCH_CHECK(false, "fused decode: an attention item of ", nq, " queries");
+  }
+}
+
+}  // namespace bf16
+#endif
+
 // x += delta, rounded as eager's add. n % 16 == 0.
 template <typename T>
 void add_into(T* x, const T* delta, int64_t n) {
@@ -535,13 +721,67 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
   }
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const int64_t stride = nkv * d;  // between one token's rows of a kv head in a block
-  // One work item per (row, kv head), in bt.items' order: its GQA group's queries read the
-  // same K/V rows, which stay in cache between them.
-  at::parallel_for(0, B * nkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t items = static_cast<int64_t>(bt.items.size());
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (d >= 32) {
+      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        std::vector<c10::BFloat16> zero(d, c10::BFloat16(0.f));
+        std::vector<float> qf(d), scores;
+        std::vector<uint32_t> q;
+        std::vector<uint16_t> probs;
+        for (int64_t i = begin; i < end; ++i) {
+          const Item& it = bt.items[i];
+          const int64_t nq = it.q1 - it.q0, h = it.head;
+          int64_t first = std::numeric_limits<int64_t>::max(), ctx = 0;
+          bf16::Query qs[6];
+          for (int64_t n = 0; n < nq; ++n) {
+            const int64_t len = bt.lens[it.row + (it.q0 + n) / group];
+            qs[n].first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+            qs[n].ctx = len;
+            first = std::min(first, qs[n].first);
+            ctx = std::max(ctx, len);
+          }
+          const int64_t span = (ctx + 15) / 16 * 16 - first / 16 * 16 + 16;
+          q.resize(nq * d / 2);
+          scores.resize(nq * span);
+          probs.assign(nq * span, 0);
+          for (int64_t n = 0; n < nq; ++n) {
+            const int64_t b = it.row + (it.q0 + n) / group, p = bt.positions[b];
+            const int64_t head = h * group + (it.q0 + n) % group;
+            rope_head<T>(src + b * row_len + head * d, cos + p * d, sin + p * d, qf.data(), d);
+            for (int64_t j = 0; j < d / 2; ++j) {  // bf16 values: their top halves, in pairs
+              uint32_t x, y;
+              std::memcpy(&x, &qf[2 * j], 4);
+              std::memcpy(&y, &qf[2 * j + 1], 4);
+              q[n * d / 2 + j] = (x >> 16) | (y & 0xFFFF0000u);
+            }
+            qs[n].q = q.data() + n * d / 2;
+            qs[n].scores = scores.data() + n * span;
+            qs[n].p = probs.data() + n * span;
+            qs[n].dst = o + (b * nh + head) * d;
+          }
+          // the run's rows share their block table (Batch::order_items)
+          KV<T> kv{kcp, vcp, bt.tables + it.row * bt.width, bs, stride, h * d, first, ctx};
+          switch (d) {
+            case 32: bf16::run_item<1>(nq, kv, qs, scale, zero.data()); break;
+            case 64: bf16::run_item<2>(nq, kv, qs, scale, zero.data()); break;
+            case 128: bf16::run_item<4>(nq, kv, qs, scale, zero.data()); break;
+            default: TORCH_CHECK(false, "fused decode: head_dim must be 16, 32, 64 or 128");
+          }
+        }
+      });
+      return;
+    }
+  }
+#endif
+  // Each item is one row's GQA group (attn_tile): its queries read the same K/V rows, which
+  // stay in cache between them.
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), scores;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t item = bt.items[i];
-      int64_t b = item / nkv, h = item % nkv, ctx = bt.lens[b], p = bt.positions[b];
+      const Item& it = bt.items[i];
+      int64_t b = it.row + it.q0 / group, h = it.head, ctx = bt.lens[b], p = bt.positions[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       const int64_t padded = (ctx - first + 15) / 16 * 16;
       scores.resize(group * padded);
@@ -560,6 +800,15 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
       }
     }
   });
+}
+
+// The most queries an attention item takes (Batch::order_items): a run's queries in tiles for
+// the bf16 kernel, else one row's GQA group.
+inline int64_t attn_tile(bool bf16_cache, int64_t d, int64_t group) {
+#if defined(__AVX512BF16__)
+  if (bf16_cache && d >= 32) return bf16::max_tile(d);
+#endif
+  return group;
 }
 
 // gate_up (B, 2f) -> silu(gate) * up (B, f), rounded as eager: T(T(silu(g)) * u). f % 16 == 0;
@@ -600,7 +849,9 @@ class DecodeModel {
     at::NoGradGuard no_grad;
     Batch bt{positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), tables.size(1), {}};
-    bt.order_items(ids.size(0), nkv_);  // once a step, for every layer
+    const int64_t d = k_[0].size(3);
+    bt.order_items(ids.size(0), nkv_, nh_ / nkv_,  // once a step, for every layer
+                   attn_tile(k_[0].scalar_type() == at::kBFloat16, d, nh_ / nkv_));
     Tensor x = embed_.index_select(0, ids);  // (B, hidden)
     if (x.scalar_type() == at::kBFloat16) {
       x = layers<c10::BFloat16>(x, bt);

@@ -36,8 +36,10 @@ from pdserve.model.quant import quantized_linears
 # Above this many decoding sequences in a step, verification costs more than it gains:
 # benchmarks/spec_decode.py --concurrency 2 4 8 with no limit (Zen 5, 2 cores, int4) gave
 # rewrite / quote / free chat 0.89-1.04x / 1.10-1.15x / 0.91x at 2 sequences, 0.92-0.99x /
-# 0.88-1.02x / 0.84-0.88x at 4, 0.68-0.91x at 8 (docs/serving.md). `disable_by_batch_size`
-# overrides it; a step also keeps within `row_budget` (measured per machine) whatever it is.
+# 0.88-1.02x / 0.84-0.88x at 4, 0.68-0.91x at 8 (docs/serving.md); with the bf16 verify
+# attention (2026-12-05) 1.29x / 1.30x / 0.97x at 2, 0.85x / 1.12x / 0.90x at 4.
+# `disable_by_batch_size` overrides it; a step also keeps within `row_budget` (measured per
+# machine) whatever it is.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 # The i-th proposal is made while its chance of acceptance, r^i for a per-proposal acceptance
 # r, stays above ROW_COST. One more verified row costs ~0.2-0.25 of a plain step with the

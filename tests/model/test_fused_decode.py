@@ -39,6 +39,9 @@ def decode_batch(engine, prompts):
         ("bfloat16", 0.1, dict(num_heads=6, num_kv_heads=2, hidden_size=384, block_size=16)),
         # a sliding window shorter than two of the prompts
         ("bfloat16", 0.1, dict(num_heads=6, num_kv_heads=2, hidden_size=384, sliding_window=9)),
+        # head_dim 32 with GQA groups of 8 (a row's group over two items), and head_dim 128
+        ("bfloat16", 0.1, dict(num_heads=16, num_kv_heads=2, hidden_size=512)),
+        ("bfloat16", 0.1, dict(num_heads=4, num_kv_heads=2, hidden_size=512)),
     ],
 )
 def test_fused_step_equals_eager_logits_and_kv(files, dtype, tol, shape):
@@ -156,8 +159,18 @@ def test_an_edited_header_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
 LONG = dict(num_heads=6, num_kv_heads=2, hidden_size=384, max_position_embeddings=1024)
 
 
-@pytest.mark.parametrize("block_size,window", [(4, None), (16, None), (16, 100), (4, 37)])
-def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(monkeypatch, block_size, window):
+@pytest.mark.parametrize(
+    "block_size,window,shape",
+    [
+        (4, None, {}),
+        (16, None, {}),
+        (16, 100, {}),
+        (4, 37, {}),
+        (16, None, dict(num_heads=16, hidden_size=512)),  # head_dim 32, groups of 8
+        (16, 100, dict(num_heads=4, hidden_size=512)),  # head_dim 128
+    ],
+)
+def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(monkeypatch, block_size, window, shape):
     """A sequence verifying 4 proposals is 5 rows of one block table in one fused step (their
     queries share the K/V rows read). Each row's logits are those of a step of that row alone,
     bit for bit, so greedy speculation emits plain decoding's tokens; over a context of many
@@ -165,7 +178,7 @@ def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(monkeypatch, block_si
     window (each row's own). Int4 weights in bf16: the few-row kernel computes a row alike in
     any batch (forced: a machine's measured crossover could give a tiny shape the dense GEMM)."""
     monkeypatch.setenv("PDSERVE_QUANT_MAX_ROWS", "16")
-    files = make_model_files(seed=3, **LONG, sliding_window=window)
+    files = make_model_files(seed=3, **{**LONG, **shape}, sliding_window=window)
     eng = make_engine(files, dtype="bfloat16", weights="int4", kv_cache_gb=0.02,
                       block_size=block_size)  # fmt: skip
     assert eng.runner.fused is not None
@@ -199,3 +212,11 @@ def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(monkeypatch, block_si
     alone = torch.cat([step([i]) for i in range(6)])
     assert torch.equal(together, alone)
     assert torch.isfinite(together).all() and together.std() > 0
+
+
+def test_bf16_caches_attend_by_avx512_bf16_where_the_cpu_has_it():
+    """The tests above run the bf16 kernel (csrc/decode.cpp, namespace bf16) on a CPU with
+    AVX512-BF16, and the portable one elsewhere: the build follows the CPU (-march=native)."""
+    from pdserve.model.extension import cpu_flags, load_extension
+
+    assert load_extension().bf16_attention() == ("avx512_bf16" in cpu_flags().split())

@@ -358,6 +358,7 @@ struct Batch {
   // 13.8 ms. Distinct sequences stay row by row (a token's heads share cache lines).
   void order_items(int64_t rows, int64_t nkv, int64_t group, int64_t tile) {
     items.clear();
+    items.reserve(rows * nkv);
     for (int64_t r0 = 0, r1; r0 < rows; r0 = r1) {
       for (r1 = r0 + 1; r1 < rows && positions[r1] == positions[r1 - 1] + 1 &&
                         std::equal(tables + r1 * width, tables + (r1 + 1) * width,
@@ -484,14 +485,16 @@ void attend_heads(int64_t group, const float* qf, const KV<T>& kv, float* scores
 // over its dims (scores) and its keys (values) in one fixed order whatever else the item holds,
 // and keys it does not see add exact zeros, so each row comes out as a step of that row alone
 // gives it, bit for bit. q, k, v and the probabilities are bf16 values already (as eager rounds
-// them), so every product is exact; only the order of summation differs from eager's.
+// them), so every product is exact; the order of summation differs from eager's, and vdpbf16ps
+// flushes values below float's normal range (2^-126) to zero.
 namespace bf16 {
 
 inline __m512bh pair(uint32_t two_bf16) { return (__m512bh)_mm512_set1_epi32(two_bf16); }
 
 // One query's place in an item: its roped q as bf16 pairs, its keys [first, ctx), its scores
 // (then probabilities, float) from key `first` on, its probabilities as bf16 from the item's
-// first key on (0 outside its keys), and where its output goes.
+// first chunk on (key lo: the item's first key rounded down to 16; 0 outside its keys), and
+// where its output goes.
 struct Query {
   const uint32_t* q;
   float* scores;
@@ -537,9 +540,12 @@ void score_chunk(const Chunk& c, const Query* qs, int64_t c0, const char* ahead,
   for (int n = 0; n < NQ; ++n) {
     const int64_t lo = std::max<int64_t>(0, qs[n].first - c0);
     const int64_t hi = std::min<int64_t>(16, qs[n].ctx - c0);
-    if (lo >= hi) continue;
-    const __mmask16 keep = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
-    _mm512_mask_storeu_ps(qs[n].scores + (c0 - qs[n].first), keep, _mm512_load_ps(out[n]));
+    if (lo > 0) {  // the chunk begins before the query's first key (a sliding window)
+      for (int64_t i = lo; i < hi; ++i) qs[n].scores[c0 + i - qs[n].first] = out[n][i];
+    } else if (hi > 0) {
+      const __mmask16 keep = static_cast<__mmask16>((1u << hi) - 1);
+      _mm512_mask_storeu_ps(qs[n].scores + (c0 - qs[n].first), keep, _mm512_load_ps(out[n]));
+    }
   }
 }
 
@@ -626,13 +632,19 @@ void item(const KV<c10::BFloat16>& kv, Query* qs, float scale, const c10::BFloat
     for (int u = 0; u < CH2 * 2; ++u) acc[n][u] = _mm512_setzero_ps();
   for (int64_t c0 = lo; c0 < hi; c0 += 16)
     value_chunk<NQ, CH2>(chunk(c0), qs, c0 - lo, acc, ahead(c0, kv.v), step);
+  // + 0 makes a -0 sum +0: a row alone adds +0 (0 x a zero row) after its last key where a
+  // run's later rows add 0 x their values, which may be -0 (flushed tiny sums keep their sign).
+  const __m512 zero0 = _mm512_setzero_ps();
   for (int n = 0; n < NQ; ++n)
-    for (int g = 0; g < CH2; ++g) store_dims(qs[n].dst + 32 * g, acc[n][2 * g], acc[n][2 * g + 1]);
+    for (int g = 0; g < CH2; ++g)
+      store_dims(qs[n].dst + 32 * g, _mm512_add_ps(acc[n][2 * g], zero0),
+                 _mm512_add_ps(acc[n][2 * g + 1], zero0));
 }
 
-// The most queries an item takes: the values' accumulators (2 * CH2 registers a query) within
-// 24 of the 32.
-constexpr int64_t max_tile(int64_t d) { return d == 128 ? 3 : 6; }
+// The most queries an item takes: the values' accumulators (d / 16 registers a query) within
+// 24 of the 32, beside d / 16 of V pairs (at d = 128 that is 32: the compiler may spill one).
+constexpr int64_t kMaxTile = 6;
+constexpr int64_t max_tile(int64_t d) { return d == 128 ? 3 : kMaxTile; }
 
 template <int CH2>
 void run_item(int64_t nq, const KV<c10::BFloat16>& kv, Query* qs, float scale,
@@ -648,8 +660,88 @@ void run_item(int64_t nq, const KV<c10::BFloat16>& kv, Query* qs, float scale,
   }
 }
 
+// One layer's attention as `attend` holds it: qkv (roped here), RoPE tables, caches, output.
+struct Layer {
+  const c10::BFloat16 *src, *cos, *sin, *kc, *vc;
+  c10::BFloat16* out;
+  int64_t nh, nkv, d, bs, window;
+  float scale;
+};
+
+// Items [begin, end) of bt: each query roped and packed as bf16 pairs, its keys (its own
+// sliding window), its buffers; then the item at its size.
+inline void attend_items(const Batch& bt, const Layer& l, int64_t begin, int64_t end) {
+  const int64_t d = l.d, group = l.nh / l.nkv, row_len = (l.nh + 2 * l.nkv) * d;
+  std::vector<c10::BFloat16> zero(d, c10::BFloat16(0.f));
+  std::vector<float> qf(d), scores;
+  std::vector<uint32_t> q;
+  std::vector<uint16_t> probs;
+  for (int64_t i = begin; i < end; ++i) {
+    const Item& it = bt.items[i];
+    const int64_t nq = it.q1 - it.q0;
+    int64_t first = std::numeric_limits<int64_t>::max(), ctx = 0;
+    Query qs[kMaxTile];
+    for (int64_t n = 0; n < nq; ++n) {
+      const int64_t len = bt.lens[it.row + (it.q0 + n) / group];
+      qs[n].first = l.window > 0 ? std::max<int64_t>(0, len - l.window) : 0;
+      qs[n].ctx = len;
+      first = std::min(first, qs[n].first);
+      ctx = std::max(ctx, len);
+    }
+    const int64_t span = (ctx + 15) / 16 * 16 - first / 16 * 16 + 16;
+    q.resize(nq * d / 2);
+    scores.resize(nq * span);
+    probs.assign(nq * span, 0);
+    for (int64_t n = 0; n < nq; ++n) {
+      const int64_t b = it.row + (it.q0 + n) / group, p = bt.positions[b];
+      const int64_t head = it.head * group + (it.q0 + n) % group;
+      rope_head<c10::BFloat16>(l.src + b * row_len + head * d, l.cos + p * d, l.sin + p * d,
+                               qf.data(), d);
+      for (int64_t j = 0; j < d / 2; ++j) {  // bf16 values: their top halves, in pairs
+        uint32_t x, y;
+        std::memcpy(&x, &qf[2 * j], 4);
+        std::memcpy(&y, &qf[2 * j + 1], 4);
+        q[n * d / 2 + j] = (x >> 16) | (y & 0xFFFF0000u);
+      }
+      qs[n].q = q.data() + n * d / 2;
+      qs[n].scores = scores.data() + n * span;
+      qs[n].p = probs.data() + n * span;
+      qs[n].dst = l.out + (b * l.nh + head) * d;
+    }
+    // the run's rows share their block table (Batch::order_items)
+    const KV<c10::BFloat16> kv{l.kc, l.vc, bt.tables + it.row * bt.width, l.bs, l.nkv * d,
+                               it.head * d, first, ctx};
+    switch (d) {
+      case 32: run_item<1>(nq, kv, qs, l.scale, zero.data()); break;
+      case 64: run_item<2>(nq, kv, qs, l.scale, zero.data()); break;
+      case 128: run_item<4>(nq, kv, qs, l.scale, zero.data()); break;
+      default: TORCH_CHECK(false, "fused decode: head_dim must be 16, 32, 64 or 128");
+    }
+  }
+}
+
 }  // namespace bf16
 #endif
+
+// Whether attention runs the bf16 kernel (namespace bf16): bf16 caches, head_dim >= 32, built
+// where the CPU has AVX512-BF16.
+inline bool bf16_items(bool bf16_cache, int64_t d) {
+#if defined(__AVX512BF16__)
+  return bf16_cache && d >= 32;
+#else
+  return false;
+#endif
+}
+
+// The most queries an attention item takes (Batch::order_items): a run's queries in tiles for
+// the bf16 kernel, else one row's GQA group.
+inline int64_t attn_tile(bool bf16_cache, int64_t d, int64_t group) {
+#if defined(__AVX512BF16__)
+  if (bf16_items(bf16_cache, d)) return bf16::max_tile(d);
+#endif
+  return group;
+}
+
 
 // x += delta, rounded as eager's add. n % 16 == 0.
 template <typename T>
@@ -724,52 +816,10 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
   const int64_t items = static_cast<int64_t>(bt.items.size());
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (d >= 32) {
+    if (bf16_items(true, d)) {
+      const bf16::Layer layer{src, cos, sin, kcp, vcp, o, nh, nkv, d, bs, window, scale};
       at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-        std::vector<c10::BFloat16> zero(d, c10::BFloat16(0.f));
-        std::vector<float> qf(d), scores;
-        std::vector<uint32_t> q;
-        std::vector<uint16_t> probs;
-        for (int64_t i = begin; i < end; ++i) {
-          const Item& it = bt.items[i];
-          const int64_t nq = it.q1 - it.q0, h = it.head;
-          int64_t first = std::numeric_limits<int64_t>::max(), ctx = 0;
-          bf16::Query qs[6];
-          for (int64_t n = 0; n < nq; ++n) {
-            const int64_t len = bt.lens[it.row + (it.q0 + n) / group];
-            qs[n].first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-            qs[n].ctx = len;
-            first = std::min(first, qs[n].first);
-            ctx = std::max(ctx, len);
-          }
-          const int64_t span = (ctx + 15) / 16 * 16 - first / 16 * 16 + 16;
-          q.resize(nq * d / 2);
-          scores.resize(nq * span);
-          probs.assign(nq * span, 0);
-          for (int64_t n = 0; n < nq; ++n) {
-            const int64_t b = it.row + (it.q0 + n) / group, p = bt.positions[b];
-            const int64_t head = h * group + (it.q0 + n) % group;
-            rope_head<T>(src + b * row_len + head * d, cos + p * d, sin + p * d, qf.data(), d);
-            for (int64_t j = 0; j < d / 2; ++j) {  // bf16 values: their top halves, in pairs
-              uint32_t x, y;
-              std::memcpy(&x, &qf[2 * j], 4);
-              std::memcpy(&y, &qf[2 * j + 1], 4);
-              q[n * d / 2 + j] = (x >> 16) | (y & 0xFFFF0000u);
-            }
-            qs[n].q = q.data() + n * d / 2;
-            qs[n].scores = scores.data() + n * span;
-            qs[n].p = probs.data() + n * span;
-            qs[n].dst = o + (b * nh + head) * d;
-          }
-          // the run's rows share their block table (Batch::order_items)
-          KV<T> kv{kcp, vcp, bt.tables + it.row * bt.width, bs, stride, h * d, first, ctx};
-          switch (d) {
-            case 32: bf16::run_item<1>(nq, kv, qs, scale, zero.data()); break;
-            case 64: bf16::run_item<2>(nq, kv, qs, scale, zero.data()); break;
-            case 128: bf16::run_item<4>(nq, kv, qs, scale, zero.data()); break;
-            default: TORCH_CHECK(false, "fused decode: head_dim must be 16, 32, 64 or 128");
-          }
-        }
+        bf16::attend_items(bt, layer, begin, end);
       });
       return;
     }
@@ -781,6 +831,8 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
     std::vector<float> qf(group * d), scores;
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = bt.items[i];
+      TORCH_CHECK(it.q1 - it.q0 == group && it.q0 % group == 0,
+                  "fused decode: an item of the portable attention is one row's GQA group");
       int64_t b = it.row + it.q0 / group, h = it.head, ctx = bt.lens[b], p = bt.positions[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       const int64_t padded = (ctx - first + 15) / 16 * 16;
@@ -800,15 +852,6 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
       }
     }
   });
-}
-
-// The most queries an attention item takes (Batch::order_items): a run's queries in tiles for
-// the bf16 kernel, else one row's GQA group.
-inline int64_t attn_tile(bool bf16_cache, int64_t d, int64_t group) {
-#if defined(__AVX512BF16__)
-  if (bf16_cache && d >= 32) return bf16::max_tile(d);
-#endif
-  return group;
 }
 
 // gate_up (B, 2f) -> silu(gate) * up (B, f), rounded as eager: T(T(silu(g)) * u). f % 16 == 0;
@@ -901,6 +944,7 @@ class DecodeModel {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_attention", [] { return bf16_items(true, 64); });  // built with AVX512-BF16
   m.def("quantize_rows", &quantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("few_rows_mm", &few_rows::mm, py::call_guard<py::gil_scoped_release>());

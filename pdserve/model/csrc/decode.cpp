@@ -496,9 +496,9 @@ inline __m512bh pair(uint32_t two_bf16) { return (__m512bh)_mm512_set1_epi32(two
 // first chunk on (key lo: the item's first key rounded down to 16; 0 outside its keys), and
 // where its output goes.
 struct Query {
-  const uint32_t* q;
+  const c10::BFloat16* q;  // read as pairs
   float* scores;
-  uint16_t* p;
+  c10::BFloat16* p;
   int64_t first, ctx;
   c10::BFloat16* dst;
 };
@@ -524,7 +524,7 @@ template <int NQ, int CH2>
 void score_chunk(const Chunk& c, const Query* qs, int64_t c0, const char* ahead, int64_t step) {
   __m512i q[NQ][CH2];
   for (int n = 0; n < NQ; ++n)
-    for (int g = 0; g < CH2; ++g) q[n][g] = _mm512_loadu_si512(qs[n].q + 16 * g);
+    for (int g = 0; g < CH2; ++g) q[n][g] = _mm512_loadu_si512(qs[n].q + 32 * g);
   alignas(64) float out[NQ][16];
   for (int i = 0; i < 16; ++i) {
     if (ahead)
@@ -589,9 +589,6 @@ void value_chunk(const Chunk& c, const Query* qs, int64_t off, __m512 (&acc)[NQ]
   }
 }
 
-// Chunks this many on are prefetched (a sequence's blocks lie anywhere in the cache: see Ahead).
-constexpr int64_t kAheadChunks = 2;
-
 // An item's NQ queries against one sequence's keys [first, ctx) of kv head kv.offset / d, in
 // chunks of 16 from lo = first rounded down to 16: scores, each query's softmax over its own
 // keys (as a row alone would have it), its probabilities as bf16 (zeros outside its keys),
@@ -600,10 +597,12 @@ template <int NQ, int CH2>
 void item(const KV<c10::BFloat16>& kv, Query* qs, float scale, const c10::BFloat16* zero) {
   const int64_t lo = kv.first / 16 * 16, hi = (kv.ctx + 15) / 16 * 16;
   const bool blocks_whole = kv.bs % 16 == 0;
+  const auto whole = [&](int64_t c0) {  // in one block, every key seen
+    return blocks_whole && c0 >= kv.first && c0 + 16 <= kv.ctx;
+  };
   const c10::BFloat16 *kl[16], *vl[16];
   const auto chunk = [&](int64_t c0) {
-    if (blocks_whole && c0 >= kv.first && c0 + 16 <= kv.ctx)
-      return Chunk{kv.row(kv.k, c0), kv.row(kv.v, c0), kv.stride, nullptr, nullptr};
+    if (whole(c0)) return Chunk{kv.row(kv.k, c0), kv.row(kv.v, c0), kv.stride, nullptr, nullptr};
     for (int i = 0; i < 16; ++i) {
       const bool in = c0 + i >= kv.first && c0 + i < kv.ctx;
       kl[i] = in ? kv.row(kv.k, c0 + i) : zero;
@@ -612,20 +611,18 @@ void item(const KV<c10::BFloat16>& kv, Query* qs, float scale, const c10::BFloat
     return Chunk{nullptr, nullptr, 0, kl, vl};
   };
   const int64_t step = kv.stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+  // the rows kAhead chunks on (as Ahead's blocks), one prefetched per row read; none unless whole
   const auto ahead = [&](int64_t c0, const c10::BFloat16* cache) -> const char* {
-    c0 += 16 * kAheadChunks;  // a whole chunk's rows, else none
-    if (!blocks_whole || c0 < kv.first || c0 + 16 > kv.ctx) return nullptr;
-    return reinterpret_cast<const char*>(kv.row(cache, c0));
+    c0 += 16 * kAhead;
+    return whole(c0) ? reinterpret_cast<const char*>(kv.row(cache, c0)) : nullptr;
   };
   for (int64_t c0 = lo; c0 < hi; c0 += 16)
     score_chunk<NQ, CH2>(chunk(c0), qs, c0, ahead(c0, kv.k), step);
   for (int n = 0; n < NQ; ++n) {
     const int64_t keys = qs[n].ctx - qs[n].first, padded = (keys + 15) / 16 * 16;
     softmax<c10::BFloat16>(qs[n].scores, keys, scale);
-    uint16_t* p = qs[n].p + (qs[n].first - lo);
-    for (int64_t t = 0; t < padded; t += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qs[n].scores + t)));
+    c10::BFloat16* p = qs[n].p + (qs[n].first - lo);  // bf16 values: stored exactly
+    for (int64_t t = 0; t < padded; t += 16) store16(p + t, load16(qs[n].scores + t));
   }
   __m512 acc[NQ][CH2 * 2];
   for (int n = 0; n < NQ; ++n)
@@ -674,8 +671,7 @@ inline void attend_items(const Batch& bt, const Layer& l, int64_t begin, int64_t
   const int64_t d = l.d, group = l.nh / l.nkv, row_len = (l.nh + 2 * l.nkv) * d;
   std::vector<c10::BFloat16> zero(d, c10::BFloat16(0.f));
   std::vector<float> qf(d), scores;
-  std::vector<uint32_t> q;
-  std::vector<uint16_t> probs;
+  std::vector<c10::BFloat16> q, probs;
   for (int64_t i = begin; i < end; ++i) {
     const Item& it = bt.items[i];
     const int64_t nq = it.q1 - it.q0;
@@ -689,21 +685,17 @@ inline void attend_items(const Batch& bt, const Layer& l, int64_t begin, int64_t
       ctx = std::max(ctx, len);
     }
     const int64_t span = (ctx + 15) / 16 * 16 - first / 16 * 16 + 16;
-    q.resize(nq * d / 2);
+    q.resize(nq * d);
     scores.resize(nq * span);
-    probs.assign(nq * span, 0);
+    probs.assign(nq * span, c10::BFloat16(0.f));
     for (int64_t n = 0; n < nq; ++n) {
       const int64_t b = it.row + (it.q0 + n) / group, p = bt.positions[b];
       const int64_t head = it.head * group + (it.q0 + n) % group;
       rope_head<c10::BFloat16>(l.src + b * row_len + head * d, l.cos + p * d, l.sin + p * d,
                                qf.data(), d);
-      for (int64_t j = 0; j < d / 2; ++j) {  // bf16 values: their top halves, in pairs
-        uint32_t x, y;
-        std::memcpy(&x, &qf[2 * j], 4);
-        std::memcpy(&y, &qf[2 * j + 1], 4);
-        q[n * d / 2 + j] = (x >> 16) | (y & 0xFFFF0000u);
-      }
-      qs[n].q = q.data() + n * d / 2;
+      for (int64_t c = 0; c < d; c += 16)  // bf16 values already: stored exactly
+        store16(q.data() + n * d + c, load16(qf.data() + c));
+      qs[n].q = q.data() + n * d;
       qs[n].scores = scores.data() + n * span;
       qs[n].p = probs.data() + n * span;
       qs[n].dst = l.out + (b * l.nh + head) * d;

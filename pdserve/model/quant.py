@@ -329,9 +329,10 @@ def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks], rows=Non
         set_kernel_rows(model, rows)
 
 
-def quantized_linears(model) -> list[_Quantized]:
-    """Every quantized linear of `model`, the lm_head included."""
-    return [x for x in [*model.linears(), model.lm_head] if isinstance(x, _Quantized)]
+def quantized_linears(model, head: bool = True) -> list[_Quantized]:
+    """Every quantized linear of `model`, the lm_head included unless not `head`."""
+    linears = [*model.linears(), model.lm_head] if head else model.linears()
+    return [x for x in linears if isinstance(x, _Quantized)]
 
 
 def set_kernel_rows(model, rows) -> None:

@@ -10,6 +10,8 @@ turn on the same cores and stops it after:
                   named `vllm`), VLLM_CPU_OMP_THREADS_BIND=CORES, VLLM_CPU_NUM_OF_RESERVED_CPU=0
   pdserve         pdserve serve --mode colocated (default weights: int4, the GGUF's blocks)
   pdserve-bf16    pdserve serve --mode colocated --model FOLDER --weights bf16 (vLLM's weights)
+  pdserve-a8      pdserve serve --mode colocated --int8-activations on (int8 GEMMs for prompts:
+                  faster prefill, perplexity +0.5 %; model/act_quant.py)
   pdserve-disagg  pdserve serve --mode disagg (the cores split between a prefill and a decode
                   worker)
 
@@ -63,7 +65,7 @@ from pdserve.bench.compare import (  # noqa: E402
     default_serve_cmd,
 )
 
-SERVERS = ("vllm", "pdserve", "pdserve-bf16", "pdserve-disagg")
+SERVERS = ("vllm", "pdserve", "pdserve-bf16", "pdserve-a8", "pdserve-disagg")
 DEFAULT_SERVERS = "vllm,pdserve"
 MODEL_NAME = "SmolLM2-135M-Instruct"  # served by every server, sent in every request
 STARTUP_TIMEOUT_S = 600.0  # vLLM takes ~80 s on 2 cores; more on a loaded machine
@@ -101,6 +103,8 @@ def server_specs(plan: Plan, vllm_python: Path | None, folder: Path) -> dict:
         elif name == "pdserve-bf16":
             extra = (*named, "--model", str(folder), "--weights", "bf16")
             specs[name] = ServerSpec(serve, "colocated", extra=extra)
+        elif name == "pdserve-a8":
+            specs[name] = ServerSpec(serve, "colocated", extra=(*named, "--int8-activations", "on"))
         else:
             mode = "disagg" if name == "pdserve-disagg" else "colocated"
             specs[name] = ServerSpec(serve, mode, extra=named)

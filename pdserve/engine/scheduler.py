@@ -153,7 +153,7 @@ class Scheduler:
     ) -> tuple[list[Sequence], list[int], int]:
         seqs, counts = [], []
         for seq in list(self.running):
-            if seq not in self.running:  # preempted while making room for an earlier one
+            if seq.status != SeqStatus.RUNNING:  # preempted making room for an earlier one
                 continue
             n = self._chunk(seq, budget, chunk)
             if n == 0:

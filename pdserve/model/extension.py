@@ -104,3 +104,9 @@ def extension_or_none():
             log.warning("the C++ kernels could not be built, using torch's (slower): %s", exc)
             _tried.append(None)
     return _tried[0]
+
+
+def loaded_or_none():
+    """The extension if this process has loaded it already, else None: never builds it (for
+    kernels an eager step may use, where a build's minute would land on a request)."""
+    return _module

@@ -106,3 +106,90 @@ def test_engine_with_blockwise_everywhere_matches_sdpa(monkeypatch):
     hits = cached.block_manager.hits
     assert run_to_completion(cached, prompts, params) == reference
     assert cached.block_manager.hits > hits
+
+
+def _prompt_kernel():
+    q = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
+    from pdserve.model.extension import extension_or_none
+
+    if extension_or_none() is None or attention._prompt_kernel(q) is None:
+        pytest.skip("no AVX512-BF16 prompt attention in this build (csrc/prefill_attention.h)")
+    return attention._prompt_kernel(q)
+
+
+# (queries, context, heads, kv heads, head_dim): fresh prompts and chunks at a context's end,
+# GQA groups 1, 3, 8, lengths on and off the 16-key tiles and the 16-position items
+PROMPT_CASES = [
+    (1, 1, 9, 3, 64), (37, 37, 9, 3, 64), (256, 256, 9, 3, 64), (257, 257, 8, 8, 128),
+    (130, 130, 16, 2, 32), (100, 356, 9, 3, 64), (1, 300, 9, 3, 64), (64, 1100, 4, 4, 64),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("n,ctx,heads,kv_heads,d", PROMPT_CASES)
+def test_the_prompt_kernel_rounds_as_blockwise_does(n, ctx, heads, kv_heads, d):
+    """Its scores, probabilities and outputs are rounded to bf16 where eager's are; only the
+    float sums' order differs, which moves an output by one bf16 step now and then."""
+    ext = _prompt_kernel()
+    q, k, v = inputs(n, ctx, heads, kv_heads, torch.bfloat16, d=d, seed=n + ctx)
+    ours, eager = ext.prefill_attention(q, k, v).float(), _blockwise_causal(q, k, v).float()
+    diff = (ours - eager).abs()
+    assert diff.max().item() <= 2 * 2**-8 * max(eager.abs().max().item(), 1.0)
+    assert (diff > 0).float().mean().item() < 0.01
+    ref = reference(q, k, v)  # and as far from exact attention as eager is
+    assert (ours - ref).abs().mean().item() < 1.05 * (eager - ref).abs().mean().item() + 1e-5
+
+
+def test_the_prompt_kernel_reads_heads_out_of_the_projection_rows():
+    """q, k and v as the model passes them: views into one (n, (H + 2 KV) d) row each."""
+    ext = _prompt_kernel()
+    n, heads, kv, d = 50, 9, 3, 64
+    qkv = torch.randn(n, (heads + 2 * kv) * d).to(torch.bfloat16)
+    q = qkv[:, : heads * d].view(n, heads, d)
+    k = qkv[:, heads * d : (heads + kv) * d].view(n, kv, d)
+    v = qkv[:, (heads + kv) * d :].view(n, kv, d)
+    whole = ext.prefill_attention(q.contiguous(), k.contiguous(), v.contiguous())
+    assert torch.equal(ext.prefill_attention(q, k, v), whole)
+    with pytest.raises(RuntimeError, match="bf16 q, k, v"):
+        ext.prefill_attention(q.float(), k.float(), v.float())
+
+
+def test_a_bf16_engine_attends_prompts_with_the_kernel_as_eager_does(monkeypatch):
+    """Whole and chunked prefills (a later chunk reads the cached K/V, as a prefix hit does) of
+    a bf16 engine go through the kernel, and every position's logits stay within bf16 noise of
+    the blockwise path's."""
+    from factories import make_engine, make_model_files
+
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import ScheduledBatch
+    from pdserve.engine.sequence import Sequence
+
+    _prompt_kernel()
+    files = make_model_files(seed=5, num_heads=6, num_kv_heads=2, hidden_size=384)
+    engine = make_engine(files, dtype="bfloat16", weights="bf16")
+    runner = engine.runner
+    ids = [(7 * i) % 250 + 1 for i in range(150)]
+
+    def logits(chunks):
+        seq = Sequence("s", ids, SamplingParams(max_tokens=1))
+        assert engine.block_manager.allocate(seq)
+        out = []
+        try:
+            with torch.inference_mode():
+                for start, end in chunks:
+                    seq.num_computed_tokens = start
+                    inp, pos, meta, *_ = runner._prepare(ScheduledBatch([seq], [end - start]))
+                    out.append(runner.model.logits(runner.model(inp, pos, runner.kv_caches, meta)))
+        finally:
+            engine.block_manager.free(seq)
+        return torch.cat(out).float()
+
+    calls = []
+    real = attention._prompt_kernel
+    monkeypatch.setattr(attention, "_prompt_kernel", lambda q: calls.append(1) or real(q))
+    whole, chunked = logits([(0, 150)]), logits([(0, 60), (60, 150)])
+    assert len(calls) == 3 * files.config.num_layers
+    monkeypatch.setattr(attention, "_prompt_kernel", lambda q: None)
+    eager = logits([(0, 150)])
+    for ours in (whole, chunked):
+        assert (ours - eager).abs().mean().item() < 0.02
+        assert (ours.argmax(-1) == eager.argmax(-1)).float().mean().item() > 0.97

@@ -323,11 +323,12 @@ void softmax(float* s, int64_t n, float scale) {
   }
   float m = ninf;
   for (int i = 0; i < 16; ++i) m = std::max(m, mx[i]);
-  f16v sum = f16v{};
+  f16v sum = f16v{}, seen;  // seen: 1 on the lanes of the last vector that are keys, else 0
+  for (int i = 0; i < 16; ++i) seen[i] = padded - 16 + i < n ? 1.f : 0.f;
   for (int64_t t = 0; t < padded; t += 16) {
     f16v e = exp_vec(load16(s + t) - m);
-    for (int i = 0; i < 16; ++i) e[i] = t + i < n ? e[i] : 0.f;
-    std::memcpy(s + t, &e, sizeof e);
+    if (t + 16 > n) e *= seen;  // per lane only there: a select per lane in every vector cost
+    std::memcpy(s + t, &e, sizeof e);  // a prompt's attention (its long rows) a third
     sum += e;
   }
   const float inv = 1.f / hsum(sum);
@@ -336,6 +337,8 @@ void softmax(float* s, int64_t n, float scale) {
     std::memcpy(s + t, &p, sizeof p);
   }
 }
+
+#include "prefill_attention.h"
 
 // Attention's unit of work: queries [q0, q1) of one kv head over a run of one sequence's rows
 // (a verify step's 1 + k, else one row). Query q is row `row + q / group`'s query head
@@ -941,6 +944,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("few_rows_mm", &few_rows::mm, py::call_guard<py::gil_scoped_release>());
   m.def("few_rows_mm8", &few_rows::mm8, py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,
                     std::vector<Tensor>>());

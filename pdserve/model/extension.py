@@ -110,3 +110,17 @@ def loaded_or_none():
     """The extension if this process has loaded it already, else None: never builds it (for
     kernels an eager step may use, where a build's minute would land on a request)."""
     return _module
+
+
+# Rows from which an eager bf16 step's RMSNorm and RoPE run the extension's one-pass kernels
+# (a prefill's): below, torch's ops cost about the same.
+EAGER_MIN_ROWS = 64
+
+
+def eager_kernels(x: torch.Tensor):
+    """The loaded extension, for an eager step's elementwise passes over `x` (model/parts.py
+    `rms`, model/rope.py `apply_rope`): bf16 rows on CPU, at least EAGER_MIN_ROWS of them; else
+    None (torch's ops, whose float32 bits the tests compare with transformers')."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[0] < EAGER_MIN_ROWS:
+        return None
+    return loaded_or_none()

@@ -945,6 +945,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_mm", &few_rows::mm, py::call_guard<py::gil_scoped_release>());
   m.def("few_rows_mm8", &few_rows::mm8, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &rope, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,
                     std::vector<Tensor>>());

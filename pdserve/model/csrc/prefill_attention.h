@@ -16,11 +16,11 @@
 namespace prefill {
 
 using BF = c10::BFloat16;
-constexpr int64_t kKeys = 16;   // keys per score tile (one register of floats)
-constexpr int64_t kBlock = 16;  // query positions per work item, at most
+constexpr int64_t kKeys = 16;               // keys per score tile (one register of floats)
+constexpr int64_t kBlock = 16;              // query positions per work item, at most
 constexpr int64_t kScoreBytes = 256 << 10;  // an item's float scores, at most (past 1 row)
-constexpr int kRows = 8;        // query rows per pass over a key tile (accumulators)
-constexpr int kOutRows = 6;     // query rows per pass over the values (4 registers each at d=64)
+constexpr int kRows = 8;     // query rows per pass over a key tile (accumulators)
+constexpr int kOutRows = 6;  // query rows per pass over the values (4 registers each at d=64)
 
 // K of one kv head as tiles of 16 keys: tile t, dim pair j -> 32 bf16, key i's dims 2j and
 // 2j + 1 at 2i and 2i + 1 (vdpbf16ps's pairs). Keys past n are zero.
@@ -65,7 +65,8 @@ void score_rows(const BF* q, int64_t ldq, const BF* kp, int64_t tiles, int64_t d
     const BF* kt = kp + t * d * kKeys;
     for (int64_t j = 0; j < d / 2; ++j) {
       const __m512bh kk = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kt + j * 2 * kKeys));
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], kk, bcast_pair(q + r * ldq + 2 * j));
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], kk, bcast_pair(q + r * ldq + 2 * j));
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * lds + t * kKeys, acc[r]);
   }
@@ -91,7 +92,7 @@ void value_rows(const BF* p, int64_t ldp, const BF* vp, int64_t keys, BF* out, i
     for (int c = 0; c < C; ++c) {
       f16v o;
       std::memcpy(&o, &acc[r][c], sizeof o);
-      store16(out + r * ldo + c * 16, o + 0.f);  // + 0: a -0 sum stored as +0, as eager's
+      store16(out + r * ldo + c * 16, o);
     }
 }
 
@@ -199,4 +200,53 @@ Tensor prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
   }
 #endif
   TORCH_CHECK(false, "prefill_attention: needs AVX512-BF16 and head_dim 32, 64 or 128");
+}
+
+// An eager bf16 step's RMSNorm and RoPE over many rows (a prefill's; model/parts.py `rms`,
+// model/rope.py `apply_rope`), one pass each over the rows with both threads, rounded as the
+// torch ops they replace: RMSNorm w * bf16(x / rms(x)) with the sum of squares in float; RoPE
+// bf16(bf16(x * cos) + swap_halves(x) * sin).
+Tensor rms_norm(const Tensor& x_in, const Tensor& w, double eps) {
+  const Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+                  x.dim() == 2 && x.size(1) % 16 == 0 && w.numel() == x.size(1),
+              "rms_norm: bf16 rows, a multiple of 16 wide, and their bf16 weight");
+  Tensor out = at::empty_like(x);
+  const int64_t n = x.size(1);
+  const c10::BFloat16 *xp = x.data_ptr<c10::BFloat16>(), *wp = w.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+    rms_rows<c10::BFloat16>(xp + b * n, wp, op + b * n, e - b, n, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// x (rows, heads, d) with each head's d contiguous (a view of the q/k/v projection's rows),
+// cos and sin (rows, 1, d); d a multiple of 32.
+Tensor rope(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in) {
+  using BF = c10::BFloat16;
+  const Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
+                  sin.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2) && x.size(2) % 32 == 0,
+              "rope: bf16 (rows, heads, d), each head contiguous, d a multiple of 32");
+  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(cos.numel() == rows * d && sin.numel() == rows * d, "rope: cos, sin (rows, 1, d)");
+  Tensor out = at::empty({rows, heads, d}, x.options());
+  const BF *xp = x.data_ptr<BF>(), *cp = cos.data_ptr<BF>(), *sp = sin.data_ptr<BF>();
+  BF* op = out.data_ptr<BF>();
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t h = 0; h < heads; ++h) {
+        const BF *xh = xp + r * x.stride(0) + h * d, *c = cp + r * d, *sn = sp + r * d;
+        BF* oh = op + (r * heads + h) * d;
+        for (int64_t i = 0; i < half; i += 16) {
+          const f16v lo = load16(xh + i), hi = load16(xh + half + i);
+          store16(oh + i, round_vec<BF>(lo * load16(c + i)) + hi * load16(sn + i));
+          store16(oh + half + i,
+                  round_vec<BF>(hi * load16(c + half + i)) + lo * load16(sn + half + i));
+        }
+      }
+  });
+  return out;
 }

@@ -1,0 +1,61 @@
+"""The extension's one-pass RMSNorm and RoPE for a bf16 prefill's rows (model/extension.py
+`eager_kernels`, csrc/prefill_attention.h) against the torch ops they replace."""
+
+import pytest
+import torch
+
+from pdserve.model import extension, parts, rope
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = extension.extension_or_none()
+    if module is None:
+        pytest.skip("the C++ extension does not build here")
+    return module
+
+
+def _torch_rms(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _torch_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos, torch.cat([x[..., half:], x[..., :half]], -1), sin)
+
+
+def test_rms_norm_rounds_as_torch_does(ext):
+    """Its float sum of squares runs in another order: a value one bf16 step apart, rarely."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(300, 576, generator=g) * 3).to(torch.bfloat16)
+    w = (torch.rand(576, generator=g) + 0.5).to(torch.bfloat16)
+    ours, ref = ext.rms_norm(x, w, 1e-5).float(), _torch_rms(x, w, 1e-5).float()
+    assert ((ours - ref).abs() <= 2**-7 * ref.abs()).all()
+    assert (ours != ref).float().mean().item() < 1e-3
+
+
+def test_rope_gives_torch_s_bits_on_views_of_the_projection(ext):
+    g = torch.Generator().manual_seed(1)
+    rows, heads, d = 100, 12, 64
+    qkv = torch.randn(rows, (heads + 3) * d, generator=g).to(torch.bfloat16)
+    x = qkv[:, : heads * d].view(rows, heads, d)  # as GQA passes q and k: strided rows
+    angles = torch.rand(rows, d // 2, generator=g) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(torch.bfloat16)[:, None]
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(torch.bfloat16)[:, None]
+    assert torch.equal(ext.rope(x, cos, sin), _torch_rope(x, cos, sin))
+
+
+def test_only_a_bf16_prefill_s_rows_take_them(ext, monkeypatch):
+    many = torch.zeros(extension.EAGER_MIN_ROWS, 64, dtype=torch.bfloat16)
+    assert extension.eager_kernels(many) is ext
+    assert extension.eager_kernels(many[:-1]) is None  # a decode step's few rows
+    assert extension.eager_kernels(many.float()) is None  # float32 keeps torch's bits
+    calls = []
+    monkeypatch.setattr(ext, "rms_norm", lambda *a: calls.append("rms") or _torch_rms(*a))
+    x = torch.randn(80, 64).to(torch.bfloat16)
+    parts.rms(x, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    cos = torch.ones(80, 1, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(ext, "rope", lambda *a: calls.append("rope") or _torch_rope(*a))
+    rope.apply_rope(x.view(80, 1, 64), cos, cos)
+    assert calls == ["rms", "rope"]

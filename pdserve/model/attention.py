@@ -133,7 +133,8 @@ def _blockwise_causal(q, k, v, dest: torch.Tensor | None = None) -> torch.Tensor
 
 
 def _prompt_kernel(q: torch.Tensor):
-    """The C++ extension, where its causal attention of a prompt's chunk runs q: bf16 on CPU,
+    """The C++ extension, where its causal attention of a prompt's chunk runs q in place of
+    `_blockwise_causal` (the same rounding; shorter chunks keep SDPA's float scores): bf16 on CPU,
     a build with AVX512-BF16, head_dim 32, 64 or 128 (csrc/prefill_attention.h; Zen 4, 2
     threads, against `_blockwise_causal`: 2.4x at 256 tokens, 1.5x at 1,000, 1.2x for the last
     1,024 of 2,048); else None. Only once the extension is loaded (int4/int8 weights and the
@@ -178,8 +179,8 @@ def paged_attention(
             vs = gather_blocks(v_cache, span.block_table)[: span.context_len]
         if window is not None and span.context_len > window:
             out[span.start : span.end] = sdpa_causal(qs, ks, vs, window)
-        elif (ext := _prompt_kernel(qs)) is not None:
-            out[span.start : span.end] = ext.prefill_attention(qs, ks, vs)
+        elif _use_blockwise(qs) and (ext := _prompt_kernel(qs)) is not None:
+            out[span.start : span.end] = ext.prefill_attention(qs, ks, vs)  # blockwise's bits
         elif _use_blockwise(qs):
             _blockwise_causal(qs, ks, vs, dest=out[span.start : span.end])
         else:

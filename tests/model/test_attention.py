@@ -155,8 +155,8 @@ def test_the_prompt_kernel_reads_heads_out_of_the_projection_rows():
 
 def test_a_bf16_engine_attends_prompts_with_the_kernel_as_eager_does(monkeypatch):
     """Whole and chunked prefills (a later chunk reads the cached K/V, as a prefix hit does) of
-    a bf16 engine go through the kernel, and every position's logits stay within bf16 noise of
-    the blockwise path's."""
+    a bf16 engine go through the kernel where the blockwise path ran (128 queries and more), and
+    every position's logits stay within bf16 noise of the blockwise path's."""
     from factories import make_engine, make_model_files
 
     from pdserve.engine.sampling_params import SamplingParams
@@ -167,7 +167,7 @@ def test_a_bf16_engine_attends_prompts_with_the_kernel_as_eager_does(monkeypatch
     files = make_model_files(seed=5, num_heads=6, num_kv_heads=2, hidden_size=384)
     engine = make_engine(files, dtype="bfloat16", weights="bf16")
     runner = engine.runner
-    ids = [(7 * i) % 250 + 1 for i in range(150)]
+    ids = [(7 * i) % 250 + 1 for i in range(300)]
 
     def logits(chunks):
         seq = Sequence("s", ids, SamplingParams(max_tokens=1))
@@ -186,10 +186,13 @@ def test_a_bf16_engine_attends_prompts_with_the_kernel_as_eager_does(monkeypatch
     calls = []
     real = attention._prompt_kernel
     monkeypatch.setattr(attention, "_prompt_kernel", lambda q: calls.append(1) or real(q))
-    whole, chunked = logits([(0, 150)]), logits([(0, 60), (60, 150)])
+    whole, chunked = logits([(0, 300)]), logits([(0, 140), (140, 300)])
     assert len(calls) == 3 * files.config.num_layers
+    calls.clear()
+    logits([(0, 100)])  # below BLOCKWISE_MIN_QUERIES: SDPA, whose scores stay in float32
+    assert not calls
     monkeypatch.setattr(attention, "_prompt_kernel", lambda q: None)
-    eager = logits([(0, 150)])
+    eager = logits([(0, 300)])
     for ours in (whole, chunked):
         assert (ours - eager).abs().mean().item() < 0.02
         assert (ours.argmax(-1) == eager.argmax(-1)).float().mean().item() > 0.97

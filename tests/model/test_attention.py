@@ -108,7 +108,7 @@ def test_engine_with_blockwise_everywhere_matches_sdpa(monkeypatch):
     assert cached.block_manager.hits > hits
 
 
-def _prompt_kernel():
+def _kernel_or_skip():
     q = torch.zeros(1, 9, 64, dtype=torch.bfloat16)
     from pdserve.model.extension import extension_or_none
 
@@ -129,7 +129,7 @@ PROMPT_CASES = [
 def test_the_prompt_kernel_rounds_as_blockwise_does(n, ctx, heads, kv_heads, d):
     """Its scores, probabilities and outputs are rounded to bf16 where eager's are; only the
     float sums' order differs, which moves an output by one bf16 step now and then."""
-    ext = _prompt_kernel()
+    ext = _kernel_or_skip()
     q, k, v = inputs(n, ctx, heads, kv_heads, torch.bfloat16, d=d, seed=n + ctx)
     ours, eager = ext.prefill_attention(q, k, v).float(), _blockwise_causal(q, k, v).float()
     diff = (ours - eager).abs()
@@ -141,7 +141,7 @@ def test_the_prompt_kernel_rounds_as_blockwise_does(n, ctx, heads, kv_heads, d):
 
 def test_the_prompt_kernel_reads_heads_out_of_the_projection_rows():
     """q, k and v as the model passes them: views into one (n, (H + 2 KV) d) row each."""
-    ext = _prompt_kernel()
+    ext = _kernel_or_skip()
     n, heads, kv, d = 50, 9, 3, 64
     qkv = torch.randn(n, (heads + 2 * kv) * d).to(torch.bfloat16)
     q = qkv[:, : heads * d].view(n, heads, d)
@@ -163,7 +163,7 @@ def test_a_bf16_engine_attends_prompts_with_the_kernel_as_eager_does(monkeypatch
     from pdserve.engine.scheduler import ScheduledBatch
     from pdserve.engine.sequence import Sequence
 
-    _prompt_kernel()
+    _kernel_or_skip()
     files = make_model_files(seed=5, num_heads=6, num_kv_heads=2, hidden_size=384)
     engine = make_engine(files, dtype="bfloat16", weights="bf16")
     runner = engine.runner

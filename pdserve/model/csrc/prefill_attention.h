@@ -10,6 +10,9 @@
 // with a 64-wide inner dimension. Here a tile of 16 keys is one register per pair of dims: a
 // query row's 16 scores are d / 2 vdpbf16ps with no horizontal sum, and a value row pair is
 // summed against a broadcast pair of probabilities the same way.
+//
+// The end of the file holds the same prefill's RMSNorm and RoPE in one pass each (rms_norm,
+// rope): the other elementwise work a prompt chunk's eager layer does outside its GEMMs.
 #pragma once
 
 #if defined(__AVX512BF16__)

@@ -149,7 +149,7 @@ class ModelRunner:
         """Apply `config.weights` to the model; returns the format chosen (auto resolved)."""
         fmt = self.config.weights
         # every linear's input size as this rank holds it (MLA's q_lora_rank, a TP slice, ...)
-        in_features = math.gcd(*(lin.weight.shape[1] for lin in self.model.linears()))
+        in_features = math.gcd(*(lin.shape[1] for lin in self.model.linears()))
         quant.check_format(fmt, self.device, in_features)
         # a tensor-parallel rank holds slices: the file's whole-weight blocks do not apply
         wants_blocks = (

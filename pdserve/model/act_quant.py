@@ -108,7 +108,7 @@ def recording(linears):
     """While open, every one of `linears` (quant._Quantized) runs its dense weight and keeps
     the largest |x| per input channel it has seen (`calib_amax`)."""
     for lin in linears:
-        lin.calib_amax = torch.zeros(lin.weight.shape[1])
+        lin.calib_amax = torch.zeros(lin.shape[1])
     try:
         yield
     finally:

@@ -28,7 +28,7 @@ from pdserve import envs
 from pdserve.model.extension import cpu_flags
 
 log = logging.getLogger(__name__)
-VERSION = 3  # of the measurement (3: few-row kernels of int8 rows); a new one re-measures
+VERSION = 4  # of the measurement (4: dense weights in oneDNN's layout); a new one re-measures
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # row counts timed, in order
 MIN_CALLS, MAX_CALLS = 20, 400  # timed calls of each kernel per row count
 BUDGET_S = 0.1  # beyond MIN_CALLS, time spent per row count
@@ -134,7 +134,7 @@ class KernelRows:
         """For the quantized linear `layer` (a quant._Quantized of `fmt`)."""
         if self.fixed is not None:
             return self.fixed
-        n, k = layer.weight.shape
+        n, k = layer.shape
         name = f"{fmt}:{n}x{k}"
         if name not in self.table:
             start = time.perf_counter()
@@ -151,7 +151,7 @@ class KernelRows:
         fixed_a8 = envs.int8_act_rows()
         if self.fixed is not None or fixed_a8 is not None:
             return (q_rows + 1, fixed_a8) if fixed_a8 else (0, 0)
-        n, k = layer.weight.shape
+        n, k = layer.shape
         name = f"int8act:{fmt}:{n}x{k}"
         if name not in self.table:
             start = time.perf_counter()

@@ -66,6 +66,27 @@ def test_fused_step_equals_eager_logits_and_kv(files, dtype, tol, shape):
     assert (lf.argmax(-1) == le.argmax(-1)).all()
 
 
+def test_fused_linears_in_onednn_layout_give_the_plain_weights_bits(files, monkeypatch):
+    """The fused step calls oneDNN's packed bf16 GEMM (csrc/decode.cpp onednn_linear) where
+    the model holds its weights so (model/quant.py Dense.pack): the same logits, bit for bit,
+    as with the plain weights through at::linear."""
+    from pdserve.model import quant
+
+    if not quant.onednn_packs(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("this CPU's oneDNN has no bf16 GEMM")
+    files = make_model_files(seed=1, num_heads=6, num_kv_heads=2, hidden_size=384)
+    packed = make_engine(files, dtype="bfloat16")
+    monkeypatch.setattr(quant, "PACK_DENSE", False)
+    plain = make_engine(files, dtype="bfloat16")
+    assert packed.runner.model.lm_head.onednn and not plain.runner.model.lm_head.onednn
+    logits = []
+    for eng in (packed, plain):
+        assert eng.runner.fused is not None
+        rows, out = eng.runner.run(decode_batch(eng, PROMPTS))
+        logits.append(out[torch.tensor(rows).argsort()])
+    assert torch.equal(*logits)
+
+
 def test_a_prompt_chunked_one_token_a_step_samples_only_at_its_end(files):
     """chunk_size=1 makes every step one token per sequence: the fused step computes prompt
     tokens too, and returns logits only for sequences whose step reaches their last token."""

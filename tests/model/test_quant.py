@@ -121,6 +121,38 @@ def test_prompt_rows_run_the_dense_weight_and_decode_rows_the_few_row_kernels(fi
         eng.block_manager.free(seq)
 
 
+def test_bf16_dense_weights_run_from_onednn_layout_with_the_same_bits():
+    """Where oneDNN has a bf16 GEMM, a dense bf16 weight is held in its layout (F.linear
+    reorders the plain weight on every call): the same bits at every row count and input
+    shape, the plain weight still readable, the fused step handed the packed one; float32
+    weights stay with F.linear."""
+    if not quant.onednn_packs(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("this CPU's oneDNN has no bf16 GEMM")
+    torch.manual_seed(0)
+    w = torch.randn(96, 128, dtype=torch.bfloat16)
+    lin = quant.Dense(w.clone())
+    lin.pack()
+    assert lin.onednn and lin.shape == (96, 128) and torch.equal(lin.weight, w)
+    xs = [torch.randn(n, 128, dtype=torch.bfloat16) for n in (1, 16, 300)]
+    xs += [torch.randn(2, 5, 128, dtype=torch.bfloat16), torch.randn(16, 256).bfloat16()[:, 64:192]]
+    for x in xs:
+        assert torch.equal(lin(x), F.linear(x, w)), x.shape
+    assert lin.kernel_spec()[2][0].is_mkldnn
+    f32 = quant.Dense(w.float())
+    f32.pack()
+    assert not f32.onednn and torch.equal(f32(xs[0].float()), F.linear(xs[0].float(), w.float()))
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+def test_a_bf16_engine_holds_every_dense_weight_in_onednn_layout(files, weights):
+    """bf16 weights, and an int4 model's dense copies (prompts, big batches) and lm_head."""
+    if not quant.onednn_packs(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("this CPU's oneDNN has no bf16 GEMM")
+    model = make_engine(files, dtype="bfloat16", weights=weights).runner.model
+    assert all(lin.onednn for lin in [*model.linears(), model.lm_head])
+    assert not any(lin.onednn for lin in make_engine(files).runner.model.linears())  # float32
+
+
 def test_few_row_kernels_leave_what_they_cannot_run_to_torch():
     """float32 weights, or N not a multiple of 16 (int8; torch's int4 packing needs it too):
     torch's kernels, as before."""

@@ -218,11 +218,24 @@ Tensor dequantize_rows(const Tensor& acc_in, const Tensor& s, const Tensor& scal
   return out;
 }
 
+// y = x @ w.T for a weight held in oneDNN's layout (model/quant.py's Dense.pack): torch's
+// mkldnn::_linear_pointwise, which has no ATen function, through the dispatcher.
+Tensor onednn_linear(const Tensor& x, const Tensor& w) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                        c10::string_view, c10::List<std::optional<at::Scalar>>,
+                        std::optional<c10::string_view>)>();
+  return op.call(x, w, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                 std::optional<c10::string_view>(""));
+}
+
 // One linear layer: kind 0 dense [w]; 1 int4 [w, packed, scales_zeros]; 2 int8 [w, q, scales];
 // 3 int4 in few_rows.h's layout [w, q, sz]; 4 int8 in its layout [w, q, scales].
 // The quantized kernels are used up to `max_rows` input rows; from `a8_first` to `a8_last`
 // rows, int8 activations [q (N, K) int8, scales (N,), inv_smooth (K,)] (model/act_quant.py,
-// the same arithmetic); the dense weight otherwise.
+// the same arithmetic); the dense weight otherwise (plain, or in oneDNN's layout).
 struct Linear {
   int64_t kind;
   int64_t max_rows;
@@ -248,7 +261,7 @@ struct Linear {
       return at::_weight_int8pack_mm(x, t[1], t[2]);
     }
     if (a8_first <= rows && rows <= a8_last) return int8_activations(x);
-    return at::linear(x, t[0]);
+    return t[0].is_mkldnn() ? onednn_linear(x, t[0]) : at::linear(x, t[0]);
   }
 
   Tensor int8_activations(const Tensor& x) const {

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import statistics
 import sys
@@ -49,7 +50,9 @@ def decode_weight_bytes(model) -> int:
     dense weight when it has none), and the norms."""
 
     def size(lin) -> int:
-        return sum(t.numel() * t.element_size() for t in lin.packed or (lin.weight,))
+        if lin.packed:
+            return sum(t.numel() * t.element_size() for t in lin.packed)
+        return math.prod(lin.shape) * model.norm.element_size()  # as held, packed or not
 
     linears = model.linears()
     norms = [model.norm] + [n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm)]

@@ -39,7 +39,10 @@ ALL_ROWS = 1 << 30
 
 
 def machine_key(dtype: torch.dtype, threads: int) -> str:
+    from pdserve.model.quant import PACK_DENSE  # the dense GEMM timed: packed or F.linear's
+
     key = f"{VERSION}|{cpu_flags()}|{torch.__version__}|{torch.__file__}|{dtype}|{threads}"
+    key += "" if PACK_DENSE else "|F.linear"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

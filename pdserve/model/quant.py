@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 GROUP = 32  # int4 group width: GGUF's block width, and gpt-fast's default
 # A linear built on its own (not by quantize_model, which measures this machine) uses its
@@ -70,7 +73,9 @@ class Dense:
     `F.linear` hands oneDNN the plain (N, K) weight and it reorders all of it on every call,
     which is most of a small batch's time (Zen 4, 2 threads, gate_up 3072 x 576: 137 / 287 /
     8,874 us at 1 / 16 / 1,024 rows against 49 / 154 / 8,226 prepacked; the lm_head 49,152 x
-    576 at 16 rows 5.9 vs 2.6 ms). The same oneDNN kernel runs either way: the same bits."""
+    576 at 16 rows 5.9 vs 2.6 ms). Both sum in float32 and round once to bf16; on that Zen 4
+    they gave the same bits at every shape tested (another CPU's oneDNN may order the sums
+    otherwise: eager and fused steps both run the packed op, so they still agree)."""
 
     format = "bf16"
     # the fused step's `Linear` kind (csrc/decode.cpp): 0 dense, 1 int4, 2 int8, 3 int4 few-row
@@ -102,7 +107,7 @@ class Dense:
 
     def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self._weight, None, "none", [], "")
+            return _onednn_linear(x, self._weight, None, "none", [], "")
         return F.linear(x, self._weight)
 
     @property
@@ -119,31 +124,50 @@ class Dense:
 
 # Whether bf16 weights on this CPU can be held in oneDNN's layout: None until first asked.
 _ONEDNN_BF16: bool | None = None
-PACK_DENSE = True  # benchmarks turn it off to time F.linear's own reorders
+PACK_DENSE = True  # tests turn it off to compare with F.linear on the plain weight
+
+
+def _onednn_linear(*args):
+    return torch.ops.mkldnn._linear_pointwise.default(*args)
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether `weight` runs faster held in oneDNN's layout: bf16 on a CPU whose oneDNN has a
-    bf16 GEMM (float32 runs MKL's, and elsewhere the packed op is missing or emulated)."""
+    """Whether `weight` runs held in oneDNN's layout: bf16 on an x86 CPU with bf16 instructions
+    (AVX512-BF16 or AMX, where it was measured), whose torch has the ops and gives a small
+    weight's product within bf16 rounding of `F.linear`'s. Float32 runs MKL's GEMM; CPUs that
+    would emulate bf16 keep `F.linear`."""
     global _ONEDNN_BF16
     if not PACK_DENSE or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return False
     if _ONEDNN_BF16 is None:
-        try:
-            _ONEDNN_BF16 = bool(
-                torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            )
-        except (AttributeError, RuntimeError):  # a torch built without these ops
-            _ONEDNN_BF16 = False
+        _ONEDNN_BF16 = _onednn_bf16_works()
     return _ONEDNN_BF16
+
+
+def _onednn_bf16_works() -> bool:
+    from pdserve.model.extension import cpu_flags
+
+    if not {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()):
+        return False
+    try:
+        w = torch.linspace(-1, 1, 32 * 64).reshape(32, 64).to(torch.bfloat16)
+        x = torch.linspace(1, -1, 3 * 64).reshape(3, 64).to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        got = _onednn_linear(x, packed, None, "none", [], "")
+        return torch.allclose(got.float(), F.linear(x, w).float(), rtol=2**-7, atol=1e-2)
+    except (AttributeError, RuntimeError) as exc:  # a torch built without the ops, or failing
+        log.warning("dense bf16 weights stay with F.linear: oneDNN's packed GEMM failed (%s)", exc)
+        return False
 
 
 def pack_dense(model) -> int:
     """Hold every dense weight of `model` (the quantized linears' dense copies too, and the
-    lm_head) in oneDNN's layout where that runs here; returns how many."""
-    linears = [*model.linears(), model.lm_head] if model.lm_head is not None else model.linears()
+    lm_head) in oneDNN's layout where that runs here; returns how many. A quantized lm_head
+    whose weight is the (tied) embeddings' keeps it plain: packing would copy the whole
+    embedding table (vocab x hidden) for the few prompt rows it takes."""
+    head = model.lm_head
+    tied = head is not None and isinstance(head, _Quantized) and head._weight is model.embed
+    linears = [*model.linears(), *([head] if head is not None and not tied else [])]
     for linear in linears:
         linear.pack()
     return sum(linear.onednn for linear in linears)

@@ -66,10 +66,10 @@ def test_fused_step_equals_eager_logits_and_kv(files, dtype, tol, shape):
     assert (lf.argmax(-1) == le.argmax(-1)).all()
 
 
-def test_fused_linears_in_onednn_layout_give_the_plain_weights_bits(files, monkeypatch):
+def test_fused_linears_in_onednn_layout_match_the_plain_weights(monkeypatch):
     """The fused step calls oneDNN's packed bf16 GEMM (csrc/decode.cpp onednn_linear) where
-    the model holds its weights so (model/quant.py Dense.pack): the same logits, bit for bit,
-    as with the plain weights through at::linear."""
+    the model holds its weights so (model/quant.py Dense.pack): the logits of the plain weights
+    through at::linear, within bf16 rounding (the same bits on the Zen 4 it was written on)."""
     from pdserve.model import quant
 
     if not quant.onednn_packs(torch.zeros(1, dtype=torch.bfloat16)):
@@ -84,7 +84,8 @@ def test_fused_linears_in_onednn_layout_give_the_plain_weights_bits(files, monke
         assert eng.runner.fused is not None
         rows, out = eng.runner.run(decode_batch(eng, PROMPTS))
         logits.append(out[torch.tensor(rows).argsort()])
-    assert torch.equal(*logits)
+    assert (logits[0] - logits[1]).abs().max().item() < 0.1
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()
 
 
 def test_a_prompt_chunked_one_token_a_step_samples_only_at_its_end(files):

@@ -548,7 +548,7 @@ void score_chunk(const Chunk& c, const Query* qs, int64_t c0, const char* ahead,
     // this key's V row into L2 for the values after the softmax: there, the rows kAhead chunks
     // on came too late (a chunk's values take a fraction of DRAM's latency), and the V loads
     // held ~40 % of the attention's samples (perf, 64 sequences at 320 tokens, blocks in
-    // random places): the step 75.4 -> 69.5 ms, 16 sequences 21.9 -> 20.6 (interleaved, 3x)
+    // random places): the step 75.4 -> 69.5 ms (interleaved, 3x), 16 sequences within noise
     for (int b = 0; b < CH2 * 64; b += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(c.vrow(i)) + b, 0, 2);
     __m512i r[CH2];

@@ -127,8 +127,14 @@ _ONEDNN_BF16: bool | None = None
 PACK_DENSE = True  # tests turn it off to compare with F.linear on the plain weight
 
 
+_LINEAR_POINTWISE = None  # torch.ops.mkldnn._linear_pointwise.default, once looked up
+
+
 def _onednn_linear(*args):
-    return torch.ops.mkldnn._linear_pointwise.default(*args)
+    global _LINEAR_POINTWISE
+    if _LINEAR_POINTWISE is None:
+        _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+    return _LINEAR_POINTWISE(*args)
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:

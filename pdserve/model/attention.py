@@ -179,10 +179,11 @@ def paged_attention(
             vs = gather_blocks(v_cache, span.block_table)[: span.context_len]
         if window is not None and span.context_len > window:
             out[span.start : span.end] = sdpa_causal(qs, ks, vs, window)
-        elif _use_blockwise(qs) and (ext := _prompt_kernel(qs)) is not None:
-            out[span.start : span.end] = ext.prefill_attention(qs, ks, vs)  # blockwise's bits
         elif _use_blockwise(qs):
-            _blockwise_causal(qs, ks, vs, dest=out[span.start : span.end])
+            if (ext := _prompt_kernel(qs)) is not None:
+                out[span.start : span.end] = ext.prefill_attention(qs, ks, vs)  # blockwise's bits
+            else:
+                _blockwise_causal(qs, ks, vs, dest=out[span.start : span.end])
         else:
             out[span.start : span.end] = sdpa_causal(qs, ks, vs)
     return out

@@ -166,9 +166,9 @@ def _onednn_bf16_works() -> bool:
         return False
 
 
-def pack_dense(model) -> int:
+def pack_dense(model) -> None:
     """Hold every dense weight of `model` (the quantized linears' dense copies too, and the
-    lm_head) in oneDNN's layout where that runs here; returns how many. A quantized lm_head
+    lm_head) in oneDNN's layout where that runs here. A quantized lm_head
     whose weight is the (tied) embeddings' keeps it plain: packing would copy the whole
     embedding table (vocab x hidden) for the few prompt rows it takes."""
     head = model.lm_head
@@ -176,7 +176,6 @@ def pack_dense(model) -> int:
     linears = [*model.linears(), *([head] if head is not None and not tied else [])]
     for linear in linears:
         linear.pack()
-    return sum(linear.onednn for linear in linears)
 
 
 # True while a step computes prompt tokens (model/llama.py): their K/V is read by every later
@@ -405,16 +404,14 @@ def quantize_model(model, fmt: str, file_blocks: dict[str, Int4Blocks], rows=Non
     crossover per shape, else each format's MAX_ROWS. Every dense weight left is then held
     in oneDNN's layout where that runs here (`pack_dense`), before the crossovers are timed
     against it."""
-    if fmt == "bf16":
-        pack_dense(model)
-        return
-    for layer in model.layers:  # every linear of every part (experts too), by its HF names
-        for owner, attr, parts in layer.linears():
-            have = [file_blocks.get(f"{part}.weight") for part in parts]
-            blocks = Int4Blocks.concat(have) if all(b is not None for b in have) else None
-            setattr(owner, attr, quantize_linear(getattr(owner, attr), fmt, blocks))
-    if model.lm_head is not None:  # a later pipeline stage has none
-        model.lm_head = Int8Linear(model.lm_head.weight)
+    if fmt != "bf16":
+        for layer in model.layers:  # every linear of every part (experts too), by HF names
+            for owner, attr, parts in layer.linears():
+                have = [file_blocks.get(f"{part}.weight") for part in parts]
+                blocks = Int4Blocks.concat(have) if all(b is not None for b in have) else None
+                setattr(owner, attr, quantize_linear(getattr(owner, attr), fmt, blocks))
+        if model.lm_head is not None:  # a later pipeline stage has none
+            model.lm_head = Int8Linear(model.lm_head.weight)
     pack_dense(model)
     if rows is not None:
         set_kernel_rows(model, rows)

@@ -264,6 +264,14 @@ struct Linear {
     return t[0].is_mkldnn() ? onednn_linear(x, t[0]) : at::linear(x, t[0]);
   }
 
+  // As operator(), in float32 (the fused step's logits): the int8 kernel writes the same
+  // values as floats rather than bf16 then a float copy.
+  Tensor logits(const Tensor& x) const {
+    if (kind == 4 && x.size(0) <= max_rows && x.scalar_type() == at::kBFloat16)
+      return few_rows::mm8<few_rows::RoundedFloat>(x, t[1], t[2]);
+    return (*this)(x).to(at::kFloat);
+  }
+
   Tensor int8_activations(const Tensor& x) const {
     auto qs = quantize_rows(x, a8[2]);
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
@@ -916,7 +924,7 @@ class DecodeModel {
       TORCH_CHECK(x.scalar_type() == at::kFloat, "fused decode: float32 or bfloat16 only");
       x = layers<float>(x, bt);
     }
-    return lm_head_(x).to(at::kFloat);
+    return lm_head_.logits(x);
   }
 
  private:
@@ -962,7 +970,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("few_rows_mm", &few_rows::mm, py::call_guard<py::gil_scoped_release>());
-  m.def("few_rows_mm8", &few_rows::mm8, py::call_guard<py::gil_scoped_release>());
+  m.def("few_rows_mm8", &few_rows::mm8<c10::BFloat16>, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rope", &rope, py::call_guard<py::gil_scoped_release>());

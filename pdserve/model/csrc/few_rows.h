@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace few_rows {
@@ -43,6 +44,51 @@ inline float bf16_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+// A tile row's 16 sums out: as bf16 (rounded to nearest even, as torch's cast: a NaN stays a
+// NaN), or as floats holding those bf16 values (the fused step's logits, which it wants in
+// float: one pass instead of a bf16 tensor then its float copy).
+struct RoundedFloat {
+  float v;
+};
+
+#if defined(__AVX512F__)
+inline __m512i round_bf16_bits(__m512 v) {  // the bf16 in each lane's top half, low half zero
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                        _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(b, bias), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+
+inline void store_row(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(v), 16)));
+}
+
+inline void store_row(RoundedFloat* p, __m512 v) {
+  _mm512_storeu_ps(reinterpret_cast<float*>(p), _mm512_castsi512_ps(round_bf16_bits(v)));
+}
+#endif
+
+inline void store_row(c10::BFloat16* p, const float* v) {
+  for (int c = 0; c < kTile; ++c) p[c] = c10::BFloat16(v[c]);
+}
+
+inline void store_row(RoundedFloat* p, const float* v) {
+  for (int c = 0; c < kTile; ++c) reinterpret_cast<float*>(p)[c] = static_cast<float>(c10::BFloat16(v[c]));
+}
+
+// The output tensor of element type O (bf16 or RoundedFloat's floats), and its data.
+template <typename O>
+at::Tensor out_tensor(const at::Tensor& x, int64_t rows, int64_t n) {
+  return at::empty({rows, n}, x.options().dtype(std::is_same_v<O, RoundedFloat> ? at::kFloat : at::kBFloat16));
+}
+
+template <typename O>
+O* out_data(at::Tensor& out) {
+  return reinterpret_cast<O*>(out.data_ptr());
 }
 
 // Per row m and group g: xq (int8), its scale d[m * G + g] and sums[m * G + g] = sum xq.
@@ -110,9 +156,9 @@ struct Int8Rows {
 // group's scale then zero, per column.
 #if defined(__AVX512VNNI__)
 
-template <int R>
+template <int R, typename O>
 inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
-                 const uint16_t* sz, float* out, int64_t ldo) {
+                 const uint16_t* sz, O* out, int64_t ldo) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512 eight = _mm512_set1_ps(8.f);
   const int64_t groups = k / kGroup;
@@ -153,14 +199,14 @@ inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, c
       acc_out[m] = _mm512_fmadd_ps(z8, _mm512_set1_ps(xs[m * groups + g]), acc_out[m]);
     }
   }
-  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out + m * ldo, acc_out[m]);
+  for (int m = 0; m < R; ++m) store_row(out + m * ldo, acc_out[m]);
 }
 
 #else  // the same arithmetic in scalar code (any CPU): the integer sums are exact
 
-template <int R>
+template <int R, typename O>
 inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
-                 const uint16_t* sz, float* out, int64_t ldo) {
+                 const uint16_t* sz, O* out, int64_t ldo) {
   const int64_t groups = k / kGroup;
   float acc_out[R][kTile] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -181,14 +227,14 @@ inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, c
       }
     }
   }
-  for (int m = 0; m < R; ++m) std::memcpy(out + m * ldo, acc_out[m], sizeof acc_out[m]);
+  for (int m = 0; m < R; ++m) store_row(out + m * ldo, acc_out[m]);
 }
 
 #endif
 
-template <int R>
+template <int R, typename O>
 void tile_rows(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
-               const uint16_t* sz, float* out, int64_t ldo, int rows) {
+               const uint16_t* sz, O* out, int64_t ldo, int rows) {
   if constexpr (R > 1) {
     if (rows < R) return tile_rows<R - 1>(xq, k, d, xs, q, sz, out, ldo, rows);
   }
@@ -206,8 +252,8 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   for (int64_t i = 0; i < rows * groups; ++i) xs[i] = xr.d[i] * static_cast<float>(xr.sums[i]);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>());
-  at::Tensor acc = at::empty({rows, n}, x.options().dtype(at::kFloat));
-  float* ap = acc.data_ptr<float>();
+  at::Tensor out = out_tensor<c10::BFloat16>(x, rows, n);
+  c10::BFloat16* ap = out_data<c10::BFloat16>(out);
   at::parallel_for(0, n / kTile, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t m = 0; m < rows; m += kMaxRows)
@@ -217,7 +263,7 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
                             ap + m * n + t * kTile, n,
                             static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
   });
-  return acc.to(at::kBFloat16);
+  return out;
 }
 
 // ---- Int8 weights, one scale per column (model/quant.py Int8Linear: the lm_head) -----------
@@ -229,9 +275,9 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
 // w[c, 4p + i] + 128 (c a column of the tile).
 #if defined(__AVX512VNNI__)
 
-template <int R>
+template <int R, typename O>
 inline void tile8(const int8_t* xq, int64_t k, const float* d, const int32_t* sums,
-                  const uint8_t* q, __m512 scale, float* out, int64_t ldo) {
+                  const uint8_t* q, __m512 scale, O* out, int64_t ldo) {
   const int64_t groups = k / kGroup;
   __m512 acc_out[R];
   for (int m = 0; m < R; ++m) acc_out[m] = _mm512_setzero_ps();
@@ -255,14 +301,14 @@ inline void tile8(const int8_t* xq, int64_t k, const float* d, const int32_t* su
                                    acc_out[m]);
     }
   }
-  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out + m * ldo, _mm512_mul_ps(acc_out[m], scale));
+  for (int m = 0; m < R; ++m) store_row(out + m * ldo, _mm512_mul_ps(acc_out[m], scale));
 }
 
 #else
 
-template <int R>
+template <int R, typename O>
 inline void tile8(const int8_t* xq, int64_t k, const float* d, const int32_t* sums,
-                  const uint8_t* q, const float* scale, float* out, int64_t ldo) {
+                  const uint8_t* q, const float* scale, O* out, int64_t ldo) {
   const int64_t groups = k / kGroup;
   float acc_out[R][kTile] = {};
   for (int64_t g = 0; g < groups; ++g)
@@ -275,22 +321,26 @@ inline void tile8(const int8_t* xq, int64_t k, const float* d, const int32_t* su
         isum -= 128 * sums[m * groups + g];
         acc_out[m][c] = std::fma(static_cast<float>(isum), d[m * groups + g], acc_out[m][c]);
       }
-  for (int m = 0; m < R; ++m)
-    for (int c = 0; c < kTile; ++c) out[m * ldo + c] = acc_out[m][c] * scale[c];
+  for (int m = 0; m < R; ++m) {
+    for (int c = 0; c < kTile; ++c) acc_out[m][c] *= scale[c];
+    store_row(out + m * ldo, acc_out[m]);
+  }
 }
 
 #endif
 
-template <int R, typename S>
+template <int R, typename S, typename O>
 void tile8_rows(const int8_t* xq, int64_t k, const float* d, const int32_t* sums,
-                   const uint8_t* q, S scale, float* out, int64_t ldo, int rows) {
+                   const uint8_t* q, S scale, O* out, int64_t ldo, int rows) {
   if constexpr (R > 1) {
     if (rows < R) return tile8_rows<R - 1>(xq, k, d, sums, q, scale, out, ldo, rows);
   }
   tile8<R>(xq, k, d, sums, q, scale, out, ldo);
 }
 
-// y (M, N) bf16 = x (M, K) bf16, as int8 groups, times the packed int8 weight and its scales.
+// y (M, N) bf16 = x (M, K) bf16, as int8 groups, times the packed int8 weight and its scales;
+// O RoundedFloat: y's values as float32 (the fused step's logits).
+template <typename O = c10::BFloat16>
 inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "few_rows::mm8: bf16 rows");
   const at::Tensor x = x_in.contiguous();
@@ -299,8 +349,8 @@ inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   const Int8Rows xr(x);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
-  at::Tensor acc = at::empty({rows, n}, x.options().dtype(at::kFloat));
-  float* ap = acc.data_ptr<float>();
+  at::Tensor out = out_tensor<O>(x, rows, n);
+  O* ap = out_data<O>(out);
   at::parallel_for(0, n / kTile, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       alignas(64) float sc[kTile];
@@ -317,7 +367,7 @@ inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
                              static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
     }
   });
-  return acc.to(at::kBFloat16);
+  return out;
 }
 
 }  // namespace few_rows

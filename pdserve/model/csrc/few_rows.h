@@ -85,18 +85,13 @@ inline void store_row(c10::BFloat16* p, const float* v) {
 }
 
 inline void store_row(RoundedFloat* p, const float* v) {
-  for (int c = 0; c < kTile; ++c) reinterpret_cast<float*>(p)[c] = static_cast<float>(c10::BFloat16(v[c]));
+  for (int c = 0; c < kTile; ++c) p[c].v = static_cast<float>(c10::BFloat16(v[c]));
 }
 
-// The output tensor of element type O (bf16 or RoundedFloat's floats), and its data.
+// An (M, N) output of element type O (bf16, or RoundedFloat's floats).
 template <typename O>
 at::Tensor out_tensor(const at::Tensor& x, int64_t rows, int64_t n) {
   return at::empty({rows, n}, x.options().dtype(std::is_same_v<O, RoundedFloat> ? at::kFloat : at::kBFloat16));
-}
-
-template <typename O>
-O* out_data(at::Tensor& out) {
-  return reinterpret_cast<O*>(out.data_ptr());
 }
 
 // Per row m and group g: xq (int8), its scale d[m * G + g] and sums[m * G + g] = sum xq.
@@ -164,9 +159,9 @@ struct Int8Rows {
 // group's scale then zero, per column.
 #if defined(__AVX512VNNI__)
 
-template <int R, typename O>
+template <int R>
 inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
-                 const uint16_t* sz, O* out, int64_t ldo) {
+                 const uint16_t* sz, c10::BFloat16* out, int64_t ldo) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512 eight = _mm512_set1_ps(8.f);
   const int64_t groups = k / kGroup;
@@ -214,9 +209,9 @@ inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, c
 
 #else  // the same arithmetic in scalar code (any CPU): the integer sums are exact
 
-template <int R, typename O>
+template <int R>
 inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
-                 const uint16_t* sz, O* out, int64_t ldo) {
+                 const uint16_t* sz, c10::BFloat16* out, int64_t ldo) {
   const int64_t groups = k / kGroup;
   float acc_out[R][kTile] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -242,9 +237,9 @@ inline void tile(const int8_t* xq, int64_t k, const float* d, const float* xs, c
 
 #endif
 
-template <int R, typename O>
+template <int R>
 void tile_rows(const int8_t* xq, int64_t k, const float* d, const float* xs, const uint8_t* q,
-               const uint16_t* sz, O* out, int64_t ldo, int rows) {
+               const uint16_t* sz, c10::BFloat16* out, int64_t ldo, int rows) {
   if constexpr (R > 1) {
     if (rows < R) return tile_rows<R - 1>(xq, k, d, xs, q, sz, out, ldo, rows);
   }
@@ -263,7 +258,7 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>());
   at::Tensor out = out_tensor<c10::BFloat16>(x, rows, n);
-  c10::BFloat16* ap = out_data<c10::BFloat16>(out);
+  c10::BFloat16* ap = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n / kTile, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t m = 0; m < rows; m += kMaxRows)
@@ -361,7 +356,7 @@ inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
   at::Tensor out = out_tensor<O>(x, rows, n);
-  O* ap = out_data<O>(out);
+  O* ap = reinterpret_cast<O*>(out.data_ptr());
   at::parallel_for(0, n / kTile, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       alignas(64) float sc[kTile];

@@ -771,6 +771,20 @@ void add_into(T* x, const T* delta, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) store16(x + i, load16(x + i) + load16(delta + i));
 }
 
+// The fused step's rows (B, n): x += delta (when given), then out = RMSNorm(x) * w, one pass a
+// row, the rows shared between the threads where they are many (at 64 rows these passes on one
+// thread, the other waiting, were ~1 % of a step).
+template <typename T>
+void add_norm_rows(T* x, const T* delta, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, few_rows::kRowGrain / n),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (delta) add_into<T>(x + r * n, delta + r * n, n);
+      rms_rows<T>(x + r * n, w, out + r * n, 1, n, eps);
+    }
+  });
+}
+
 // A layer's attention parts (model/parts.py), each undefined where its family has none.
 struct AttnParts {
   Tensor bias;            // ((nh + 2 nkv) d,): QKVBias
@@ -818,11 +832,14 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
   T* kcp = kc.data_ptr<T>();
   T* vcp = vc.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  std::vector<float> tmp(d);
-  for (int64_t b = 0; b < B; ++b) {  // write this token's k (roped) and v
-    const T* r = src + b * row_len;
-    int64_t p = bt.positions[b];
-    for (int64_t h = 0; h < nkv; ++h) {
+  // write each token's k (roped) and v, both threads for many rows
+  at::parallel_for(0, B * nkv, std::max<int64_t>(1, few_rows::kRowGrain / (8 * d)),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(d);
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t b = j / nkv, h = j % nkv;
+      const T* r = src + b * row_len;
+      const int64_t p = bt.positions[b];
       rope_head<T>(r + (nh + h) * d, cos + p * d, sin + p * d, tmp.data(), d);
       T* kd = kcp + (bt.slots[b] * nkv + h) * d;
       T* vd = vcp + (bt.slots[b] * nkv + h) * d;
@@ -832,7 +849,7 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
         vd[i] = vs[i];
       }
     }
-  }
+  });
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const int64_t stride = nkv * d;  // between one token's rows of a kv head in a block
   const int64_t items = static_cast<int64_t>(bt.items.size());
@@ -933,21 +950,24 @@ class DecodeModel {
     const int64_t B = x.size(0), n = x.size(1);
     Tensor h = at::empty_like(x);
     Tensor attn = at::empty({B, nh_ * k_[0].size(3)}, x.options());
+    T* xp = x.data_ptr<T>();
+    T* hp = h.data_ptr<T>();
+    add_norm_rows<T>(xp, nullptr, norms_[0][0].data_ptr<T>(), hp, B, n, eps_);
     for (size_t l = 0; l < linears_.size(); ++l) {
       const auto& lin = linears_[l];
-      rms_rows<T>(x.data_ptr<T>(), norms_[l][0].data_ptr<T>(), h.data_ptr<T>(), B, n, eps_);
       Tensor qkv = lin[0](h).contiguous();
       if (parts_[l].any()) apply_parts<T>(qkv, parts_[l], nh_, nkv_, k_[l].size(3));
       attend<T>(qkv, cos_, sin_, k_[l], v_[l], bt, attn, nh_, nkv_, window_);
-      add_into<T>(x.data_ptr<T>(), lin[1](attn).contiguous().data_ptr<T>(), B * n);
-      rms_rows<T>(x.data_ptr<T>(), norms_[l][1].data_ptr<T>(), h.data_ptr<T>(), B, n, eps_);
+      Tensor o = lin[1](attn).contiguous();
+      add_norm_rows<T>(xp, o.data_ptr<T>(), norms_[l][1].data_ptr<T>(), hp, B, n, eps_);
       Tensor gu = lin[2](h).contiguous();
       int64_t f = gu.size(1) / 2;
       Tensor act = at::empty({B, f}, x.options());
       silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, f);
-      add_into<T>(x.data_ptr<T>(), lin[3](act).contiguous().data_ptr<T>(), B * n);
+      Tensor down = lin[3](act).contiguous();
+      const Tensor& next = l + 1 < linears_.size() ? norms_[l + 1][0] : final_norm_;
+      add_norm_rows<T>(xp, down.data_ptr<T>(), next.data_ptr<T>(), hp, B, n, eps_);
     }
-    rms_rows<T>(x.data_ptr<T>(), final_norm_.data_ptr<T>(), h.data_ptr<T>(), B, n, eps_);
     return h;
   }
 

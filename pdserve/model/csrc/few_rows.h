@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -137,16 +138,32 @@ inline void quantize_groups(const uint16_t* x, int64_t rows, int64_t k, int8_t* 
     }
 }
 
-// A bf16 matrix's rows (M, K), contiguous, as int8 groups: what both kernels take.
+// Values a thread takes before a pass over rows is shared between the threads (a few rows'
+// inputs: one thread; a 16-64-row decode step's: both). Here and in the fused step's norms and
+// K/V writes (csrc/decode.cpp).
+constexpr int64_t kRowGrain = 8192;
+
+// A bf16 matrix's rows (M, K), contiguous, as int8 groups: what both kernels take, and xs =
+// d * sums per row and group, the int4 kernel's zeros' factor. The rows are shared between the
+// threads and the buffers left unset until written: at 64 rows, one thread quantizing into
+// zeroed vectors held ~2 % of a decode step's samples while the other waited.
 struct Int8Rows {
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> sums;
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> d, xs;
+  std::unique_ptr<int32_t[]> sums;
 
   explicit Int8Rows(const at::Tensor& x)
-      : q(x.numel()), d(x.numel() / kGroup), sums(x.numel() / kGroup) {
-    quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.size(0),
-                    x.size(1), q.data(), d.data(), sums.data());
+      : q(new int8_t[x.numel()]), d(new float[x.numel() / kGroup]),
+        xs(new float[x.numel() / kGroup]), sums(new int32_t[x.numel() / kGroup]) {
+    const int64_t k = x.size(1), groups = k / kGroup;
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    at::parallel_for(0, x.size(0), std::max<int64_t>(1, kRowGrain / k),
+                     [&](int64_t begin, int64_t end) {
+      quantize_groups(xp + begin * k, end - begin, k, q.get() + begin * k,
+                      d.get() + begin * groups, sums.get() + begin * groups);
+      for (int64_t i = begin * groups; i < end * groups; ++i)
+        xs[i] = d[i] * static_cast<float>(sums[i]);
+    });
   }
 };
 
@@ -253,8 +270,6 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   const int64_t rows = x.size(0), k = x.size(1), n = q.size(0) * kTile, groups = k / kGroup;
   TORCH_CHECK(q.size(1) * kGroup == k && k % kGroup == 0, "few_rows::mm: K does not match");
   const Int8Rows xr(x);
-  std::vector<float> xs(rows * groups);  // d * sum xq: the zeros' factor
-  for (int64_t i = 0; i < rows * groups; ++i) xs[i] = xr.d[i] * static_cast<float>(xr.sums[i]);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>());
   at::Tensor out = out_tensor<c10::BFloat16>(x, rows, n);
@@ -262,8 +277,8 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   at::parallel_for(0, n / kTile, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t m = 0; m < rows; m += kMaxRows)
-        tile_rows<kMaxRows>(xr.q.data() + m * k, k, xr.d.data() + m * groups,
-                            xs.data() + m * groups,
+        tile_rows<kMaxRows>(xr.q.get() + m * k, k, xr.d.get() + m * groups,
+                            xr.xs.get() + m * groups,
                             qp + t * (k / 2) * kTile, sp + t * groups * 2 * kTile,
                             ap + m * n + t * kTile, n,
                             static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
@@ -367,8 +382,8 @@ inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
       const float* scale = sc;
 #endif
       for (int64_t m = 0; m < rows; m += kMaxRows)
-        tile8_rows<kMaxRows>(xr.q.data() + m * k, k, xr.d.data() + m * groups,
-                             xr.sums.data() + m * groups, qp + t * k * kTile, scale,
+        tile8_rows<kMaxRows>(xr.q.get() + m * k, k, xr.d.get() + m * groups,
+                             xr.sums.get() + m * groups, qp + t * k * kTile, scale,
                              ap + m * n + t * kTile, n,
                              static_cast<int>(std::min<int64_t>(kMaxRows, rows - m)));
     }

@@ -26,6 +26,8 @@
 #include <optional>
 #include <vector>
 
+#include <unistd.h>
+
 #include "few_rows.h"
 
 using at::Tensor;
@@ -420,6 +422,16 @@ struct KV {
 // ahead gained less; the next block's rows all at once at its start made steps slower.
 constexpr int64_t kAhead = 2;
 
+// The most bytes of one sequence's K and V rows (all kv heads) that a first head's attention
+// item prefetches for the next items (bf16::item): four times this core's L2.
+inline int64_t wide_prefetch_budget() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return 4 * static_cast<int64_t>(l2 > 0 ? l2 : 1 << 20);
+  }();
+  return bytes;
+}
+
 template <typename T, int CH>
 struct Ahead {
   const char* p = nullptr;  // the row to prefetch next (none past the context)
@@ -545,19 +557,20 @@ struct Chunk {
 // Transposing 16 rows to score 16 keys an instruction without horizontal sums took fewer
 // instructions but made 1-row steps 7-12 % slower (its bursts of 16 rows' loads).
 template <int NQ, int CH2>
-void score_chunk(const Chunk& c, const Query* qs, int64_t c0, const char* ahead, int64_t step) {
+void score_chunk(const Chunk& c, const Query* qs, int64_t c0, const char* ahead, int64_t step,
+                 int64_t width) {
   __m512i q[NQ][CH2];
   for (int n = 0; n < NQ; ++n)
     for (int g = 0; g < CH2; ++g) q[n][g] = _mm512_loadu_si512(qs[n].q + 32 * g);
   alignas(64) float out[NQ][16];
   for (int i = 0; i < 16; ++i) {
     if (ahead)
-      for (int b = 0; b < CH2 * 64; b += 64) __builtin_prefetch(ahead + i * step + b);
+      for (int64_t b = 0; b < width; b += 64) __builtin_prefetch(ahead + i * step + b);
     // this key's V row into L2 for the values after the softmax: there, the rows kAhead chunks
     // on came too late (a chunk's values take a fraction of DRAM's latency), and the V loads
     // held ~40 % of the attention's samples (perf, 64 sequences at 320 tokens, blocks in
     // random places): the step 75.4 -> 69.5 ms (interleaved, 3x), 16 sequences within noise
-    for (int b = 0; b < CH2 * 64; b += 64)
+    for (int64_t b = 0; b < width; b += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(c.vrow(i)) + b, 0, 2);
     __m512i r[CH2];
     for (int g = 0; g < CH2; ++g) r[g] = _mm512_loadu_si512(c.krow(i) + 32 * g);
@@ -598,11 +611,11 @@ inline void store_dims(c10::BFloat16* dst, __m512 lo, __m512 hi) {
 // into CH2 * 2 vectors of pairs, times each query's pair of probabilities, summed in key order.
 template <int NQ, int CH2>
 void value_chunk(const Chunk& c, const Query* qs, int64_t off, __m512 (&acc)[NQ][CH2 * 2],
-                 const char* ahead, int64_t step) {
+                 const char* ahead, int64_t step, int64_t width) {
   for (int i = 0; i < 16; i += 2) {
     if (ahead)
       for (int r = i; r < i + 2; ++r)
-        for (int b = 0; b < CH2 * 64; b += 64) __builtin_prefetch(ahead + r * step + b);
+        for (int64_t b = 0; b < width; b += 64) __builtin_prefetch(ahead + r * step + b);
     __m512i pv[CH2 * 2];
     for (int g = 0; g < CH2; ++g) {
       const __m512i x = _mm512_loadu_si512(c.vrow(i) + 32 * g);
@@ -646,8 +659,16 @@ void item(const KV<c10::BFloat16>& kv, Query* qs, float scale, const c10::BFloat
     c0 += 16 * kAhead;
     return whole(c0) ? reinterpret_cast<const char*>(kv.row(cache, c0)) : nullptr;
   };
+  // The prefetches' bytes a key: its rows of this head; in a sequence's first head's item, its
+  // rows of every head (the items of its other heads, next on this thread, then read theirs from
+  // cache): a kv head's rows are a third of each token's cache line run at SmolLM2's 3 heads,
+  // and one run read whole went faster than three read a third each (64 sequences at 320
+  // tokens 66 -> 62 ms a step, 16 at 1,500 47 -> 38, 4 at 4,000 28 -> 22; interleaved medians).
+  // Not where a sequence's rows of every head outgrow the cache before its next item reads them.
+  const int64_t width =
+      kv.offset == 0 && (kv.ctx - kv.first) * step * 2 <= wide_prefetch_budget() ? step : CH2 * 64;
   for (int64_t c0 = lo; c0 < hi; c0 += 16)
-    score_chunk<NQ, CH2>(chunk(c0), qs, c0, ahead(c0, kv.k), step);
+    score_chunk<NQ, CH2>(chunk(c0), qs, c0, ahead(c0, kv.k), step, width);
   for (int n = 0; n < NQ; ++n) {
     const int64_t keys = qs[n].ctx - qs[n].first, padded = (keys + 15) / 16 * 16;
     softmax<c10::BFloat16>(qs[n].scores, keys, scale);
@@ -658,7 +679,7 @@ void item(const KV<c10::BFloat16>& kv, Query* qs, float scale, const c10::BFloat
   for (int n = 0; n < NQ; ++n)
     for (int u = 0; u < CH2 * 2; ++u) acc[n][u] = _mm512_setzero_ps();
   for (int64_t c0 = lo; c0 < hi; c0 += 16)
-    value_chunk<NQ, CH2>(chunk(c0), qs, c0 - lo, acc, ahead(c0, kv.v), step);
+    value_chunk<NQ, CH2>(chunk(c0), qs, c0 - lo, acc, ahead(c0, kv.v), step, width);
   // + 0 makes a -0 sum +0: a row alone adds +0 (0 x a zero row) after its last key where a
   // run's later rows add 0 x their values, which may be -0 (flushed tiny sums keep their sign).
   const __m512 zero0 = _mm512_setzero_ps();

@@ -59,3 +59,29 @@ def test_only_a_bf16_prefill_s_rows_take_them(ext, monkeypatch):
     monkeypatch.setattr(ext, "rope", lambda *a: calls.append("rope") or _torch_rope(*a))
     rope.apply_rope(x.view(80, 1, 64), cos, cos)
     assert calls == ["rms", "rope"]
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152, 49157])
+def test_argmax_rows_picks_what_torch_picks(ext, vocab):
+    """The greedy sampler's argmax (engine/sampler.py): the first of equal largest values, the
+    first NaN where a row has one, rows of -inf, every vocabulary width (the vector loop's tail)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1] = torch.round(x[1])  # many ties
+    x[2] = float("-inf")
+    if vocab > 10:
+        x[0, 3] = x[0, vocab - 2] = x[0].max() + 1  # a tie far apart
+        x[3, vocab // 2] = x[3, vocab - 1] = float("nan")
+        x[4, vocab - 1] = float("nan")  # in the tail
+    assert torch.equal(ext.argmax_rows(x), x.argmax(-1))
+
+
+def test_the_greedy_sampler_uses_the_kernel_once_loaded(ext, monkeypatch):
+    from pdserve.engine import sampler
+
+    calls = []
+    monkeypatch.setattr(sampler, "loaded_or_none", lambda: calls.append(1) or ext)
+    x = torch.randn(4, 100)
+    assert sampler._argmax_rows(x) == x.argmax(-1).tolist() and calls
+    monkeypatch.setattr(sampler, "loaded_or_none", lambda: None)
+    assert sampler._argmax_rows(x) == x.argmax(-1).tolist()

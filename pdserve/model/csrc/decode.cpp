@@ -929,6 +929,70 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t f) {
   });
 }
 
+// Each row's argmax of float logits (B, V), as torch.argmax: the first largest value, or the
+// first NaN where a row has one. torch's CPU argmax reads ~6 GB/s (a 64-row step's logits,
+// 12.6 MB: 1.35 ms, against 0.07 ms for their amax); this one runs both threads at vector width.
+Tensor argmax_rows(const Tensor& logits_in) {
+  const Tensor logits = logits_in.contiguous();
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.size(1) > 0,
+              "argmax_rows: float32 (rows, vocab)");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * n;
+      int64_t i = 0, best = 0;
+      float top = x[0];
+      bool nan = std::isnan(top);
+#if defined(__AVX512F__)
+      if (!nan && n >= 16) {  // per lane the first largest; then the largest lane, first index
+        __m512 mx = _mm512_loadu_ps(x);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i idx = at;
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        __mmask16 unordered = _mm512_cmp_ps_mask(mx, mx, _CMP_UNORD_Q);
+        for (i = 16; i + 16 <= n; i += 16) {
+          const __m512 v = _mm512_loadu_ps(x + i);
+          at = _mm512_add_epi32(at, sixteen);
+          unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          const __mmask16 gt = _mm512_cmp_ps_mask(v, mx, _CMP_GT_OQ);
+          mx = _mm512_mask_mov_ps(mx, gt, v);
+          idx = _mm512_mask_mov_epi32(idx, gt, at);
+        }
+        if (unordered) {
+          nan = true;
+        } else {
+          alignas(64) float mv[16];
+          alignas(64) int32_t iv[16];
+          _mm512_store_ps(mv, mx);
+          _mm512_store_si512(iv, idx);
+          top = mv[0], best = iv[0];
+          for (int l = 1; l < 16; ++l)
+            if (mv[l] > top || (mv[l] == top && iv[l] < best)) top = mv[l], best = iv[l];
+        }
+      }
+#endif
+      if (nan) {  // torch's argmax takes a NaN as the largest: the first one
+        for (i = 0; i < n && !std::isnan(x[i]); ++i) {
+        }
+        op[r] = i;
+        continue;
+      }
+      for (; i < n; ++i) {  // the tail (or the whole row without AVX-512)
+        if (std::isnan(x[i])) {
+          best = i;
+          break;
+        }
+        if (x[i] > top) top = x[i], best = i;
+      }
+      op[r] = best;
+    }
+  });
+  return out;
+}
+
 class DecodeModel {
  public:
   // norms: per layer [attn_norm, mlp_norm]; linears: per layer [qkv, o, gate_up, down]; parts:
@@ -1015,6 +1079,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rope", &rope, py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,
                     std::vector<Tensor>>());

@@ -91,7 +91,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def _argmax_rows(logits: torch.Tensor) -> list[int]:
+def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax, as torch's; by the extension's kernel (csrc/decode.cpp
     `argmax_rows`, ~15x torch's at 64 rows) where this process has loaded it."""
     ext = loaded_or_none()
@@ -102,7 +102,7 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     if all(s.params.greedy for s in seqs):
-        return _argmax_rows(logits)
+        return argmax_rows(logits)
     out = []
     for row, seq in zip(logits, seqs, strict=True):
         p = seq.params

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pdserve.engine.sampler import TokenLogprobs, _filter, process, token_logprobs
+from pdserve.engine.sampler import TokenLogprobs, _filter, argmax_rows, process, token_logprobs
 from pdserve.engine.sequence import Sequence
 from pdserve.model.quant import quantized_linears
 
@@ -388,7 +388,7 @@ def verify(
     target's (greedy: its argmax; sampled: the residual's draw, or the bonus token)."""
     logits = processed_logits(logits, seq, draft, mask)
     if seq.params.greedy:
-        target = logits.argmax(-1).tolist()
+        target = argmax_rows(logits)
         out = []
         for d, t in zip(draft, target, strict=False):
             if d != t:

@@ -82,6 +82,6 @@ def test_the_greedy_sampler_uses_the_kernel_once_loaded(ext, monkeypatch):
     calls = []
     monkeypatch.setattr(sampler, "loaded_or_none", lambda: calls.append(1) or ext)
     x = torch.randn(4, 100)
-    assert sampler._argmax_rows(x) == x.argmax(-1).tolist() and calls
+    assert sampler.argmax_rows(x) == x.argmax(-1).tolist() and calls
     monkeypatch.setattr(sampler, "loaded_or_none", lambda: None)
-    assert sampler._argmax_rows(x) == x.argmax(-1).tolist()
+    assert sampler.argmax_rows(x) == x.argmax(-1).tolist()

@@ -945,9 +945,9 @@ Tensor argmax_rows(const Tensor& logits_in) {
       const float* x = lp + r * n;
       int64_t i = 0, best = 0;
       float top = x[0];
-      bool nan = std::isnan(top);
+      bool nan = false;
 #if defined(__AVX512F__)
-      if (!nan && n >= 16) {  // per lane the first largest; then the largest lane, first index
+      if (n >= 16) {  // per lane the first largest; then the largest lane, first index
         __m512 mx = _mm512_loadu_ps(x);
         __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         __m512i idx = at;
@@ -961,32 +961,23 @@ Tensor argmax_rows(const Tensor& logits_in) {
           mx = _mm512_mask_mov_ps(mx, gt, v);
           idx = _mm512_mask_mov_epi32(idx, gt, at);
         }
-        if (unordered) {
-          nan = true;
-        } else {
-          alignas(64) float mv[16];
-          alignas(64) int32_t iv[16];
-          _mm512_store_ps(mv, mx);
-          _mm512_store_si512(iv, idx);
-          top = mv[0], best = iv[0];
-          for (int l = 1; l < 16; ++l)
-            if (mv[l] > top || (mv[l] == top && iv[l] < best)) top = mv[l], best = iv[l];
-        }
+        nan = unordered != 0;
+        alignas(64) float mv[16];
+        alignas(64) int32_t iv[16];
+        _mm512_store_ps(mv, mx);
+        _mm512_store_si512(iv, idx);
+        top = mv[0], best = iv[0];
+        for (int l = 1; l < 16; ++l)
+          if (mv[l] > top || (mv[l] == top && iv[l] < best)) top = mv[l], best = iv[l];
       }
 #endif
-      if (nan) {  // torch's argmax takes a NaN as the largest: the first one
-        for (i = 0; i < n && !std::isnan(x[i]); ++i) {
-        }
-        op[r] = i;
-        continue;
-      }
-      for (; i < n; ++i) {  // the tail (or the whole row without AVX-512)
-        if (std::isnan(x[i])) {
-          best = i;
-          break;
-        }
+      for (; i < n && !nan; ++i) {  // the tail (or the whole row without AVX-512)
+        nan = std::isnan(x[i]);
         if (x[i] > top) top = x[i], best = i;
       }
+      if (nan)  // torch's argmax takes a NaN as the largest: the first one
+        for (best = 0; !std::isnan(x[best]); ++best) {
+        }
       op[r] = best;
     }
   });

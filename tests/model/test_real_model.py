@@ -123,18 +123,27 @@ def test_bfloat16_long_prompt_through_blockwise_attention_stays_close_to_float32
     assert_clean(b16)
 
 
+@pytest.fixture(scope="module")
+def hf_greedy(llm, hf) -> dict[str, list[int]]:
+    """transformers' 32 greedy tokens of each prompt, computed once for both paths' tests."""
+    ref = {}
+    for prompt in PROMPTS:
+        tokens, past, ref[prompt] = llm.tokenizer.encode(prompt), None, []
+        with torch.no_grad():  # plain greedy loop: HF's generate() would mask EOS or stop at it
+            for _ in range(32):
+                out = hf(torch.tensor([tokens]), past_key_values=past, use_cache=True)
+                past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+                ref[prompt].append(tokens[0])
+    return ref
+
+
 @pytest.mark.parametrize("path", ["fused", "eager"])
-def test_greedy_32_tokens_identical_to_transformers(request, path, llm, hf):
+def test_greedy_32_tokens_identical_to_transformers(request, path, llm, hf_greedy):
     llm = llm if path == "fused" else request.getfixturevalue("eager")
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     ours = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, ours, strict=True):
-        ids = llm.tokenizer.encode(prompt)
-        ref = []
-        with torch.no_grad():  # plain greedy loop: HF's generate() would mask EOS or stop at it
-            for _ in range(32):
-                ref.append(int(hf(torch.tensor([ids + ref])).logits[0, -1].argmax()))
-        assert out.token_ids == ref, prompt
+        assert out.token_ids == hf_greedy[prompt], prompt
     assert_clean(llm)
 
 

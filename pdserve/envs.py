@@ -132,21 +132,23 @@ def step_log_dir() -> Path | None:
     return Path(value) if value else None
 
 
-def kv_fault() -> tuple[str, int] | None:
-    """`PDSERVE_KV_FAULT=KIND:EVERY` (tests only): the tcp or nixl KV connector breaks every
-    EVERY-th layer: the sender (reset, truncate, corrupt) or the receiver (stall); see
-    kv_transfer/wire_faults.py `TcpFault`."""
+def kv_fault() -> tuple[tuple[str, ...], int] | None:
+    """`PDSERVE_KV_FAULT=KIND[+KIND...]:EVERY` (tests only): the tcp or nixl KV connector breaks
+    every EVERY-th layer, each time the next of the KINDs in turn: the sender's (reset,
+    truncate, corrupt) or the receiver's (stall), not both; see kv_transfer/wire_faults.py
+    `TcpFault`."""
     value = os.environ.get(KV_FAULT)
     if not value:
         return None
-    kind, _, every = value.partition(":")
-    kinds = ("reset", "truncate", "corrupt", "stall")
-    if kind not in kinds or not every.isdigit() or int(every) < 1:
+    named, _, every = value.partition(":")
+    kinds = tuple(named.split("+"))
+    sender = {"reset", "truncate", "corrupt"}
+    if not (set(kinds) <= sender or kinds == ("stall",)) or not every.isdigit() or int(every) < 1:
         raise ValueError(
-            f"{KV_FAULT}={value!r}: expected KIND:EVERY with KIND reset, truncate, corrupt or "
-            "stall and EVERY >= 1 (a test-only switch)"
+            f"{KV_FAULT}={value!r}: expected KIND[+KIND...]:EVERY with KINDs of reset, truncate "
+            "and corrupt, or stall alone, and EVERY >= 1 (a test-only switch)"
         )
-    return kind, int(every)
+    return kinds, int(every)
 
 
 def kv_staging() -> bool:

@@ -80,12 +80,14 @@ def test_kv_fault_switch_is_parsed_or_refused(monkeypatch):
     monkeypatch.delenv(envs.KV_FAULT, raising=False)
     assert envs.kv_fault() is None
     monkeypatch.setenv(envs.KV_FAULT, "reset:3")
-    assert envs.kv_fault() == ("reset", 3)
+    assert envs.kv_fault() == (("reset",), 3)
+    monkeypatch.setenv(envs.KV_FAULT, "reset+truncate+corrupt:4")
+    assert envs.kv_fault() == (("reset", "truncate", "corrupt"), 4)
     monkeypatch.setenv(envs.KV_FAULT, "stall:40")
-    assert envs.kv_fault() == ("stall", 40)
-    for bad in ("explode:3", "reset", "reset:0", "reset:x"):
+    assert envs.kv_fault() == (("stall",), 40)
+    for bad in ("explode:3", "reset", "reset:0", "reset:x", "reset+stall:4", "reset+explode:4"):
         monkeypatch.setenv(envs.KV_FAULT, bad)
-        with pytest.raises(ValueError, match="KIND:EVERY"):
+        with pytest.raises(ValueError, match=r"KIND\[\+KIND\.\.\.\]:EVERY"):
             envs.kv_fault()
 
 

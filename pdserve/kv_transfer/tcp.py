@@ -84,8 +84,9 @@ class TcpLink(Link):
         header = LayerHeader(job.transfer_id, job.layer, list(job.src_ids), list(job.dst_ids),
                              nbytes, self._sender.encoding)  # fmt: skip
         fault = self._sender.fault
-        if fault is not None and fault.due():
-            fault.inject(self._sock, header)
+        kind = fault.due() if fault is not None else None
+        if kind is not None:
+            fault.inject(self._sock, header, kind)
         send_frame(self._sock, header)
         self._sender._write_payload(self._sock, job, self)
 

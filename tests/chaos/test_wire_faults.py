@@ -37,15 +37,19 @@ def assert_expected_answers(server: Server, prompts: list[str], expected: dict) 
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
-@pytest.mark.parametrize("kind", ["reset", "truncate", "corrupt"])
-def test_a_push_broken_on_the_wire_costs_time_not_tokens(kind, transport, expected):
-    env = {"PDSERVE_KV_FAULT": f"{kind}:4"}  # every 4th layer the prefill worker sends
+def test_pushes_broken_on_the_wire_cost_time_not_tokens(transport, expected):
+    """Every 4th layer the prefill worker sends breaks, as a reset, a truncated frame and a
+    corrupted one in turn: each request's push fails at its 4th layer (the connection is then
+    gone), so the six requests meet each kind twice, one server taking them one after another."""
+    env = {"PDSERVE_KV_FAULT": "reset+truncate+corrupt:4"}
     with Server(
         "--mode", "disagg", "--dtype", "float32", "--local-prefill-threshold", "0",
         "--kv-transport", transport, env=env,
     ) as server:  # fmt: skip
         assert_expected_answers(server, PROMPTS * 2, expected)
-        assert metric(server.url, "pdserve_kv_transfer_failures_total") >= 1
+        assert metric(server.url, "pdserve_kv_transfer_failures_total") >= 3
+        for kind in ("reset", "truncate", "corrupt"):
+            assert any(f"injected KV fault: {kind}" in x for x in server.lines), kind
         server.wait_idle_and_clean()  # every block free on both workers, integrity intact
 
 

@@ -131,8 +131,8 @@ def hf_greedy(llm, hf) -> dict[str, list[int]]:
         tokens, past, ref[prompt] = llm.tokenizer.encode(prompt), None, []
         with torch.no_grad():  # plain greedy loop: HF's generate() would mask EOS or stop at it
             for _ in range(32):
-                out = hf(torch.tensor([tokens]), past_key_values=past, use_cache=True)
-                past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+                out = hf(torch.tensor([tokens]), cache=past, use_cache=True)
+                past, tokens = out.cache, [int(out.logits[0, -1].argmax())]
                 ref[prompt].append(tokens[0])
     return ref
 

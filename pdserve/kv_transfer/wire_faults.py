@@ -17,10 +17,10 @@ class TcpFault:
     EVERY`): every EVERY-th layer goes wrong on the wire, each time as the next of the KINDs.
     Sender side: reset: half the payload, then the connection is reset (RST); truncate: half
     the payload, then the sender closes its side (EOF mid-frame); corrupt: a frame of garbage
-    where the layer's header belongs. Receiver side:
-    stall: the receiver stops reading after a layer's header until the sender hangs up (its
-    transfer timeout; `STALL_S` at most), lands nothing and drops the connection. Everything
-    above (acks, timeouts, leases, local fallback) must cope."""
+    where the layer's header belongs. Receiver side: stall: the receiver stops reading after a
+    layer's header until the sender hangs up (its transfer timeout; `STALL_S` at most), lands
+    nothing and drops the connection. Everything above (acks, timeouts, leases, local
+    fallback) must cope."""
 
     def __init__(self, kinds: tuple[str, ...], every: int) -> None:
         self.kinds, self.every = kinds, every

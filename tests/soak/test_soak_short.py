@@ -5,8 +5,7 @@ grow, no fd is left open (each process's open fds once the clients have closed a
 have settled, against its fewest under load: a client's connection open under load is not a
 leak), and no process's RSS floor (its least RSS over a third of the run: what it keeps, not a
 long prompt's activations in flight at a sample) grows by more than 5 % from the middle third
-to the last (the 30-minute run is the benchmark's; its
-figures are in docs/reliability.md)."""
+to the last (the 30-minute run is the benchmark's; its figures are in docs/reliability.md)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.kv_memory import zeroed_caches
 from pdserve.engine.pp.pipe import Hop
 from pdserve.engine.pp.stages import stage_weights
 from pdserve.engine.sampler import token_logprobs
@@ -88,13 +89,14 @@ class ModelRunner:
             )
             self.rank_caches = [(self.k_caches, self.v_caches)]
         else:
-
-            def per_layer() -> list[torch.Tensor]:
-                return [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                        for _ in range(mc.num_layers)]  # fmt: skip
-
-            self.k_caches = per_layer()
-            self.v_caches = [] if kv.is_latent else per_layer()
+            per_layer = mc.num_layers * kv.tensors
+            if self.device.type == "cpu":  # zeros that cost nothing until written
+                caches = zeroed_caches(shape, self.dtype, per_layer)
+            else:
+                caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(per_layer)]  # fmt: skip
+            self.k_caches = caches[: mc.num_layers]
+            self.v_caches = caches[mc.num_layers :]
             self.rank_caches = [(self.k_caches, self.v_caches)]
         # what each layer's attention gets: (k_cache, v_cache), or (latent_cache,)
         self.kv_caches = (

@@ -16,7 +16,7 @@ queue for a later stage's layers travel down with the step (`Hop.pushes`), and t
 each once it has computed the layer, so each stage's push overlaps the pipeline's next chunks
 and the bytes each stage sends are exactly its layers' share. When the stages are this host's
 single-rank processes, the later stages' caches also live in shared memory that stage 0 maps
-(as a tensor-parallel group's ranks: `engine/tp/shm.py`), for the KV store link, which moves
+(as a tensor-parallel group's ranks: `engine/kv_memory.py`), for the KV store link, which moves
 whole blocks from stage 0 (refused otherwise): it reads or writes them outside a step's hooks
 (loads, eviction copies), so it first drains the pipeline (`PPGroup.drain`), since a step not
 waited for may still be writing them.

@@ -2,7 +2,7 @@
 stage s to stage s+1 (a `Hop`: the step's inputs, the hidden states after stage s's layers and
 the later stages' KV pushes),
 the last stage back to stage 0 (the hidden states, when the step samples), and the other
-stages' KV caches as stage 0 sees them (in shared memory: `engine/tp/shm.py`).
+stages' KV caches as stage 0 sees them (in shared memory: `engine/kv_memory.py`).
 
 Sends do not wait for the receiver: stage 0 sends a chunk of a prompt on and schedules the next
 one while the later stages compute (the pipeline's overlap). Each pair's messages arrive in the
@@ -15,10 +15,10 @@ import subprocess
 import msgspec
 import torch
 
+from pdserve.engine.kv_memory import map_caches, shared_caches, zeroed_caches
 from pdserve.engine.pp.stages import StagePlace
 from pdserve.engine.tp.codec import Step, decode, encode
 from pdserve.engine.tp.group import LOOPBACK, gloo_group, reap, spread
-from pdserve.engine.tp.shm import map_caches, shared_caches
 from pdserve.kv_transfer.stage_link import LinkAddress, LinkSpec, Push
 
 _TAG = 0
@@ -157,9 +157,9 @@ class PPGroup(StagePlace):
         (stage 0 too, for the later layers, when the caches are not `shared`)."""
         held = len(self.held) * per_layer
         if not self.shared:
-            parts = {self.stage: [torch.zeros(shape, dtype=dtype) for _ in range(held)]}
+            parts = {self.stage: zeroed_caches(shape, dtype, held)}
         elif self.stage == 0:
-            mine = [torch.zeros(shape, dtype=dtype) for _ in range(held)]
+            mine = zeroed_caches(shape, dtype, held)
             parts = {0: mine}
             for s in range(1, self.size):
                 pid, fd = self.recv(s, tuple[int, int])

@@ -11,9 +11,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.kv_memory import map_caches, shared_caches, zeroed_caches
 from pdserve.engine.tp.codec import Step, decode, encode
 from pdserve.engine.tp.shard import TPShard
-from pdserve.engine.tp.shm import map_caches, shared_caches
 from pdserve.model.attention import AttentionMetadata
 
 INIT_TIMEOUT_S = 300.0  # for the other ranks to start, load and join
@@ -81,7 +81,7 @@ class TPGroup:
         held = range(num_layers) if held is None else held
         count = per_layer * len(held)
         if self.shard.rank == 0:
-            mine = [torch.zeros(shape, dtype=dtype) for _ in range(count)]
+            mine = zeroed_caches(shape, dtype, count)
             handle = None
         else:
             mine, handle = shared_caches(shape, dtype, count)

@@ -1,6 +1,15 @@
-"""The KV caches of a tensor-parallel engine's other ranks in shared memory: each rank's K and V
-caches in a memfd of its own process, which rank 0 maps through /proc/PID/fd, so the worker's KV
-connectors (in rank 0) read and write every rank's heads."""
+"""Where a CPU engine's KV caches live: memory that reads as zeros and is only backed by the
+machine once written.
+
+`torch.zeros` writes every byte of a 1 GiB cache at start-up: page faults and page clearing
+that cost a worker seconds (more on a virtual machine that has not backed those pages yet: a
+second server started beside a first spent half its start clearing pages), for blocks that a
+light load never reaches. An anonymous mapping is zeros by definition and is backed page by page
+as blocks are first written, so `zeroed_caches` costs nothing at start-up.
+
+A tensor-parallel engine's other ranks (and a pipeline's later stages) keep theirs in a memfd of
+their own process, which rank 0 maps through /proc/PID/fd (`shared_caches`, `map_caches`), so
+the worker's KV connectors (in rank 0) read and write every rank's heads."""
 
 from __future__ import annotations
 
@@ -9,6 +18,12 @@ import os
 
 import numpy as np
 import torch
+
+
+def zeroed_caches(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+    """`count` cache tensors of `shape`, zeros, in one private anonymous mapping of this
+    process."""
+    return _map(-1, shape, dtype, count)
 
 
 def shared_caches(shape: tuple[int, ...], dtype: torch.dtype, count: int):
@@ -34,6 +49,6 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 def _map(fd: int, shape, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
     size = _nbytes(shape, dtype)
-    buf = mmap.mmap(fd, count * size)
+    buf = mmap.mmap(fd, count * size)  # fd -1: anonymous, private
     flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping alive
     return [flat[i * size : (i + 1) * size].view(dtype).view(shape) for i in range(count)]

@@ -70,10 +70,13 @@ def _decode(q, k_cache, v_cache, tables, mask) -> torch.Tensor:
     return torch.matmul(scores.softmax(-1).to(q.dtype), vd).view(b, n_heads, d)
 
 
-# Prefill spans of at least this many queries, in bfloat16 on CPU, use `_blockwise_causal`; the
-# rest use torch's SDPA. Measured (1 thread, SmolLM2 shapes, AVX512-BF16 without AMX), blockwise
-# time / SDPA time: 0.95 at 128 queries, 0.5 at 512, 0.53 at 2,048 (45 vs 85 ms); below 128 its
-# fixed Python cost (~0.2 ms per call) loses. In float32 both take the same time (SDPA kept).
+# Prefill spans of at least this many queries, in bfloat16 on CPU, use `prompt_causal` (the C++
+# kernel, or `_blockwise_causal`); the rest use torch's SDPA. Measured (1 thread, SmolLM2 shapes,
+# AVX512-BF16 without AMX), blockwise time / SDPA time: 0.95 at 128 queries, 0.5 at 512, 0.53 at
+# 2,048 (45 vs 85 ms); below 128 its fixed Python cost (~0.2 ms per call) loses. In float32 both
+# take the same time (SDPA kept). The default only: an engine on CPU measures where its own
+# kernel wins on its machine (`kernel_rows.KernelRows.prompt_kernel_from`: on a Xeon with AMX,
+# whose SDPA runs oneDNN's tile GEMMs, it never does) and sets each layer's `kernel_from`.
 BLOCKWISE_MIN_QUERIES = 128
 # Query positions per block. 128 x group 3 = 384 score rows per matmul: big enough for the
 # matmuls to run near peak, small enough that a block's scores (<= 1.5 MiB at 2,048 keys) stay in
@@ -147,10 +150,16 @@ def _prompt_kernel(q: torch.Tensor):
     return ext if ext is not None and ext.bf16_attention() else None
 
 
-def _use_blockwise(q: torch.Tensor) -> bool:
-    return (
-        q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[0] >= BLOCKWISE_MIN_QUERIES
-    )
+def _use_blockwise(q: torch.Tensor, kernel_from: int) -> bool:
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[0] >= kernel_from
+
+
+def prompt_causal(q, k, v, dest: torch.Tensor | None = None) -> torch.Tensor:
+    """`_blockwise_causal`, by the C++ kernel where it runs (the same bits), into `dest`."""
+    if (ext := _prompt_kernel(q)) is None:
+        return _blockwise_causal(q, k, v, dest=dest)
+    out = ext.prefill_attention(q, k, v)
+    return out if dest is None else dest.copy_(out)
 
 
 def paged_attention(
@@ -161,10 +170,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     window: int | None = None,
+    kernel_from: int = BLOCKWISE_MIN_QUERIES,
 ) -> torch.Tensor:
     """Writes k/v into the cache at meta.slot_mapping, returns attention output (T, n_heads, d).
     `window`: sliding-window attention, each query attends to the last `window` positions (itself
-    included), as transformers' sliding_window_overlay; decode groups carry it in their mask."""
+    included), as transformers' sliding_window_overlay; decode groups carry it in their mask.
+    `kernel_from`: prompt chunks of at least this many queries run `prompt_causal`, shorter ones
+    torch's SDPA (bf16 on CPU; see BLOCKWISE_MIN_QUERIES)."""
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
@@ -179,11 +191,8 @@ def paged_attention(
             vs = gather_blocks(v_cache, span.block_table)[: span.context_len]
         if window is not None and span.context_len > window:
             out[span.start : span.end] = sdpa_causal(qs, ks, vs, window)
-        elif _use_blockwise(qs):
-            if (ext := _prompt_kernel(qs)) is not None:
-                out[span.start : span.end] = ext.prefill_attention(qs, ks, vs)  # blockwise's bits
-            else:
-                _blockwise_causal(qs, ks, vs, dest=out[span.start : span.end])
+        elif _use_blockwise(qs, kernel_from):
+            prompt_causal(qs, ks, vs, dest=out[span.start : span.end])
         else:
             out[span.start : span.end] = sdpa_causal(qs, ks, vs)
     return out

@@ -36,6 +36,8 @@ MARGIN = 0.97  # the quantized kernel must be at least 3 % faster to be chosen
 # row counts timed for int8 activations (model/act_quant.py), and "every count" past its top
 A8_LADDER = (*LADDER, 128, 256, 512, 1024)
 ALL_ROWS = 1 << 30
+# a fresh prompt's query counts timed for its causal attention (`measure_prompt_attention`)
+ATTENTION_LADDER = (128, 256, 512, 1024, 2048)
 
 
 def machine_key(dtype: torch.dtype, threads: int) -> str:
@@ -117,6 +119,26 @@ def measure_a8(dense, a8, q_rows: int, in_features: int, dtype) -> tuple[int, in
     return first, last
 
 
+def measure_prompt_attention(n_heads: int, n_kv: int, head_dim: int, dtype) -> int:
+    """The fewest queries of ATTENTION_LADDER from which a fresh prompt's causal attention by
+    `attention.prompt_causal` (the C++ kernel, else blockwise matmuls) beats torch's SDPA at
+    every larger count; ALL_ROWS: never (SDPA for every prompt chunk)."""
+    from pdserve.model import attention
+
+    first = ALL_ROWS
+    for n in reversed(ATTENTION_LADDER):
+        q = torch.randn(n, n_heads, head_dim).to(dtype)
+        k, v = (torch.randn(n, n_kv, head_dim).to(dtype) for _ in range(2))
+        qkv = (q, k, v)
+        ours_us, sdpa_us = _best_pair_us(
+            lambda x: attention.prompt_causal(*x), lambda x: attention.sdpa_causal(*x), qkv, 5
+        )
+        if ours_us >= sdpa_us * MARGIN:
+            break
+        first = n
+    return first
+
+
 class KernelRows:
     """This machine's table: (format, N, K) -> max rows, measured on first use and saved."""
 
@@ -165,6 +187,18 @@ class KernelRows:
         first, last = self.table[name]
         return first, last
 
+    def prompt_kernel_from(self, n_heads: int, n_kv: int, head_dim: int) -> int:
+        """Queries of a prompt chunk from which its attention runs `prompt_causal` rather
+        than SDPA (`measure_prompt_attention`), for this rank's heads."""
+        name = f"attention:{n_heads}x{n_kv}x{head_dim}"
+        if name not in self.table:
+            start = time.perf_counter()
+            self.table[name] = measure_prompt_attention(n_heads, n_kv, head_dim, self.dtype)
+            self.measured.append(name)
+            log.info("%s: prompt attention's own kernel from %d queries (measured in %.1f s)",
+                     name, self.table[name], time.perf_counter() - start)  # fmt: skip
+        return self.table[name]
+
     def save(self) -> None:
         """Write the table if this process measured anything (atomically: engines that start
         together each write a whole table, the last one stays)."""
@@ -192,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from pdserve.model import act_quant, quant
+    from pdserve.model.extension import extension_or_none
     from pdserve.model.llama import LlamaModel
     from pdserve.model.loader import load_int4_blocks, load_model_files
 
@@ -208,11 +243,13 @@ def main(argv: list[str] | None = None) -> None:
             table_path(dtype, n).unlink(missing_ok=True)
         rows = KernelRows(dtype, n)
         quant.set_kernel_rows(model, rows)
+        extension_or_none()  # serving loads it: its prompt attention is timed, not blockwise's
+        rows.prompt_kernel_from(model.n_heads, model.n_kv, files.config.head_dim)
         if act_quant.supported():  # the timings need no calibration: any smoothing will do
             for lin in quant.quantized_linears(model):
                 lin.a8 = act_quant.Int8Activations(lin.weight, None)
                 rows.a8_rows(lin.format, lin)
-            rows.save()
+        rows.save()
         print(f"{fmt}, {n} thread(s): {table_path(dtype, n)}", flush=True)
     torch.set_num_threads(cores)
 

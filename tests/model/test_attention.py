@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import attention
+from pdserve.model import attention, kernel_rows
 from pdserve.model.attention import _blockwise_causal
 
 
@@ -78,10 +78,30 @@ def test_blockwise_writes_into_dest():
 
 
 def test_dispatch_uses_blockwise_only_for_long_bf16_spans_on_cpu():
-    long_bf16 = torch.zeros(attention.BLOCKWISE_MIN_QUERIES, 9, 64, dtype=torch.bfloat16)
-    assert attention._use_blockwise(long_bf16)
-    assert not attention._use_blockwise(long_bf16[:-1])
-    assert not attention._use_blockwise(long_bf16.float())
+    n = attention.BLOCKWISE_MIN_QUERIES
+    long_bf16 = torch.zeros(n, 9, 64, dtype=torch.bfloat16)
+    assert attention._use_blockwise(long_bf16, n)
+    assert not attention._use_blockwise(long_bf16[:-1], n)
+    assert not attention._use_blockwise(long_bf16.float(), n)
+    assert not attention._use_blockwise(long_bf16, kernel_rows.ALL_ROWS)  # SDPA won here
+
+
+def test_each_layer_gets_the_prompt_attention_measured_on_this_machine(tmp_path, monkeypatch):
+    """A bf16 engine on CPU measures, for its heads, from how many queries its own prompt
+    kernel beats SDPA here, saves it with the kernels' rows and gives it to every layer; the
+    next engine reads it back instead of measuring."""
+    from factories import make_engine, make_model_files
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    files = make_model_files(seed=3)
+    runner = make_engine(files, dtype="bfloat16").runner
+    name = f"attention:{runner.model.n_heads}x{runner.model.n_kv}x{runner.kv_shape.dim}"
+    measured = kernel_rows.KernelRows(torch.bfloat16).table[name]  # read from the saved file
+    assert measured in (*kernel_rows.ATTENTION_LADDER, kernel_rows.ALL_ROWS)
+    assert {layer.attn.kernel_from for layer in runner.model.layers} == {measured}
+    monkeypatch.setattr(kernel_rows, "measure_prompt_attention", lambda *a: pytest.fail("again"))
+    again = make_engine(files, dtype="bfloat16").runner
+    assert {layer.attn.kernel_from for layer in again.model.layers} == {measured}
 
 
 def test_engine_with_blockwise_everywhere_matches_sdpa(monkeypatch):
@@ -96,7 +116,7 @@ def test_engine_with_blockwise_everywhere_matches_sdpa(monkeypatch):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     no_cache = dict(enable_prefix_caching=False, kv_cache_gb=0.01)
     reference = [run_to_completion(make_engine(files, **no_cache), [p], params)[0] for p in prompts]
-    monkeypatch.setattr(attention, "_use_blockwise", lambda q: True)
+    monkeypatch.setattr(attention, "_use_blockwise", lambda q, first: True)
     monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
     assert run_to_completion(make_engine(files, **no_cache), prompts, params) == reference
     chunked = make_engine(files, chunk_size=24, **no_cache)
@@ -167,6 +187,8 @@ def test_a_bf16_engine_attends_prompts_with_the_kernel_as_eager_does(monkeypatch
     files = make_model_files(seed=5, num_heads=6, num_kv_heads=2, hidden_size=384)
     engine = make_engine(files, dtype="bfloat16", weights="bf16")
     runner = engine.runner
+    for layer in runner.model.layers:  # the kernel from 128 queries, whatever won here
+        layer.attn.kernel_from = attention.BLOCKWISE_MIN_QUERIES
     ids = [(7 * i) % 250 + 1 for i in range(300)]
 
     def logits(chunks):

@@ -112,22 +112,24 @@ class ModelRunner:
             self.activations = "dense"
         # decode_path says which decode step runs, and why (the worker's ready line)
         self.fused, self.decode_path = self._fused_decode()
-        self._choose_prompt_attention()  # after the fused build: its extension is timed too
+        self._choose_prompt_kernels()  # after the fused build: its extension is timed too
 
-    def _choose_prompt_attention(self) -> None:
-        """Give each layer the prompt chunk size from which its attention runs pdserve's own
-        kernel rather than torch's SDPA, as measured on this machine (bf16 on CPU; cached with
-        the quantized kernels' rows, `kernel_rows.KernelRows.prompt_kernel_from`)."""
-        attns = [layer.attn for layer in self.model.layers if hasattr(layer.attn, "kernel_from")]
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not attns:
+    def _choose_prompt_kernels(self) -> None:
+        """Where a prompt's work runs on this machine, as measured here once (bf16 on CPU;
+        cached with the quantized kernels' rows, `kernel_rows.KernelRows`): each layer's chunk
+        size from which its attention runs pdserve's own kernel rather than torch's SDPA, and
+        each packed linear's row counts at which its GEMM runs as row parts."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return
         from pdserve.model.kernel_rows import KernelRows
 
         rows = self.kernel_rows or KernelRows(self.dtype)
-        first = rows.prompt_kernel_from(self.model.n_heads, self.model.n_kv, self.kv_shape.dim)
-        rows.save()
-        for attn in attns:
-            attn.kernel_from = first
+        attns = [layer.attn for layer in self.model.layers if hasattr(layer.attn, "kernel_from")]
+        if attns:
+            first = rows.prompt_kernel_from(self.model.n_heads, self.model.n_kv, self.kv_shape.dim)
+            for attn in attns:
+                attn.kernel_from = first
+        quant.set_split_rows(self.model, rows)  # saves the table
 
     def _fused_decode(self) -> tuple[FusedDecode | None, str]:
         """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""

@@ -36,6 +36,8 @@ MARGIN = 0.97  # the quantized kernel must be at least 3 % faster to be chosen
 # row counts timed for int8 activations (model/act_quant.py), and "every count" past its top
 A8_LADDER = (*LADDER, 128, 256, 512, 1024)
 ALL_ROWS = 1 << 30
+# prompt row counts at which a packed GEMM is timed whole and as row parts (`measure_split`)
+SPLIT_LADDER = (256, 512, 768, 1024, 1536, 2048)
 # a fresh prompt's query counts timed for its causal attention (`measure_prompt_attention`)
 ATTENTION_LADDER = (128, 256, 512, 1024, 2048)
 
@@ -119,6 +121,22 @@ def measure_a8(dense, a8, q_rows: int, in_features: int, dtype) -> tuple[int, in
     return first, last
 
 
+def measure_split(layer, in_features: int, dtype) -> list[int]:
+    """The counts of SPLIT_LADDER at which `layer`'s packed GEMM runs faster as one slice of
+    the rows per thread side by side (`Dense.row_parts_mm`) than whole, oneDNN threading it
+    (quant.py `Dense.dense_mm`). Empty on one thread."""
+    if torch.get_num_threads() < 2:
+        return []
+    wins = []
+    for rows in SPLIT_LADDER:
+        x = torch.randn(rows, in_features).to(dtype)
+        whole = lambda x: layer.dense_mm(x)  # noqa: E731  (split_rows still empty)
+        parts_us, whole_us = _best_pair_us(layer.row_parts_mm, whole, x, min_calls=5)
+        if parts_us < whole_us * MARGIN:
+            wins.append(rows)
+    return wins
+
+
 def measure_prompt_attention(n_heads: int, n_kv: int, head_dim: int, dtype) -> int:
     """The fewest queries of ATTENTION_LADDER from which a fresh prompt's causal attention by
     `attention.prompt_causal` (the C++ kernel, else blockwise matmuls) beats torch's SDPA at
@@ -187,6 +205,23 @@ class KernelRows:
         first, last = self.table[name]
         return first, last
 
+    def split_rows(self, layer) -> tuple[int, ...]:
+        """For a packed linear `layer`: the row counts at which its GEMM runs as row parts
+        (`measure_split`; none where the C++ extension is not loaded)."""
+        from pdserve.model.extension import loaded_or_none
+
+        if loaded_or_none() is None:
+            return ()
+        n, k = layer.shape
+        name = f"split:{n}x{k}"
+        if name not in self.table:
+            start = time.perf_counter()
+            self.table[name] = measure_split(layer, k, self.dtype)
+            self.measured.append(name)
+            log.info("%s: the GEMM as row parts at %s rows (measured in %.1f s)",
+                     name, self.table[name], time.perf_counter() - start)  # fmt: skip
+        return tuple(self.table[name])
+
     def prompt_kernel_from(self, n_heads: int, n_kv: int, head_dim: int) -> int:
         """Queries of a prompt chunk from which its attention runs `prompt_causal` rather
         than SDPA (`measure_prompt_attention`), for this rank's heads."""
@@ -245,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         quant.set_kernel_rows(model, rows)
         extension_or_none()  # serving loads it: its prompt attention is timed, not blockwise's
         rows.prompt_kernel_from(model.n_heads, model.n_kv, files.config.head_dim)
+        quant.set_split_rows(model, rows)
         if act_quant.supported():  # the timings need no calibration: any smoothing will do
             for lin in quant.quantized_linears(model):
                 lin.a8 = act_quant.Int8Activations(lin.weight, None)

@@ -82,6 +82,9 @@ class Dense:
     kind = 0
 
     max_rows = 0  # rows up to which the quantized kernel runs; the dense weight above
+    # Row counts of kernel_rows.SPLIT_LADDER at which the packed GEMM runs as one part of the
+    # rows per thread, side by side (`split_here`), measured on this machine; none: whole.
+    split_rows: tuple[int, ...] = ()
 
     def __init__(self, weight: torch.Tensor):
         self._weight = weight  # (N, K), or oneDNN's layout of it once packed
@@ -107,8 +110,19 @@ class Dense:
 
     def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
+            if self.split_rows and split_here(x.shape[0], self.split_rows) and x.dim() == 2:
+                return self.row_parts_mm(x)
             return _onednn_linear(x, self._weight, None, "none", [], "")
         return F.linear(x, self._weight)
+
+    def row_parts_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed GEMM as one slice of x's rows per thread, side by side (the C++
+        extension's `onednn_row_parts`, loaded: else whole)."""
+        from pdserve.model.extension import loaded_or_none
+
+        if (ext := loaded_or_none()) is None:
+            return _onednn_linear(x, self._weight, None, "none", [], "")
+        return ext.onednn_row_parts(x, self._weight, torch.get_num_threads())
 
     @property
     def packed(self) -> tuple[torch.Tensor, ...]:
@@ -120,6 +134,19 @@ class Dense:
         [their tensors]) for the fused decode step's `Linear` (the weight as held: plain, or
         in oneDNN's layout)."""
         return self.kind, self.max_rows, [self._weight, *self.packed], 0, 0, []
+
+
+def split_here(rows: int, wins: tuple[int, ...]) -> bool:
+    """Whether `rows` rows run as row parts, given the ladder counts `wins` where that won
+    (sorted): the counts on both sides of `rows` must have won (past the ladder's top, the top;
+    below its first, never)."""
+    if rows < wins[0]:
+        return False
+    from pdserve.model.kernel_rows import SPLIT_LADDER
+
+    below = max((r for r in SPLIT_LADDER if r <= rows), default=0)
+    above = min((r for r in SPLIT_LADDER if r >= rows), default=SPLIT_LADDER[-1])
+    return below in wins and above in wins
 
 
 # Whether bf16 weights on this CPU can be held in oneDNN's layout: None until first asked.
@@ -421,6 +448,15 @@ def quantized_linears(model, head: bool = True) -> list[_Quantized]:
     """Every quantized linear of `model`, the lm_head included unless not `head`."""
     linears = [*model.linears(), model.lm_head] if head else model.linears()
     return [x for x in linears if isinstance(x, _Quantized)]
+
+
+def set_split_rows(model, rows) -> None:
+    """Give each packed linear of `model`'s layers (quantized ones' dense copies too) the row
+    counts at which its GEMM runs as row parts on this machine (`rows`: KernelRows)."""
+    for linear in model.linears():
+        if linear.onednn:
+            linear.split_rows = rows.split_rows(linear)
+    rows.save()
 
 
 def set_kernel_rows(model, rows) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from factories import make_model_config, make_model_files, spin
 
 from pdserve.model import kernel_rows, quant
@@ -95,3 +96,40 @@ def test_each_quantized_linear_of_a_model_gets_its_shapes_rows(cache, monkeypatc
     assert model.lm_head.max_rows == 2
     assert model.layers[0].attn.qkv.kernel_spec()[1] == 4  # what the fused decode step is given
     assert len(table.measured) == 5 and table.path.exists()  # once per shape, then saved
+
+
+def test_row_parts_run_only_between_two_winning_ladder_counts():
+    wins = (512, 768, 1024)
+    assert not quant.split_here(256, wins) and not quant.split_here(511, wins)
+    assert quant.split_here(512, wins) and quant.split_here(900, wins)
+    assert quant.split_here(1024, wins)
+    assert not quant.split_here(1025, wins)  # 1,536 did not win
+    assert quant.split_here(5000, (2048,)) and not quant.split_here(5000, (1024,))
+
+
+def test_a_packed_gemm_as_row_parts_gives_the_whole_gemms_values(cache):
+    """Where oneDNN packs bf16 weights and the extension is built: the rows split between the
+    threads give the whole GEMM's values within bf16 rounding (oneDNN may sum a smaller M in
+    another order), for row counts that do not divide evenly too; the measured row counts
+    are saved with the table and given to the model's packed linears."""
+    from pdserve.model.extension import extension_or_none
+
+    weight = (torch.randn(96, 64) / 8).to(torch.bfloat16)
+    linear = quant.Dense(weight)
+    linear.pack()
+    if not linear.onednn or extension_or_none() is None:
+        pytest.skip("oneDNN's packed bf16 GEMM or the C++ extension does not run here")
+    for rows in (1, 255, 256, 1001):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        whole, parts = linear.dense_mm(x), linear.row_parts_mm(x)
+        assert parts.shape == whole.shape
+        torch.testing.assert_close(parts.float(), whole.float(), rtol=2**-7, atol=1e-2)
+    linear.split_rows = (256,)
+    x = torch.randn(300, 64).to(torch.bfloat16)
+    want = F.linear(x, weight).float()
+    torch.testing.assert_close(linear(x).float(), want, rtol=2**-7, atol=1e-2)
+    rows = KernelRows(torch.bfloat16, threads=2)
+    measured = rows.split_rows(linear)
+    assert set(measured) <= set(kernel_rows.SPLIT_LADDER)
+    rows.save()
+    assert KernelRows(torch.bfloat16, threads=2).table["split:96x64"] == list(measured)

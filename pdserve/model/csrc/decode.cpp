@@ -233,6 +233,23 @@ Tensor onednn_linear(const Tensor& x, const Tensor& w) {
                  std::optional<c10::string_view>(""));
 }
 
+// onednn_linear over `parts` slices of x's rows at once, one thread each (oneDNN, called inside
+// the parallel region, runs each on its own thread), the outputs joined. oneDNN's own threading
+// of a prompt-sized GEMM is uneven: on a Xeon with AMX, 2 threads, it ran SmolLM2's qkv and down
+// projections at 1,024 rows on one thread (0.71 and 1.36 ms; as two 512-row halves side by side
+// 0.49 and 0.61), while gate/up and o were faster whole. model/kernel_rows.py measures which.
+Tensor onednn_row_parts(const Tensor& x, const Tensor& w, int64_t parts) {
+  TORCH_CHECK(x.dim() == 2 && parts >= 1, "onednn_row_parts: x (rows, K), parts >= 1");
+  const int64_t m = x.size(0), per = (m + parts - 1) / parts;
+  parts = (m + per - 1) / per;
+  std::vector<Tensor> out(parts);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      out[i] = onednn_linear(x.narrow(0, i * per, std::min(per, m - i * per)), w);
+  });
+  return at::cat(out, 0);
+}
+
 // One linear layer: kind 0 dense [w]; 1 int4 [w, packed, scales_zeros]; 2 int8 [w, q, scales];
 // 3 int4 in few_rows.h's layout [w, q, sz]; 4 int8 in its layout [w, q, scales].
 // The quantized kernels are used up to `max_rows` input rows; from `a8_first` to `a8_last`
@@ -1069,6 +1086,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_mm8", &few_rows::mm8<c10::BFloat16>, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("onednn_row_parts", &onednn_row_parts, py::call_guard<py::gil_scoped_release>());
   m.def("rope", &rope, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")

@@ -462,6 +462,10 @@ def set_split_rows(model, rows) -> None:
 def set_kernel_rows(model, rows) -> None:
     """Give each quantized linear of `model` its shape's max_rows from `rows` (measuring the
     shapes it lacks, then saving it)."""
-    for linear in quantized_linears(model):
-        linear.max_rows = rows.max_rows(linear.format, linear)
+    linears = quantized_linears(model)
+    peers: dict[tuple, list] = {}
+    for linear in linears:
+        peers.setdefault((linear.format, linear.shape), []).append(linear)
+    for linear in linears:
+        linear.max_rows = rows.max_rows(linear.format, linear, peers[linear.format, linear.shape])
     rows.save()

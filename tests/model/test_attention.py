@@ -92,6 +92,11 @@ def test_each_layer_gets_the_prompt_attention_measured_on_this_machine(tmp_path,
     next engine reads it back instead of measuring."""
     from factories import make_engine, make_model_files
 
+    from pdserve import envs
+
+    built = envs.cache_dir() / "ext"  # the built extension, not rebuilt in tmp_path
+    built.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "ext").symlink_to(built)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     files = make_model_files(seed=3)
     runner = make_engine(files, dtype="bfloat16").runner

@@ -31,6 +31,11 @@ def test_a_quantized_kernel_that_never_wins_gets_zero_rows():
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    from pdserve import envs
+
+    built = envs.cache_dir() / "ext"  # the built extension, not rebuilt in tmp_path
+    built.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "ext").symlink_to(built)
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PDSERVE_QUANT_MAX_ROWS", raising=False)
     return tmp_path
@@ -83,13 +88,23 @@ def test_each_quantized_linear_of_a_model_gets_its_shapes_rows(cache, monkeypatc
     rows = {("int4", 128, 64): 4, ("int4", 64, 64): 8, ("int4", 256, 64): 12,
             ("int4", 64, 128): 16, ("int8", 256, 64): 2}  # fmt: skip
 
+    ran: list = []
+    for cls in (quant.Int4Linear, quant.Int8Linear):
+        monkeypatch.setattr(cls, "quantized_mm", lambda self, x: ran.append(self))
+    timed = []
+
     def fake(dense, quantized, k, dtype):
-        linear = quantized.__self__
+        ran.clear()
+        quantized(torch.zeros(1, k, dtype=dtype))  # a step's every layer of the shape, in turn
+        timed.append(list(ran))
+        linear = ran[0]
         return rows[(linear.format, *linear.weight.shape)]
 
     monkeypatch.setattr(kernel_rows, "measure", fake)
     table = KernelRows(torch.bfloat16, threads=1)
     quant.quantize_model(model, "int4", {}, table)
+    layers = len(model.layers)
+    assert sorted(len(set(map(id, peers))) for peers in timed) == [1, *[layers] * 4]
     for layer in model.layers:
         linears = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
         assert [x.max_rows for x in linears] == [4, 8, 12, 16]

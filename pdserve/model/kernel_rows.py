@@ -38,8 +38,6 @@ MARGIN = 0.97  # the quantized kernel must be at least 3 % faster to be chosen
 # row counts timed for int8 activations (model/act_quant.py), and "every count" past its top
 A8_LADDER = (*LADDER, 128, 256, 512, 1024)
 ALL_ROWS = 1 << 30
-# prompt row counts at which a packed GEMM is timed whole and as row parts (`measure_split`)
-SPLIT_LADDER = (256, 512, 768, 1024, 1536, 2048)
 # a fresh prompt's query counts timed for its causal attention (`measure_prompt_attention`)
 ATTENTION_LADDER = (128, 256, 512, 1024, 2048)
 
@@ -127,6 +125,8 @@ def measure_split(layer, in_features: int, dtype) -> list[int]:
     """The counts of SPLIT_LADDER at which `layer`'s packed GEMM runs faster as one slice of
     the rows per thread side by side (`Dense.row_parts_mm`) than whole, oneDNN threading it
     (quant.py `Dense.dense_mm`). Empty on one thread."""
+    from pdserve.model.quant import SPLIT_LADDER
+
     if torch.get_num_threads() < 2:
         return []
     wins = []

@@ -82,7 +82,7 @@ class Dense:
     kind = 0
 
     max_rows = 0  # rows up to which the quantized kernel runs; the dense weight above
-    # Row counts of kernel_rows.SPLIT_LADDER at which the packed GEMM runs as one part of the
+    # Row counts of SPLIT_LADDER at which the packed GEMM runs as one part of the
     # rows per thread, side by side (`split_here`), measured on this machine; none: whole.
     split_rows: tuple[int, ...] = ()
 
@@ -136,14 +136,17 @@ class Dense:
         return self.kind, self.max_rows, [self._weight, *self.packed], 0, 0, []
 
 
+# prompt row counts at which a packed GEMM is timed whole and as row parts
+# (kernel_rows.measure_split)
+SPLIT_LADDER = (256, 512, 768, 1024, 1536, 2048)
+
+
 def split_here(rows: int, wins: tuple[int, ...]) -> bool:
     """Whether `rows` rows run as row parts, given the ladder counts `wins` where that won
     (sorted): the counts on both sides of `rows` must have won (past the ladder's top, the top;
     below its first, never)."""
     if rows < wins[0]:
         return False
-    from pdserve.model.kernel_rows import SPLIT_LADDER
-
     below = max((r for r in SPLIT_LADDER if r <= rows), default=0)
     above = min((r for r in SPLIT_LADDER if r >= rows), default=SPLIT_LADDER[-1])
     return below in wins and above in wins

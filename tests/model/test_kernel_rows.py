@@ -145,6 +145,6 @@ def test_a_packed_gemm_as_row_parts_gives_the_whole_gemms_values(cache):
     torch.testing.assert_close(linear(x).float(), want, rtol=2**-7, atol=1e-2)
     rows = KernelRows(torch.bfloat16, threads=2)
     measured = rows.split_rows(linear)
-    assert set(measured) <= set(kernel_rows.SPLIT_LADDER)
+    assert set(measured) <= set(quant.SPLIT_LADDER)
     rows.save()
     assert KernelRows(torch.bfloat16, threads=2).table["split:96x64"] == list(measured)

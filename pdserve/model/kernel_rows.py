@@ -132,8 +132,8 @@ def measure_split(layer, in_features: int, dtype) -> list[int]:
     wins = []
     for rows in SPLIT_LADDER:
         x = torch.randn(rows, in_features).to(dtype)
-        whole = lambda x: layer.dense_mm(x)  # noqa: E731  (split_rows still empty)
-        parts_us, whole_us = _best_pair_us(layer.row_parts_mm, whole, x, min_calls=5)
+        # dense_mm runs whole: the layer's split_rows are still empty
+        parts_us, whole_us = _best_pair_us(layer.row_parts_mm, layer.dense_mm, x, min_calls=5)
         if parts_us < whole_us * MARGIN:
             wins.append(rows)
     return wins
@@ -185,24 +185,18 @@ class KernelRows:
         if self.fixed is not None:
             return self.fixed
         n, k = layer.shape
-        name = f"{fmt}:{n}x{k}"
-        if name not in self.table:
-            start = time.perf_counter()
-            peers = peers or [layer]
+        peers = peers or [layer]
 
-            def dense(x: torch.Tensor) -> None:
-                for peer in peers:
-                    peer.dense_mm(x)
+        def dense(x: torch.Tensor) -> None:
+            for peer in peers:
+                peer.dense_mm(x)
 
-            def quantized(x: torch.Tensor) -> None:
-                for peer in peers:
-                    peer.quantized_mm(x)
+        def quantized(x: torch.Tensor) -> None:
+            for peer in peers:
+                peer.quantized_mm(x)
 
-            self.table[name] = measure(dense, quantized, k, self.dtype)
-            self.measured.append(name)
-            log.info("%s: quantized kernel up to %d rows on this machine (measured in %.1f s)",
-                     name, self.table[name], time.perf_counter() - start)  # fmt: skip
-        return self.table[name]
+        return self._entry(f"{fmt}:{n}x{k}", lambda: measure(dense, quantized, k, self.dtype),
+                           "quantized kernel up to {} rows on this machine")  # fmt: skip
 
     def a8_rows(self, fmt: str, layer) -> tuple[int, int]:
         """(first, last rows of int8 activations) for the quantized linear `layer` with its
@@ -212,14 +206,11 @@ class KernelRows:
         if self.fixed is not None or fixed_a8 is not None:
             return (q_rows + 1, fixed_a8) if fixed_a8 else (0, 0)
         n, k = layer.shape
-        name = f"int8act:{fmt}:{n}x{k}"
-        if name not in self.table:
-            start = time.perf_counter()
-            self.table[name] = measure_a8(layer.dense_mm, layer.a8, q_rows, k, self.dtype)
-            self.measured.append(name)
-            log.info("%s: int8 activations from %d to %d rows (measured in %.1f s)",
-                     name, *self.table[name], time.perf_counter() - start)  # fmt: skip
-        first, last = self.table[name]
+        first, last = self._entry(
+            f"int8act:{fmt}:{n}x{k}",
+            lambda: measure_a8(layer.dense_mm, layer.a8, q_rows, k, self.dtype),
+            "int8 activations from {0[0]} to {0[1]} rows",
+        )
         return first, last
 
     def split_rows(self, layer) -> tuple[int, ...]:
@@ -230,25 +221,28 @@ class KernelRows:
         if loaded_or_none() is None:
             return ()
         n, k = layer.shape
-        name = f"split:{n}x{k}"
-        if name not in self.table:
-            start = time.perf_counter()
-            self.table[name] = measure_split(layer, k, self.dtype)
-            self.measured.append(name)
-            log.info("%s: the GEMM as row parts at %s rows (measured in %.1f s)",
-                     name, self.table[name], time.perf_counter() - start)  # fmt: skip
-        return tuple(self.table[name])
+        wins = self._entry(f"split:{n}x{k}", lambda: measure_split(layer, k, self.dtype),
+                           "the GEMM as row parts at {} rows")  # fmt: skip
+        return tuple(wins)
 
     def prompt_kernel_from(self, n_heads: int, n_kv: int, head_dim: int) -> int:
         """Queries of a prompt chunk from which its attention runs `prompt_causal` rather
         than SDPA (`measure_prompt_attention`), for this rank's heads."""
-        name = f"attention:{n_heads}x{n_kv}x{head_dim}"
+        return self._entry(
+            f"attention:{n_heads}x{n_kv}x{head_dim}",
+            lambda: measure_prompt_attention(n_heads, n_kv, head_dim, self.dtype),
+            "prompt attention's own kernel from {} queries",
+        )
+
+    def _entry(self, name: str, make, what: str):
+        """The table's `name`, made by `make()` (a measurement) the first time and logged as
+        `what` (formatted with the value)."""
         if name not in self.table:
             start = time.perf_counter()
-            self.table[name] = measure_prompt_attention(n_heads, n_kv, head_dim, self.dtype)
+            self.table[name] = make()
             self.measured.append(name)
-            log.info("%s: prompt attention's own kernel from %d queries (measured in %.1f s)",
-                     name, self.table[name], time.perf_counter() - start)  # fmt: skip
+            log.info("%s: %s (measured in %.1f s)",
+                     name, what.format(self.table[name]), time.perf_counter() - start)  # fmt: skip
         return self.table[name]
 
     def save(self) -> None:

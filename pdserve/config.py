@@ -128,6 +128,7 @@ class EngineConfig:
     role: str = "both"
     block_size: int = 16
     kv_cache_gb: float | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8: model/kv_int8.py
     kv_cache_fraction: float = 0.25
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -164,6 +165,8 @@ class EngineConfig:
             raise ValueError(f"weights must be auto, bf16, int8 or int4, got {self.weights!r}")
         if self.int8_activations not in ("off", "on"):
             raise ValueError(f"int8_activations must be off or on, got {self.int8_activations!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.chunk_size is not None and self.chunk_size < 1:

@@ -46,6 +46,14 @@ ENGINE_FLAGS = (
         EngineConfig, "kv_cache_gb", "KV cache size (default: 1 GiB on CPU; on a GPU a quarter of "
         "its total memory, at most 90%% of what is free)", type=float,
     ),
+    Flag.of(
+        EngineConfig, "kv_cache_dtype", "auto (default): K and V cached in --dtype; int8: each "
+        "token's K and V rows as int8 values with a float32 scale per row and KV head (CPU, not "
+        "MLA models): twice the tokens in the same --kv-cache-gb and half the bytes a decode "
+        "step's attention reads (faster big batches), at the price of a small error in the "
+        "attention over cached tokens. Prefill and decode workers must use the same",
+        choices=("auto", "int8"),
+    ),
     Flag.of(EngineConfig, "block_size", f"tokens per KV block (default {EngineConfig.block_size})"),
     Flag.of(
         EngineConfig, "chunk_size", "chunked prefill: tokens per step, running streams' "

@@ -16,7 +16,7 @@ from pdserve.engine.pp.stages import stage_weights
 from pdserve.engine.sampler import token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.tp.codec import Step
-from pdserve.model import act_quant, quant
+from pdserve.model import act_quant, kv_int8, quant
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from pdserve.model.fused import FusedDecode
 from pdserve.model.llama import LlamaModel
@@ -75,25 +75,29 @@ class ModelRunner:
         # this rank's: K and V per KV head, or MLA's latent (one "head", whole on every rank)
         self.kv_shape = files.config.kv_shape(self.model.n_kv)
         self.weights = self._quantize(files)
+        # what a cache tensor holds: values in the model's dtype, or int8 rows (`kv_int8`)
+        self.cache_dtype, self.cache_dim = self._cache_format()
         self.num_blocks = self._num_blocks()
         mc, kv = self.model_config, self.kv_shape
-        shape = (self.num_blocks, self.block_size, kv.heads, kv.dim)
+        shape = (self.num_blocks, self.block_size, kv.heads, self.cache_dim)
         # Per layer, (num_blocks, block_size, heads, dim): one layer's block is one contiguous
         # span. k_caches holds K, or MLA's latent (then v_caches is empty).
         if self.tp is not None:  # rank 0 also reaches the other ranks' caches (KV transfer)
-            self.rank_caches = self.tp.caches(shape, self.dtype, mc.num_layers, kv.tensors, held)
+            self.rank_caches = self.tp.caches(
+                shape, self.cache_dtype, mc.num_layers, kv.tensors, held
+            )
             self.k_caches, self.v_caches = self.rank_caches[0]
         elif self.pp is not None:  # stage 0 also reaches the later stages' layers
             self.k_caches, self.v_caches = self.pp.caches(
-                shape, self.dtype, mc.num_layers, kv.tensors
+                shape, self.cache_dtype, mc.num_layers, kv.tensors
             )
             self.rank_caches = [(self.k_caches, self.v_caches)]
         else:
             per_layer = mc.num_layers * kv.tensors
             if self.device.type == "cpu":  # zeros that cost nothing until written
-                caches = zeroed_caches(shape, self.dtype, per_layer)
+                caches = zeroed_caches(shape, self.cache_dtype, per_layer)
             else:
-                caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
                           for _ in range(per_layer)]  # fmt: skip
             self.k_caches = caches[: mc.num_layers]
             self.v_caches = caches[mc.num_layers :]
@@ -211,11 +215,30 @@ class ModelRunner:
             and act_quant.supported()
         )
 
+    def _cache_format(self) -> tuple[torch.dtype, int]:
+        """(dtype, last dimension) of the cache tensors: --kv-cache-dtype auto keeps K and V in
+        the model's dtype; int8 keeps each head's row as int8 values and their scale."""
+        kv = self.kv_shape
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype, kv.dim
+        if kv.is_latent:
+            raise ValueError(
+                "--kv-cache-dtype int8 quantizes K and V per KV head; this model caches one "
+                "multi-head latent (MLA), kept in --dtype: use --kv-cache-dtype auto"
+            )
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"--kv-cache-dtype int8 runs on CPU only (this engine is on {self.device}): use "
+                "--kv-cache-dtype auto"
+            )
+        return torch.int8, kv_int8.row_width(kv.dim)
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block over all layers, K and V (or the MLA latent)."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_token = self.model_config.num_layers * self.kv_shape.elements * elem
+        elem = torch.tensor([], dtype=self.cache_dtype).element_size()
+        kv = self.kv_shape
+        per_token = self.model_config.num_layers * kv.tensors * kv.heads * self.cache_dim * elem
         return self.block_size * per_token
 
     def _num_blocks(self) -> int:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import msgspec
 
 # Bytes per element of every cache dtype a layout may name (kept torch-free on purpose).
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}  # int8: model/kv_int8.py
 CACHE_KINDS = ("heads", "latent")  # K and V per KV head; MLA's one latent per token and layer
 _LAYOUT_FIELDS = (
     "model_fingerprint",

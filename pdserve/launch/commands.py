@@ -267,7 +267,7 @@ def serve(args) -> int:
     cores = sorted(os.sched_getaffinity(0))
     plan = ServePlan.make(args.mode, args.prefill, args.decode, args.colocated_workers, cores,
                           procs_per_worker)  # fmt: skip
-    check_kv_compression(args.kv_compression, args.kv_transport)
+    check_kv_compression(args.kv_compression, args.kv_transport, args.kv_cache_dtype)
     if args.kv_store_backend != "pdserve" and not args.kv_store:
         raise ValueError(
             f"--kv-store-backend {args.kv_store_backend} chooses what --kv-store starts: add "

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.model import kv_int8
+
 
 @dataclass
 class PrefillSpan:
@@ -57,13 +59,20 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     return flat.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
+def read_blocks(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype):
+    """`gather_blocks`, as values in `dtype`: an 8-bit cache's rows dequantized
+    (`kv_int8`)."""
+    rows = gather_blocks(cache, block_table)
+    return kv_int8.dequantize(rows, dtype) if cache.dtype == torch.int8 else rows
+
+
 def _decode(q, k_cache, v_cache, tables, mask) -> torch.Tensor:
     """One query token per sequence. Two matmuls over the GQA-grouped queries: the CPU SDPA
     kernels are ~15x slower for a single bf16 query."""
     b, n_heads, d = q.shape
     n_kv = k_cache.shape[2]
-    kd = gather_blocks(k_cache, tables).transpose(1, 2)  # (B, n_kv, L, d)
-    vd = gather_blocks(v_cache, tables).transpose(1, 2)
+    kd = read_blocks(k_cache, tables, q.dtype).transpose(1, 2)  # (B, n_kv, L, d)
+    vd = read_blocks(v_cache, tables, q.dtype).transpose(1, 2)
     qg = q.view(b, n_kv, n_heads // n_kv, d)  # head h reads kv head h // group, as enable_gqa
     scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * d**-0.5  # (B, n_kv, group, L)
     scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, L)
@@ -176,9 +185,12 @@ def paged_attention(
     `window`: sliding-window attention, each query attends to the last `window` positions (itself
     included), as transformers' sliding_window_overlay; decode groups carry it in their mask.
     `kernel_from`: prompt chunks of at least this many queries run `prompt_causal`, shorter ones
-    torch's SDPA (bf16 on CPU; see BLOCKWISE_MIN_QUERIES)."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+    torch's SDPA (bf16 on CPU; see BLOCKWISE_MIN_QUERIES). An int8 cache (`kv_int8`) takes
+    the rows quantized and gives them back dequantized."""
+    quantized = k_cache.dtype == torch.int8
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        rows = kv_int8.quantize(x) if quantized else x
+        cache.view(-1, *rows.shape[1:]).index_copy_(0, meta.slot_mapping, rows)
     out = torch.empty_like(q)
     for g in meta.decode_groups:
         out[g.start : g.end] = _decode(q[g.start : g.end], k_cache, v_cache, g.block_tables, g.mask)
@@ -187,8 +199,10 @@ def paged_attention(
         if span.fresh:
             ks, vs = k[span.start : span.end], v[span.start : span.end]  # (n, n_kv, d)
         else:
-            ks = gather_blocks(k_cache, span.block_table)[: span.context_len]  # (ctx, n_kv, d)
-            vs = gather_blocks(v_cache, span.block_table)[: span.context_len]
+            ks = read_blocks(k_cache, span.block_table, q.dtype)[
+                : span.context_len
+            ]  # (ctx, n_kv, d)
+            vs = read_blocks(v_cache, span.block_table, q.dtype)[: span.context_len]
         if window is not None and span.context_len > window:
             out[span.start : span.end] = sdpa_causal(qs, ks, vs, window)
         elif _use_blockwise(qs, kernel_from):

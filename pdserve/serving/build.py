@@ -115,16 +115,17 @@ def check_store(config: WorkerConfig, engine: LLMEngine) -> None:
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
     """Rank 0's layout: a tensor-parallel group's ranks each hold their share of the heads
-    (an MLA latent, one "head", is whole on every rank)."""
+    (an MLA latent, one "head", is whole on every rank). A head's row is the cache tensor's:
+    `head_dim` + 4 bytes of an int8 cache (`model/kv_int8.py`)."""
     runner, mc = engine.runner, engine.model_config
     kv = mc.kv_shape()  # the model's: K and V of every KV head, or the latent
     return KVLayout(
         model_fingerprint=engine.fingerprint,
-        dtype=str(runner.dtype).removeprefix("torch."),
+        dtype=str(runner.cache_dtype).removeprefix("torch."),
         num_layers=mc.num_layers,
         block_size=engine.config.block_size,
         num_kv_heads=kv.heads,
-        head_dim=kv.dim,
+        head_dim=runner.cache_dim,
         cache="latent" if kv.is_latent else "heads",
     ).split(engine.config.tensor_parallel_size)
 

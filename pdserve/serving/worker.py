@@ -263,7 +263,12 @@ class Worker:
         print(
             f"worker {self.config.worker_id} ({self.role}) ready: weights {runner.weights}, "
             f"decode {runner.decode_path}"
-            + (f", activations {runner.activations}" if runner.activations != "dense" else ""),
+            + (f", activations {runner.activations}" if runner.activations != "dense" else "")
+            + (
+                f", KV cache {runner.config.kv_cache_dtype}"
+                if runner.config.kv_cache_dtype != "auto"
+                else ""
+            ),
             flush=True,
         )
         next_beat = next_trim = 0.0

@@ -42,7 +42,7 @@ class WorkerConfig:
             raise ValueError(
                 f"unknown --kv-compression {self.kv_compression!r}: choose one of {KV_COMPRESSIONS}"
             )
-        check_kv_compression(self.kv_compression, self.kv_transport)
+        check_kv_compression(self.kv_compression, self.kv_transport, self.engine.kv_cache_dtype)
         if self.kv_push not in KV_PUSHES:
             raise ValueError(f"unknown --kv-push {self.kv_push!r}: choose one of {KV_PUSHES}")
         check_tensor_parallel(self.engine.tensor_parallel_size, self.kv_store)
@@ -57,8 +57,13 @@ class WorkerConfig:
         return None if self.kv_compression == "none" else self.kv_compression
 
 
-def check_kv_compression(compression: str, transport: str) -> None:
+def check_kv_compression(compression: str, transport: str, cache_dtype: str = "auto") -> None:
     """(`pdserve serve` checks this too, before it starts any worker.)"""
+    if compression != "none" and cache_dtype == "int8":
+        raise ValueError(
+            f"--kv-compression {compression} with --kv-cache-dtype int8: an int8 cache's blocks "
+            "are already 8 bits a value on the wire; drop --kv-compression"
+        )
     if compression != "none" and transport != "tcp":
         raise ValueError(
             f"--kv-compression {compression} needs --kv-transport tcp: the nixl "

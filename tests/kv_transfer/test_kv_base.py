@@ -34,8 +34,9 @@ def test_layout_validation_and_sizes():
     layout = make_layout("bfloat16")
     assert layout.block_bytes == 4 * 2 * 8 * 2
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(layout), type=KVLayout) == layout
-    with pytest.raises(ValueError, match="'int8' is not supported; use one of float32"):
-        make_layout("int8")
+    assert make_layout("int8").block_bytes == 4 * 2 * 8  # rows of --kv-cache-dtype int8
+    with pytest.raises(ValueError, match="'uint8' is not supported; use one of float32"):
+        make_layout("uint8")
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         make_layout(block_size=0)
 

@@ -151,3 +151,10 @@ def test_a_deepseek_v3_config_as_published_loads_and_fp8_weights_are_refused(dee
     with pytest.raises(ValueError, match=r"quantized weights \(config.json quantization_config, "
                        "fp8\\) are not supported"):  # fmt: skip
         load_model_config(str(tmp_path))
+
+
+def test_an_int8_kv_cache_is_refused_for_the_latent(deepseek):
+    """--kv-cache-dtype int8 quantizes K and V rows per KV head; an MLA cache holds one latent,
+    and the engine says so at start rather than quantizing what its kernels do not read."""
+    with pytest.raises(ValueError, match="MLA"):
+        make_engine(deepseek["deepseek_v2"][1], kv_cache_dtype="int8")

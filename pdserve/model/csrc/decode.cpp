@@ -515,8 +515,9 @@ void attend_group(const float* qf, const KV<T>& kv, float* scores, int64_t padde
 }
 
 // attend_group for any group size: the common ones as one pass, others one query at a time.
-template <typename T, int CH>
-void attend_heads(int64_t group, const float* qf, const KV<T>& kv, float* scores,
+// C: the cache's element, T's or int8_t (the 8-bit cache's overload of attend_group).
+template <typename T, int CH, typename C>
+void attend_heads(int64_t group, const float* qf, const KV<C>& kv, float* scores,
                   int64_t padded, float scale, T* dst) {
   switch (group) {
     case 1: return attend_group<T, CH, 1>(qf, kv, scores, padded, scale, dst);
@@ -527,6 +528,104 @@ void attend_heads(int64_t group, const float* qf, const KV<T>& kv, float* scores
       for (int64_t g = 0; g < group; ++g)
         attend_group<T, CH, 1>(qf + g * CH * 16, kv, scores, padded, scale, dst + g * CH * 16);
   }
+}
+
+// The 8-bit cache (model/kv_int8.py): each (token, kv head) row is d int8 values, then their
+// float32 scale. The attention reads half the bytes of a bf16 row, which is what a big batch's
+// decode attention waits on.
+constexpr int64_t kScaleBytes = 4;
+
+// d values (the model's dtype's, as floats) into dst as kv_int8.quantize gives them: s = amax /
+// 127 (1 for a row of zeros), round(x / s) half to even (nearbyint in the default rounding
+// mode, as torch.round), both in float; s after the values.
+inline void quantize_kv_row(const float* x, int8_t* dst, int64_t d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  float s = amax / 127.f;
+  if (s == 0.f) s = 1.f;
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(x[i] / s));
+  std::memcpy(dst + d, &s, sizeof s);
+}
+
+inline f16v load16(const int8_t* p) {  // widened to float
+#if defined(__AVX512F__)  // vpmovsxbd + vcvtdq2ps: GCC's convertvector of i8v16 goes lane by lane
+  const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p))));
+  f16v v;
+  std::memcpy(&v, &x, sizeof v);
+  return v;
+#else
+  i8v16 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, i32v), f16v);
+#endif
+}
+
+inline float row_scale(const int8_t* row, int64_t d) {
+  float s;
+  std::memcpy(&s, row + d, sizeof s);
+  return s;
+}
+
+// attend_group over an 8-bit cache, an overload (attend_heads calls either; kv.stride and
+// kv.offset count bytes of rows of d + 4): a key's score is its row's scale times q . k (the int8
+// values widened to float, the G queries sharing each load), and each value row is weighted by
+// its probability (rounded to T, as the bf16 path's) times its scale.
+template <typename T, int CH, int G>
+void attend_group(const float* qf, const KV<int8_t>& kv, float* scores, int64_t padded,
+                     float scale, T* dst) {
+  constexpr int64_t d = CH * 16;
+  f16v q[G][CH], acc[G][CH], row[CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) q[g][c] = load16(qf + g * d + 16 * c);
+  const int64_t start = kv.first - kv.first % kv.bs, n = kv.ctx - kv.first;
+  // Prefetches, a token's row of every head from the first head's item (the items of the other
+  // heads come next on this thread and read theirs from cache: rows of 68 bytes share lines),
+  // else this head's: the K row kAhead blocks on, and this token's V row into L2 for the values
+  // after the softmax (without them, the loads of the K rows and then of the V rows held most
+  // of the kernel's samples and the step took as long as with bf16 rows).
+  const int64_t span = kv.offset == 0 ? kv.stride : d + kScaleBytes;
+  const auto fetch = [span](const int8_t* p, int locality) {
+    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(p + b, 0, locality);
+  };
+  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
+    const int64_t t1 = std::max(t0, kv.first);
+    const int8_t* k = kv.row(kv.k, t1);
+    const int8_t* v = kv.row(kv.v, t1);
+    const int8_t* ahead =
+        t0 + kAhead * kv.bs < kv.ctx ? kv.row(kv.k, t1 + kAhead * kv.bs) : nullptr;
+    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, k += kv.stride, v += kv.stride) {
+      if (ahead) {
+        fetch(ahead, 3);
+        ahead += kv.stride;
+      }
+      fetch(v, 2);
+      for (int c = 0; c < CH; ++c) row[c] = load16(k + 16 * c);
+      const float ks = row_scale(k, d);
+      for (int g = 0; g < G; ++g) {
+        f16v s = q[g][0] * row[0];
+        for (int c = 1; c < CH; ++c) s += q[g][c] * row[c];
+        scores[g * padded + t - kv.first] = hsum(s) * ks;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax<T>(scores + g * padded, n, scale);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) acc[g][c] = f16v{};
+  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
+    const int64_t t1 = std::max(t0, kv.first);
+    const int8_t* v = kv.row(kv.v, t1);
+    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, v += kv.stride) {
+      for (int c = 0; c < CH; ++c) row[c] = load16(v + 16 * c);
+      const float vs = row_scale(v, d);
+      for (int g = 0; g < G; ++g) {
+        const float pt = scores[g * padded + t - kv.first] * vs;
+        for (int c = 0; c < CH; ++c) acc[g][c] += pt * row[c];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) store16(dst + g * d + 16 * c, acc[g][c]);
 }
 
 #if defined(__AVX512BF16__)
@@ -859,16 +958,27 @@ void apply_parts(Tensor& qkv, const AttnParts& p, int64_t nh, int64_t nkv, int64
 // RoPE on q and k, k/v written into the caches at the token's slot, then each query attends to
 // its sequence's blocks (the last `window` tokens of them where window > 0, as the eager decode
 // mask: keys at positions >= len - window). qkv (B, (nh + 2 nkv) d) -> out (B, nh d).
+// An int8 cache (kv_int8.py) holds rows of d + kScaleBytes: its d.
+inline int64_t cache_head_dim(const Tensor& cache) {
+  return cache.scalar_type() == at::kChar ? cache.size(3) - kScaleBytes : cache.size(3);
+}
+
 template <typename T>
 void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor& kc, Tensor& vc,
             const Batch& bt, Tensor& out, int64_t nh, int64_t nkv, int64_t window) {
-  const int64_t B = qkv.size(0), d = kc.size(3), bs = kc.size(1), group = nh / nkv;
+  const bool i8 = kc.scalar_type() == at::kChar;
+  TORCH_CHECK(i8 || kc.scalar_type() == qkv.scalar_type(),
+              "fused decode: the KV cache holds the model's dtype or int8 rows");
+  const int64_t B = qkv.size(0), d = cache_head_dim(kc), bs = kc.size(1), group = nh / nkv;
+  const int64_t width = kc.size(3);  // of a cache row: d values, or d int8 values and a scale
   const int64_t row_len = (nh + 2 * nkv) * d;
   const T* src = qkv.data_ptr<T>();
   const T* cos = cos_t.data_ptr<T>();
   const T* sin = sin_t.data_ptr<T>();
-  T* kcp = kc.data_ptr<T>();
-  T* vcp = vc.data_ptr<T>();
+  T* kcp = i8 ? nullptr : kc.data_ptr<T>();
+  T* vcp = i8 ? nullptr : vc.data_ptr<T>();
+  int8_t* k8 = i8 ? kc.data_ptr<int8_t>() : nullptr;
+  int8_t* v8 = i8 ? vc.data_ptr<int8_t>() : nullptr;
   T* o = out.data_ptr<T>();
   // write each token's k (roped) and v, both threads for many rows
   at::parallel_for(0, B * nkv, std::max<int64_t>(1, few_rows::kRowGrain / (8 * d)),
@@ -879,9 +989,16 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
       const T* r = src + b * row_len;
       const int64_t p = bt.positions[b];
       rope_head<T>(r + (nh + h) * d, cos + p * d, sin + p * d, tmp.data(), d);
-      T* kd = kcp + (bt.slots[b] * nkv + h) * d;
-      T* vd = vcp + (bt.slots[b] * nkv + h) * d;
       const T* vs = r + (nh + nkv + h) * d;
+      const int64_t at_row = (bt.slots[b] * nkv + h) * width;
+      if (i8) {  // the values eager quantizes: k roped (rope_head rounds to T), v as computed
+        quantize_kv_row(tmp.data(), k8 + at_row, d);
+        for (int64_t i = 0; i < d; ++i) tmp[i] = as_float(vs[i]);
+        quantize_kv_row(tmp.data(), v8 + at_row, d);
+        continue;
+      }
+      T* kd = kcp + at_row;
+      T* vd = vcp + at_row;
       for (int64_t i = 0; i < d; ++i) {
         kd[i] = round_to<T>(tmp[i]);
         vd[i] = vs[i];
@@ -889,8 +1006,40 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
     }
   });
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  const int64_t stride = nkv * d;  // between one token's rows of a kv head in a block
+  const int64_t stride = nkv * width;  // between one token's rows of a kv head in a block
   const int64_t items = static_cast<int64_t>(bt.items.size());
+  // Each item is one row's GQA group (attn_tile): its queries read the same K/V rows, which
+  // stay in cache between them. C: the cache's element, T or the 8-bit cache's int8_t.
+  const auto group_items = [&](const auto* kcache, const auto* vcache) {
+    using C = std::remove_cv_t<std::remove_pointer_t<decltype(kcache)>>;
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(group * d), scores;
+      for (int64_t i = begin; i < end; ++i) {
+        const Item& it = bt.items[i];
+        TORCH_CHECK(it.q1 - it.q0 == group && it.q0 % group == 0,
+                    "fused decode: an item of the portable attention is one row's GQA group");
+        int64_t b = it.row + it.q0 / group, h = it.head, ctx = bt.lens[b], p = bt.positions[b];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+        const int64_t padded = (ctx - first + 15) / 16 * 16;
+        scores.resize(group * padded);
+        for (int64_t g = 0; g < group; ++g)  // the group's query heads are adjacent
+          rope_head<T>(src + b * row_len + (h * group + g) * d, cos + p * d, sin + p * d,
+                       qf.data() + g * d, d);
+        const KV<C> kv{kcache, vcache, bt.tables + b * bt.width, bs, stride, h * width, first,
+                       ctx};
+        T* dst = o + (b * nh + h * group) * d;
+        float* sc = scores.data();
+        switch (d) {  // the head size as a constant
+          case 16: attend_heads<T, 1>(group, qf.data(), kv, sc, padded, scale, dst); break;
+          case 32: attend_heads<T, 2>(group, qf.data(), kv, sc, padded, scale, dst); break;
+          case 64: attend_heads<T, 4>(group, qf.data(), kv, sc, padded, scale, dst); break;
+          case 128: attend_heads<T, 8>(group, qf.data(), kv, sc, padded, scale, dst); break;
+          default: TORCH_CHECK(false, "fused decode: head_dim must be 16, 32, 64 or 128");
+        }
+      }
+    });
+  };
+  if (i8) return group_items(k8, v8);  // the 8-bit rows' kernel runs items of one row's group
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (bf16_items(true, d)) {
@@ -902,33 +1051,7 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
     }
   }
 #endif
-  // Each item is one row's GQA group (attn_tile): its queries read the same K/V rows, which
-  // stay in cache between them.
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& it = bt.items[i];
-      TORCH_CHECK(it.q1 - it.q0 == group && it.q0 % group == 0,
-                  "fused decode: an item of the portable attention is one row's GQA group");
-      int64_t b = it.row + it.q0 / group, h = it.head, ctx = bt.lens[b], p = bt.positions[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      const int64_t padded = (ctx - first + 15) / 16 * 16;
-      scores.resize(group * padded);
-      for (int64_t g = 0; g < group; ++g)  // the group's query heads are adjacent
-        rope_head<T>(src + b * row_len + (h * group + g) * d, cos + p * d, sin + p * d,
-                     qf.data() + g * d, d);
-      KV<T> kv{kcp, vcp, bt.tables + b * bt.width, bs, stride, h * d, first, ctx};
-      T* dst = o + (b * nh + h * group) * d;
-      float* sc = scores.data();
-      switch (d) {  // the head size as a constant
-        case 16: attend_heads<T, 1>(group, qf.data(), kv, sc, padded, scale, dst); break;
-        case 32: attend_heads<T, 2>(group, qf.data(), kv, sc, padded, scale, dst); break;
-        case 64: attend_heads<T, 4>(group, qf.data(), kv, sc, padded, scale, dst); break;
-        case 128: attend_heads<T, 8>(group, qf.data(), kv, sc, padded, scale, dst); break;
-        default: TORCH_CHECK(false, "fused decode: head_dim must be 16, 32, 64 or 128");
-      }
-    }
-  });
+  group_items(kcp, vcp);
 }
 
 // gate_up (B, 2f) -> silu(gate) * up (B, f), rounded as eager: T(T(silu(g)) * u). f % 16 == 0;
@@ -1024,7 +1147,7 @@ class DecodeModel {
     at::NoGradGuard no_grad;
     Batch bt{positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), tables.size(1), {}};
-    const int64_t d = k_[0].size(3);
+    const int64_t d = cache_head_dim(k_[0]);
     bt.order_items(ids.size(0), nkv_, nh_ / nkv_,  // once a step, for every layer
                    attn_tile(k_[0].scalar_type() == at::kBFloat16, d, nh_ / nkv_));
     Tensor x = embed_.index_select(0, ids);  // (B, hidden)
@@ -1042,14 +1165,14 @@ class DecodeModel {
   Tensor layers(Tensor x, const Batch& bt) {
     const int64_t B = x.size(0), n = x.size(1);
     Tensor h = at::empty_like(x);
-    Tensor attn = at::empty({B, nh_ * k_[0].size(3)}, x.options());
+    Tensor attn = at::empty({B, nh_ * cache_head_dim(k_[0])}, x.options());
     T* xp = x.data_ptr<T>();
     T* hp = h.data_ptr<T>();
     add_norm_rows<T>(xp, nullptr, norms_[0][0].data_ptr<T>(), hp, B, n, eps_);
     for (size_t l = 0; l < linears_.size(); ++l) {
       const auto& lin = linears_[l];
       Tensor qkv = lin[0](h).contiguous();
-      if (parts_[l].any()) apply_parts<T>(qkv, parts_[l], nh_, nkv_, k_[l].size(3));
+      if (parts_[l].any()) apply_parts<T>(qkv, parts_[l], nh_, nkv_, cache_head_dim(k_[l]));
       attend<T>(qkv, cos_, sin_, k_[l], v_[l], bt, attn, nh_, nkv_, window_);
       Tensor o = lin[1](attn).contiguous();
       add_norm_rows<T>(xp, o.data_ptr<T>(), norms_[l][1].data_ptr<T>(), hp, B, n, eps_);

@@ -8,7 +8,7 @@ whole, as a prefill, through the dense copies or int8 activations (model/act_qua
 --max-tokens tokens from each of a fixed prompt set through the engine (the fused decode step),
 compared token by token with bf16's.
 
-    .venv/bin/python benchmarks/quality.py [--chunks 16] [--no-llama-cpp] [--out quality.json]
+    .venv/bin/python benchmarks/quality.py [--chunks 16] [--no-llama-cpp] [--only LABELS] [--out F]
 
 Held text: benchmarks/data/held_text.txt, the docstrings of 38 CPython 3.11 standard library
 modules (PSF license), 60,000 characters.
@@ -33,15 +33,19 @@ HERE = Path(__file__).resolve().parent
 TEXT = HERE / "data" / "held_text.txt"
 STEP = 8  # tokens per step, at most: fewer where a quantized kernel runs only to fewer rows
 # (label, --weights, --int8-activations, tokens per step: STEP, or None for whole chunks as a
-# prefill computes them: above the quantized kernels' rows, int8 activations or the dense copy)
+# prefill computes them: above the quantized kernels' rows, int8 activations or the dense copy;
+# --kv-cache-dtype: with int8, each step's attention reads the earlier tokens' 8-bit rows)
 VARIANTS = (
-    ("bf16", "bf16", "off", STEP),
-    ("int8", "int8", "off", STEP),
-    ("int4", "int4", "off", STEP),
-    ("int4, prefill steps, dense copy", "int4", "off", None),
-    ("int4, prefill steps, int8 activations", "int4", "on", None),
+    ("bf16", "bf16", "off", STEP, "auto"),
+    ("int8", "int8", "off", STEP, "auto"),
+    ("int4", "int4", "off", STEP, "auto"),
+    ("int4, prefill steps, dense copy", "int4", "off", None, "auto"),
+    ("int4, prefill steps, int8 activations", "int4", "on", None, "auto"),
+    ("bf16, int8 KV cache", "bf16", "off", STEP, "int8"),
+    ("int4, int8 KV cache", "int4", "off", STEP, "int8"),
 )
 BARS = {"bf16": "-", "int8": "<= +1 %", "int4": "<= +3 %"}
+KV_BAR = "<= +1 % over its weights' row"
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -149,15 +153,22 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    ap.add_argument(
+        "--only", default=None, help="rows whose label contains one of these (comma-separated), "
+        "beside bf16, e.g. 'KV cache,int4'",
+    )  # fmt: skip
     args = ap.parse_args()
 
     from pdserve import LLM
 
     rows, ref_tokens = {}, None
-    for label, fmt, act, step in VARIANTS:
+    for label, fmt, act, step, kv in VARIANTS:
+        if args.only and not any(o in label for o in args.only.split(",")) and label != "bf16":
+            continue  # bf16: the reference every row is compared with
         if act == "on":  # every step above the quantized kernels' rows, whatever is faster
             os.environ[INT8_ACT_ROWS] = str(1 << 30)
-        llm = LLM(weights=fmt, dtype=args.dtype, num_threads=args.threads, int8_activations=act)
+        llm = LLM(weights=fmt, dtype=args.dtype, num_threads=args.threads, int8_activations=act,
+                  kv_cache_dtype=kv)  # fmt: skip
         os.environ.pop(INT8_ACT_ROWS, None)
         tokens = llm.tokenizer.encode(TEXT.read_text())
         ppl = perplexity(llm, tokens, args.ctx, args.chunks, step)
@@ -179,7 +190,7 @@ def main() -> int:
     )
     print("|---|---|---|---|---|---|")
     for fmt, r in rows.items():
-        bar = BARS[fmt.split(",")[0]]
+        bar = KV_BAR if "KV cache" in fmt else BARS[fmt.split(",")[0]]
         print(
             f"| {fmt} | {r['ppl']:.4f} | {100 * (r['ppl'] / base - 1):+.2f} % | {bar} | "
             f"{r['greedy_identical']}/{len(PROMPTS)} | {r['greedy_prefix']:.1f} tokens |"

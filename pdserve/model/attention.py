@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import kv_int8
+from pdserve.model.extension import eager_kernels
 
 
 @dataclass
@@ -57,6 +58,17 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     index_select is ~5x faster than advanced indexing (cache[table]) on CPU."""
     flat = cache.index_select(0, block_table.reshape(-1))
     return flat.view(*block_table.shape[:-1], -1, *cache.shape[2:])
+
+
+def write_kv(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rows x (T, n_kv, d) into the cache at their flat slots: as they are, or quantized into
+    an 8-bit cache (`kv_int8`). A prefill's bf16 rows on CPU go through the extension's
+    `write_kv` (both threads, the same bytes), the rest through torch."""
+    if (ext := eager_kernels(x)) is not None and cache.is_contiguous():
+        ext.write_kv(x, cache, slots)
+        return
+    rows = kv_int8.quantize(x) if cache.dtype == torch.int8 else x
+    cache.view(-1, *rows.shape[1:]).index_copy_(0, slots, rows)
 
 
 def read_blocks(cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype):
@@ -187,10 +199,8 @@ def paged_attention(
     `kernel_from`: prompt chunks of at least this many queries run `prompt_causal`, shorter ones
     torch's SDPA (bf16 on CPU; see BLOCKWISE_MIN_QUERIES). An int8 cache (`kv_int8`) takes
     the rows quantized and gives them back dequantized."""
-    quantized = k_cache.dtype == torch.int8
-    for x, cache in ((k, k_cache), (v, v_cache)):
-        rows = kv_int8.quantize(x) if quantized else x
-        cache.view(-1, *rows.shape[1:]).index_copy_(0, meta.slot_mapping, rows)
+    write_kv(k, k_cache, meta.slot_mapping)
+    write_kv(v, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     for g in meta.decode_groups:
         out[g.start : g.end] = _decode(q[g.start : g.end], k_cache, v_cache, g.block_tables, g.mask)

@@ -104,3 +104,25 @@ def test_a_decode_step_over_an_int8_cache_keeps_the_logits_close(files):
     err = (logits[0] - logits[1]).abs().max().item()
     assert 0 < err < 0.1
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", ["same", "int8"])
+def test_the_extensions_write_gives_torchs_bytes(dtype, cache_dtype):
+    """csrc/decode.cpp `write_kv` (a prefill's rows, both threads) writes what index_copy_ of
+    the rows, or of `kv_int8.quantize`'s, writes: the same bytes, row by row at its slot."""
+    from pdserve.model.extension import load_extension
+
+    ext = load_extension()
+    g = torch.Generator().manual_seed(3)
+    n, n_kv, d = 100, 3, 64
+    x = (torch.randn(n, n_kv, d, generator=g) * 3).to(dtype)
+    x[5, 1] = 0
+    slots = torch.randperm(8 * 16, generator=g)[:n]
+    width = kv_int8.row_width(d) if cache_dtype == "int8" else d
+    kind = torch.int8 if cache_dtype == "int8" else dtype
+    ours, torchs = (torch.zeros(8, 16, n_kv, width, dtype=kind) for _ in range(2))
+    ext.write_kv(x, ours, slots)
+    rows = kv_int8.quantize(x) if cache_dtype == "int8" else x
+    torchs.view(-1, n_kv, width).index_copy_(0, slots, rows)
+    assert torch.equal(ours, torchs)

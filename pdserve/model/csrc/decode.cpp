@@ -536,14 +536,27 @@ void attend_heads(int64_t group, const float* qf, const KV<C>& kv, float* scores
 constexpr int64_t kScaleBytes = 4;
 
 // d values (the model's dtype's, as floats) into dst as kv_int8.quantize gives them: s = amax /
-// 127 (1 for a row of zeros), round(x / s) half to even (nearbyint in the default rounding
-// mode, as torch.round), both in float; s after the values.
+// 127 (1 for a row of zeros), round(x / s) half to even (rint16, as torch.round), both in
+// float, 16 values a vector (the same quotients as one by one); s after the values.
 inline void quantize_kv_row(const float* x, int8_t* dst, int64_t d) {
+  const int64_t whole = d / 16 * 16;
+  f16v vmax = {};
+  for (int64_t i = 0; i < whole; i += 16) {
+    const f16v v = load16(x + i);
+    const f16v a = v < 0 ? -v : v;
+    vmax = vmax > a ? vmax : a;
+  }
   float amax = 0.f;
-  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (int i = 0; i < 16; ++i) amax = std::max(amax, vmax[i]);
+  for (int64_t i = whole; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
   float s = amax / 127.f;
   if (s == 0.f) s = 1.f;
-  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(x[i] / s));
+  for (int64_t i = 0; i < whole; i += 16) {
+    const i8v16 b = __builtin_convertvector(
+        __builtin_convertvector(rint16(load16(x + i) / s), i32v), i8v16);
+    std::memcpy(dst + i, &b, sizeof b);
+  }
+  for (int64_t i = whole; i < d; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(x[i] / s));
   std::memcpy(dst + d, &s, sizeof s);
 }
 
@@ -565,6 +578,49 @@ inline float row_scale(const int8_t* row, int64_t d) {
   float s;
   std::memcpy(&s, row + d, sizeof s);
   return s;
+}
+
+// A step's K or V rows (T, nkv, d) into the cache at their slots (T,): copied into a cache of
+// their dtype, or quantized into an 8-bit cache's rows (quantize_kv_row), on both threads. A
+// prefill chunk's 1,024 x 3 rows took torch's index_copy_ ~180 us a layer and tensor, on one
+// thread; kv_int8.quantize's seven torch ops more (a 1,024-token prefill step +10 ms).
+void write_kv(const Tensor& x_in, Tensor& cache, const Tensor& slots_in) {
+  const Tensor x = x_in.contiguous();
+  const Tensor slots = slots_in.contiguous();
+  const int64_t n = x.size(0), nkv = x.size(1), d = x.size(2), width = cache.size(3);
+  const bool i8 = cache.scalar_type() == at::kChar;
+  TORCH_CHECK(x.dim() == 3 && cache.dim() == 4 && cache.is_contiguous() && cache.size(2) == nkv &&
+                  slots.scalar_type() == at::kLong && slots.numel() == n,
+              "write_kv: rows (T, nkv, d), a contiguous cache (blocks, bs, nkv, width), "
+              "slots (T,)");
+  TORCH_CHECK(i8 ? width == d + kScaleBytes
+                 : width == d && cache.scalar_type() == x.scalar_type(),
+              "write_kv: the cache holds the rows' dtype, or int8 rows of d + 4 bytes");
+  TORCH_CHECK(!i8 || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "write_kv: an 8-bit cache takes bfloat16 or float32 rows");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  if (!i8) {
+    const int64_t bytes = nkv * d * x.element_size();
+    char* dst = static_cast<char*>(cache.data_ptr());
+    const char* src = static_cast<const char*>(x.data_ptr());
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        std::memcpy(dst + sp[i] * bytes, src + i * bytes, bytes);
+    });
+    return;
+  }
+  int8_t* dst = cache.data_ptr<int8_t>();
+  const auto rows = [&](const auto* src) {
+    at::parallel_for(0, n * nkv, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(d);
+      for (int64_t j = begin; j < end; ++j) {
+        for (int64_t i = 0; i < d; ++i) row[i] = as_float(src[j * d + i]);
+        quantize_kv_row(row.data(), dst + (sp[j / nkv] * nkv + j % nkv) * width, d);
+      }
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) return rows(x.data_ptr<c10::BFloat16>());
+  rows(x.data_ptr<float>());
 }
 
 // attend_group over an 8-bit cache, an overload (attend_heads calls either; kv.stride and
@@ -1211,6 +1267,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("onednn_row_parts", &onednn_row_parts, py::call_guard<py::gil_scoped_release>());
   m.def("rope", &rope, py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,

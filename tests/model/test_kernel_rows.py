@@ -136,7 +136,9 @@ def test_a_packed_gemm_as_row_parts_gives_the_whole_gemms_values(cache):
         pytest.skip("oneDNN's packed bf16 GEMM or the C++ extension does not run here")
     for rows in (1, 255, 256, 1001):
         x = torch.randn(rows, 64).to(torch.bfloat16)
-        whole, parts = linear.dense_mm(x), linear.row_parts_mm(x)
+        whole = linear.dense_mm(x)
+        with torch.inference_mode():  # as the engine's steps run (the threads write the parts)
+            parts = linear.row_parts_mm(x)
         assert parts.shape == whole.shape
         torch.testing.assert_close(parts.float(), whole.float(), rtol=2**-7, atol=1e-2)
     linear.split_rows = (256,)

@@ -209,10 +209,9 @@ def paged_attention(
         if span.fresh:
             ks, vs = k[span.start : span.end], v[span.start : span.end]  # (n, n_kv, d)
         else:
-            ks = read_blocks(k_cache, span.block_table, q.dtype)[
-                : span.context_len
-            ]  # (ctx, n_kv, d)
-            vs = read_blocks(v_cache, span.block_table, q.dtype)[: span.context_len]
+            ctx = span.context_len  # the keys (ctx, n_kv, d) of every cached position
+            ks = read_blocks(k_cache, span.block_table, q.dtype)[:ctx]
+            vs = read_blocks(v_cache, span.block_table, q.dtype)[:ctx]
         if window is not None and span.context_len > window:
             out[span.start : span.end] = sdpa_causal(qs, ks, vs, window)
         elif _use_blockwise(qs, kernel_from):

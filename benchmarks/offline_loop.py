@@ -32,11 +32,14 @@ def main() -> None:
                     help="prompt tokens a step (default: the co-located worker's)")  # fmt: skip
     ap.add_argument("--weights", default="auto", help="auto | bf16 | int8 | int4")
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
+                    help="auto (the model's dtype) | int8 (model/kv_int8.py)")  # fmt: skip
     args = ap.parse_args()
     c = args.concurrency
     config = EngineConfig(
-        model=args.model, weights=args.weights, chunk_size=args.chunk_size, max_num_seqs=max(64, c)
-    )
+        model=args.model, weights=args.weights, chunk_size=args.chunk_size,
+        max_num_seqs=max(64, c), kv_cache_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
     engine = LLMEngine(config)
     engine.warm_up()
     rng, vocab = random.Random(0), engine.model_config.vocab_size

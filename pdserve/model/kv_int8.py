@@ -6,10 +6,12 @@ staging copies) moves it as bytes unchanged, and a block holds the same tokens i
 the bytes of a bfloat16 one: twice the tokens in the same memory, and half the bytes a decode
 step's attention reads (the most of a big batch's step on CPU).
 
-Rows are quantized as they are written (eager attention here, the fused decode step in C++ with
-the same arithmetic: the same bytes) and read back as values times their scale: by the fused
-step's int8 attention, and by `dequantize` for eager attention and prompt chunks over cached
-prefixes. A fresh prompt's own attention uses its unquantized K/V, as vLLM's fp8 cache does.
+Rows are quantized as they are written, by the same arithmetic everywhere (`quantize`; the
+extension's `write_kv` for a prefill's rows and the fused decode step's write give its bytes
+for the same values, though the fused step's K may differ from eager's in its last bit: its
+RoPE rounds once), and read back as values times their scale: by the fused step's int8
+attention, and by `dequantize` for eager attention and prompt chunks over cached prefixes. A
+fresh prompt's own attention uses its unquantized K/V, as vLLM's fp8 cache does.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def row_width(head_dim: int) -> int:
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """Rows (..., d) of any float dtype -> (..., d + 4) int8: round(x / s) and s = amax / 127
     (1 for a row of zeros) as float32 bytes. Division and rounding half to even, in float32,
-    as the fused step's write (csrc/decode.cpp `quantize_row`)."""
+    as the extension's writes (csrc/decode.cpp `quantize_kv_row`)."""
     xf = x.float()
     scale = xf.abs().amax(-1, keepdim=True) / 127
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)

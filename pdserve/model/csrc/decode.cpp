@@ -136,6 +136,32 @@ inline f16v rint16(f16v v) {
   return (v + magic) - magic;
 }
 
+// The largest |x[i]| of n floats.
+inline float abs_max(const float* x, int64_t n) {
+  int64_t j = 0;
+  f16v vmax = {};
+  for (; j + 16 <= n; j += 16) {
+    const f16v v = load16(x + j);
+    const f16v a = v < 0 ? -v : v;
+    vmax = vmax > a ? vmax : a;
+  }
+  float amax = 0.f;
+  for (int i = 0; i < 16; ++i) amax = std::max(amax, vmax[i]);
+  for (; j < n; ++j) amax = std::max(amax, std::fabs(x[j]));
+  return amax;
+}
+
+// q = round(x / s), half to even (as torch.round), for n floats whose quotients fit int8.
+inline void round_div_int8(const float* x, float s, int8_t* q, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const i32v iv = __builtin_convertvector(rint16(load16(x + j) / s), i32v);
+    const i8v16 b = __builtin_convertvector(iv, i8v16);
+    std::memcpy(q + j, &b, sizeof b);
+  }
+  for (; j < n; ++j) q[j] = static_cast<int8_t>(std::nearbyint(x[j] / s));
+}
+
 template <typename T>
 void quantize_rows_impl(const T* x, const float* inv, int8_t* q, float* s, int64_t m, int64_t k) {
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
@@ -143,29 +169,14 @@ void quantize_rows_impl(const T* x, const float* inv, int8_t* q, float* s, int64
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * k;
       int64_t j = 0;
-      f16v vmax = {};
       for (; j + 16 <= k; j += 16) {
-        f16v v = load16(xr + j) * load16(inv + j);
+        const f16v v = load16(xr + j) * load16(inv + j);
         std::memcpy(row.data() + j, &v, sizeof v);
-        f16v a = v < 0 ? -v : v;
-        vmax = vmax > a ? vmax : a;
       }
-      float amax = 0.f;
-      for (int i = 0; i < 16; ++i) amax = std::max(amax, vmax[i]);
-      for (; j < k; ++j) {
-        row[j] = as_float(xr[j]) * inv[j];
-        amax = std::max(amax, std::fabs(row[j]));
-      }
-      const float scale = std::max(amax / 127.f, 1e-12f);
+      for (; j < k; ++j) row[j] = as_float(xr[j]) * inv[j];
+      const float scale = std::max(abs_max(row.data(), k) / 127.f, 1e-12f);
       s[r] = scale;
-      int8_t* qr = q + r * k;
-      j = 0;
-      for (; j + 16 <= k; j += 16) {
-        i32v iv = __builtin_convertvector(rint16(load16(row.data() + j) / scale), i32v);
-        i8v16 b = __builtin_convertvector(iv, i8v16);
-        std::memcpy(qr + j, &b, sizeof b);
-      }
-      for (; j < k; ++j) qr[j] = static_cast<int8_t>(std::rint(row[j] / scale));
+      round_div_int8(row.data(), scale, q + r * k, k);
     }
   });
 }
@@ -457,114 +468,17 @@ inline int64_t wide_prefetch_budget() {
   return bytes;
 }
 
-template <typename T, int CH>
-struct Ahead {
-  const char* p = nullptr;  // the row to prefetch next (none past the context)
-  int64_t stride;
-
-  Ahead(const KV<T>& kv, const T* cache, int64_t t0, int64_t t1)
-      : stride(kv.stride * static_cast<int64_t>(sizeof(T))) {
-    if (t0 + kAhead * kv.bs < kv.ctx)
-      p = reinterpret_cast<const char*>(kv.row(cache, t0 + kAhead * kv.bs) +
-                                        (t1 - t0) * kv.stride);
-  }
-
-  void next() {
-    if (p == nullptr) return;
-    for (int b = 0; b < CH * 16 * static_cast<int>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
-    p += stride;
-  }
-};
-
-// The G queries of one kv head (roped, float, G * d) against their sequence's keys and values:
-// scores, softmax, the weighted sum of values into dst (G * d). CH = head_dim / 16 and G are
-// constants, so the queries and accumulators live in registers and each K/V row is loaded and
-// widened once for the whole group. scores[g * padded + t - first] is token t's.
-template <typename T, int CH, int G>
-void attend_group(const float* qf, const KV<T>& kv, float* scores, int64_t padded, float scale,
-                  T* dst) {
-  f16v q[G][CH], acc[G][CH], row[CH];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) q[g][c] = load16(qf + g * CH * 16 + 16 * c);
-  const int64_t start = kv.first - kv.first % kv.bs, n = kv.ctx - kv.first;
-  // Block by block, no division per token; the first block from `first` on.
-  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
-    const int64_t t1 = std::max(t0, kv.first);
-    const T* k = kv.row(kv.k, t1);
-    Ahead<T, CH> ahead(kv, kv.k, t0, t1);
-    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, k += kv.stride) {
-      ahead.next();
-      for (int c = 0; c < CH; ++c) row[c] = load16(k + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        f16v s = q[g][0] * row[0];
-        for (int c = 1; c < CH; ++c) s += q[g][c] * row[c];
-        scores[g * padded + t - kv.first] = hsum(s);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) softmax<T>(scores + g * padded, n, scale);
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) acc[g][c] = f16v{};
-  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
-    const int64_t t1 = std::max(t0, kv.first);
-    const T* v = kv.row(kv.v, t1);
-    Ahead<T, CH> ahead(kv, kv.v, t0, t1);
-    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, v += kv.stride) {
-      ahead.next();
-      for (int c = 0; c < CH; ++c) row[c] = load16(v + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        const float pt = scores[g * padded + t - kv.first];
-        for (int c = 0; c < CH; ++c) acc[g][c] += pt * row[c];
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) store16(dst + g * CH * 16 + 16 * c, acc[g][c]);
-}
-
-// attend_group for any group size: the common ones as one pass, others one query at a time.
-// C: the cache's element, T's or int8_t (the 8-bit cache's overload of attend_group).
-template <typename T, int CH, typename C>
-void attend_heads(int64_t group, const float* qf, const KV<C>& kv, float* scores,
-                  int64_t padded, float scale, T* dst) {
-  switch (group) {
-    case 1: return attend_group<T, CH, 1>(qf, kv, scores, padded, scale, dst);
-    case 2: return attend_group<T, CH, 2>(qf, kv, scores, padded, scale, dst);
-    case 3: return attend_group<T, CH, 3>(qf, kv, scores, padded, scale, dst);
-    case 4: return attend_group<T, CH, 4>(qf, kv, scores, padded, scale, dst);
-    default:
-      for (int64_t g = 0; g < group; ++g)
-        attend_group<T, CH, 1>(qf + g * CH * 16, kv, scores, padded, scale, dst + g * CH * 16);
-  }
-}
-
 // The 8-bit cache (model/kv_int8.py): each (token, kv head) row is d int8 values, then their
 // float32 scale. The attention reads half the bytes of a bf16 row, which is what a big batch's
 // decode attention waits on.
 constexpr int64_t kScaleBytes = 4;
 
 // d values (the model's dtype's, as floats) into dst as kv_int8.quantize gives them: s = amax /
-// 127 (1 for a row of zeros), round(x / s) half to even (rint16, as torch.round), both in
-// float, 16 values a vector (the same quotients as one by one); s after the values.
+// 127 (1 for a row of zeros), round(x / s) half to even, both in float; s after the values.
 inline void quantize_kv_row(const float* x, int8_t* dst, int64_t d) {
-  const int64_t whole = d / 16 * 16;
-  f16v vmax = {};
-  for (int64_t i = 0; i < whole; i += 16) {
-    const f16v v = load16(x + i);
-    const f16v a = v < 0 ? -v : v;
-    vmax = vmax > a ? vmax : a;
-  }
-  float amax = 0.f;
-  for (int i = 0; i < 16; ++i) amax = std::max(amax, vmax[i]);
-  for (int64_t i = whole; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
-  float s = amax / 127.f;
+  float s = abs_max(x, d) / 127.f;
   if (s == 0.f) s = 1.f;
-  for (int64_t i = 0; i < whole; i += 16) {
-    const i8v16 b = __builtin_convertvector(
-        __builtin_convertvector(rint16(load16(x + i) / s), i32v), i8v16);
-    std::memcpy(dst + i, &b, sizeof b);
-  }
-  for (int64_t i = whole; i < d; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(x[i] / s));
+  round_div_int8(x, s, dst, d);
   std::memcpy(dst + d, &s, sizeof s);
 }
 
@@ -582,10 +496,123 @@ inline f16v load16(const int8_t* p) {  // widened to float
 #endif
 }
 
+// A cache row's scale: an 8-bit row's own, after its d values; 1 for a row of the model's dtype.
+template <typename C>
+inline float row_scale(const C*, int64_t) {
+  return 1.f;
+}
 inline float row_scale(const int8_t* row, int64_t d) {
   float s;
   std::memcpy(&s, row + d, sizeof s);
   return s;
+}
+
+// C: the cache's element. Rows of T are fetched as this head's; 8-bit rows (68 bytes at d = 64
+// share lines) as the token's rows of every head in a sequence's first head's item, whose next
+// items (its other heads, on this thread) then read theirs from cache.
+template <typename C, int CH>
+struct Ahead {
+  const char* p = nullptr;  // the row to prefetch next (none past the context)
+  int64_t stride, bytes;
+
+  Ahead(const KV<C>& kv, const C* cache, int64_t t0, int64_t t1)
+      : stride(kv.stride * static_cast<int64_t>(sizeof(C))),
+        bytes(!std::is_same_v<C, int8_t> ? CH * 16 * static_cast<int64_t>(sizeof(C))
+              : kv.offset == 0           ? kv.stride
+                                         : CH * 16 + kScaleBytes) {
+    if (t0 + kAhead * kv.bs < kv.ctx)
+      p = reinterpret_cast<const char*>(kv.row(cache, t0 + kAhead * kv.bs) +
+                                        (t1 - t0) * kv.stride);
+  }
+
+  void fetch(const void* row, int locality) const {  // `bytes` from row
+    const char* r = static_cast<const char*>(row);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      if (locality == 2) {
+        __builtin_prefetch(r + b, 0, 2);
+      } else {
+        __builtin_prefetch(r + b);
+      }
+    }
+  }
+
+  void next() {
+    if (p == nullptr) return;
+    fetch(p, 3);
+    p += stride;
+  }
+};
+
+// The G queries of one kv head (roped, float, G * d) against their sequence's keys and values:
+// scores, softmax, the weighted sum of values into dst (G * d). CH = head_dim / 16 and G are
+// constants, so the queries and accumulators live in registers and each K/V row is loaded and
+// widened once for the whole group. scores[g * padded + t - first] is token t's.
+// C: the cache's element, T, or int8_t for the 8-bit cache (kv.stride and kv.offset in bytes
+// of rows of d + 4): each key's score and each value row then times its row's scale, and the
+// token's V row goes into L2 while its key is scored (without that and Ahead's rows of every
+// head, the K and then the V loads held most of the kernel's samples and the step took as long
+// as with bf16 rows).
+template <typename T, int CH, int G, typename C>
+void attend_group(const float* qf, const KV<C>& kv, float* scores, int64_t padded, float scale,
+                  T* dst) {
+  constexpr bool i8 = std::is_same_v<C, int8_t>;
+  constexpr int64_t d = CH * 16;
+  f16v q[G][CH], acc[G][CH], row[CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) q[g][c] = load16(qf + g * d + 16 * c);
+  const int64_t start = kv.first - kv.first % kv.bs, n = kv.ctx - kv.first;
+  // Block by block, no division per token; the first block from `first` on.
+  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
+    const int64_t t1 = std::max(t0, kv.first);
+    const C* k = kv.row(kv.k, t1);
+    const C* v = kv.row(kv.v, t1);
+    Ahead<C, CH> ahead(kv, kv.k, t0, t1);
+    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, k += kv.stride, v += kv.stride) {
+      ahead.next();
+      if constexpr (i8) ahead.fetch(v, 2);
+      for (int c = 0; c < CH; ++c) row[c] = load16(k + 16 * c);
+      const float ks = row_scale(k, d);
+      for (int g = 0; g < G; ++g) {
+        f16v s = q[g][0] * row[0];
+        for (int c = 1; c < CH; ++c) s += q[g][c] * row[c];
+        scores[g * padded + t - kv.first] = hsum(s) * ks;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax<T>(scores + g * padded, n, scale);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) acc[g][c] = f16v{};
+  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
+    const int64_t t1 = std::max(t0, kv.first);
+    const C* v = kv.row(kv.v, t1);
+    Ahead<C, CH> ahead(kv, kv.v, t0, t1);
+    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, v += kv.stride) {
+      if constexpr (!i8) ahead.next();  // 8-bit V rows are in L2 from the scores' pass
+      for (int c = 0; c < CH; ++c) row[c] = load16(v + 16 * c);
+      const float vs = row_scale(v, d);
+      for (int g = 0; g < G; ++g) {
+        const float pt = scores[g * padded + t - kv.first] * vs;
+        for (int c = 0; c < CH; ++c) acc[g][c] += pt * row[c];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) store16(dst + g * d + 16 * c, acc[g][c]);
+}
+
+// attend_group for any group size: the common ones as one pass, others one query at a time.
+template <typename T, int CH, typename C>
+void attend_heads(int64_t group, const float* qf, const KV<C>& kv, float* scores,
+                  int64_t padded, float scale, T* dst) {
+  switch (group) {
+    case 1: return attend_group<T, CH, 1>(qf, kv, scores, padded, scale, dst);
+    case 2: return attend_group<T, CH, 2>(qf, kv, scores, padded, scale, dst);
+    case 3: return attend_group<T, CH, 3>(qf, kv, scores, padded, scale, dst);
+    case 4: return attend_group<T, CH, 4>(qf, kv, scores, padded, scale, dst);
+    default:
+      for (int64_t g = 0; g < group; ++g)
+        attend_group<T, CH, 1>(qf + g * CH * 16, kv, scores, padded, scale, dst + g * CH * 16);
+  }
 }
 
 // A step's K or V rows (T, nkv, d) into the cache at their slots (T,): copied into a cache of
@@ -629,67 +656,6 @@ void write_kv(const Tensor& x_in, Tensor& cache, const Tensor& slots_in) {
   };
   if (x.scalar_type() == at::kBFloat16) return rows(x.data_ptr<c10::BFloat16>());
   rows(x.data_ptr<float>());
-}
-
-// attend_group over an 8-bit cache, an overload (attend_heads calls either; kv.stride and
-// kv.offset count bytes of rows of d + 4): a key's score is its row's scale times q . k (the int8
-// values widened to float, the G queries sharing each load), and each value row is weighted by
-// its probability (rounded to T, as the bf16 path's) times its scale.
-template <typename T, int CH, int G>
-void attend_group(const float* qf, const KV<int8_t>& kv, float* scores, int64_t padded,
-                     float scale, T* dst) {
-  constexpr int64_t d = CH * 16;
-  f16v q[G][CH], acc[G][CH], row[CH];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) q[g][c] = load16(qf + g * d + 16 * c);
-  const int64_t start = kv.first - kv.first % kv.bs, n = kv.ctx - kv.first;
-  // Prefetches, a token's row of every head from the first head's item (the items of the other
-  // heads come next on this thread and read theirs from cache: rows of 68 bytes share lines),
-  // else this head's: the K row kAhead blocks on, and this token's V row into L2 for the values
-  // after the softmax (without them, the loads of the K rows and then of the V rows held most
-  // of the kernel's samples and the step took as long as with bf16 rows).
-  const int64_t span = kv.offset == 0 ? kv.stride : d + kScaleBytes;
-  const auto fetch = [span](const int8_t* p, int locality) {
-    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(p + b, 0, locality);
-  };
-  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
-    const int64_t t1 = std::max(t0, kv.first);
-    const int8_t* k = kv.row(kv.k, t1);
-    const int8_t* v = kv.row(kv.v, t1);
-    const int8_t* ahead =
-        t0 + kAhead * kv.bs < kv.ctx ? kv.row(kv.k, t1 + kAhead * kv.bs) : nullptr;
-    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, k += kv.stride, v += kv.stride) {
-      if (ahead) {
-        fetch(ahead, 3);
-        ahead += kv.stride;
-      }
-      fetch(v, 2);
-      for (int c = 0; c < CH; ++c) row[c] = load16(k + 16 * c);
-      const float ks = row_scale(k, d);
-      for (int g = 0; g < G; ++g) {
-        f16v s = q[g][0] * row[0];
-        for (int c = 1; c < CH; ++c) s += q[g][c] * row[c];
-        scores[g * padded + t - kv.first] = hsum(s) * ks;
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) softmax<T>(scores + g * padded, n, scale);
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) acc[g][c] = f16v{};
-  for (int64_t t0 = start; t0 < kv.ctx; t0 += kv.bs) {
-    const int64_t t1 = std::max(t0, kv.first);
-    const int8_t* v = kv.row(kv.v, t1);
-    for (int64_t t = t1; t < std::min(kv.ctx, t0 + kv.bs); ++t, v += kv.stride) {
-      for (int c = 0; c < CH; ++c) row[c] = load16(v + 16 * c);
-      const float vs = row_scale(v, d);
-      for (int g = 0; g < G; ++g) {
-        const float pt = scores[g * padded + t - kv.first] * vs;
-        for (int c = 0; c < CH; ++c) acc[g][c] += pt * row[c];
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) store16(dst + g * d + 16 * c, acc[g][c]);
 }
 
 #if defined(__AVX512BF16__)

@@ -16,7 +16,7 @@ import argparse
 import random
 import time
 
-from pdserve.config import WORKER_CHUNK_SIZE, EngineConfig
+from pdserve.config import KV_CACHE_DTYPES, WORKER_CHUNK_SIZE, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_perf import phase_counts
@@ -32,7 +32,7 @@ def main() -> None:
                     help="prompt tokens a step (default: the co-located worker's)")  # fmt: skip
     ap.add_argument("--weights", default="auto", help="auto | bf16 | int8 | int4")
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="auto (the model's dtype) | int8 (model/kv_int8.py)")  # fmt: skip
     args = ap.parse_args()
     c = args.concurrency

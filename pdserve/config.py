@@ -9,6 +9,7 @@ from pdserve.model.kv_shape import KVShape, kv_shape
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "bf16", "int8", "int4")  # see model/quant.py
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: see model/kv_int8.py
 # `pdserve serve --decode-chunk-size`: the token budget per step of a disaggregated decode
 # worker's own prefills (`EngineConfig.chunk_size` of its engine); sim's `Deployment.served`
 # models the same.
@@ -165,7 +166,7 @@ class EngineConfig:
             raise ValueError(f"weights must be auto, bf16, int8 or int4, got {self.weights!r}")
         if self.int8_activations not in ("off", "on"):
             raise ValueError(f"int8_activations must be off or on, got {self.int8_activations!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

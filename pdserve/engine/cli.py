@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.config import DTYPES, WEIGHT_FORMATS, EngineConfig
+from pdserve.config import DTYPES, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.flags import Flag, add_flags, config_values
 
@@ -52,7 +52,7 @@ ENGINE_FLAGS = (
         "MLA models): twice the tokens in the same --kv-cache-gb and half the bytes a decode "
         "step's attention reads (faster big batches), at the price of a small error in the "
         "attention over cached tokens. Prefill and decode workers must use the same",
-        choices=("auto", "int8"),
+        choices=KV_CACHE_DTYPES,
     ),
     Flag.of(EngineConfig, "block_size", f"tokens per KV block (default {EngineConfig.block_size})"),
     Flag.of(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 SCALE_BYTES = 4  # the row's float32 scale, after its values
-KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 
 
 def row_width(head_dim: int) -> int:

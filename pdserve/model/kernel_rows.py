@@ -30,8 +30,8 @@ from pdserve import envs
 from pdserve.model.extension import cpu_flags
 
 log = logging.getLogger(__name__)
-VERSION = 5  # of the measurement (5: a shape's every layer in turn); a new one re-measures
-LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # row counts timed, in order
+VERSION = 6  # of the measurement (6: int4's AMX kernel); a new one re-measures
+LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # row counts timed, in order
 MIN_CALLS, MAX_CALLS = 20, 400  # timed calls of each kernel per row count
 BUDGET_S = 0.1  # beyond MIN_CALLS, time spent per row count
 MARGIN = 0.97  # the quantized kernel must be at least 3 % faster to be chosen
@@ -88,6 +88,24 @@ def measure(dense, quantized, in_features: int, dtype: torch.dtype) -> int:
             if losses == 2:
                 break
     return best
+
+
+def measure_amx(few_rows, amx, in_features: int, dtype) -> int:
+    """The fewest rows of LADDER from which the int4 kernel on AMX tiles (`amx(x)`) beats its
+    few-row VNNI kernel (`few_rows(x)`) at every larger count; quant.NEVER: at none. (A Xeon
+    with AMX, SmolLM2's 30 layers, 2 threads: the AMX kernel takes ~6 ms at 1-16 rows, where
+    unpacking the weights to bf16 is most of it, and 13 at 64; the VNNI one 1.9 at 1, 6.6 at
+    16 and 24 at 64.)"""
+    from pdserve.model.quant import NEVER
+
+    first = NEVER
+    for rows in reversed(LADDER):
+        x = torch.randn(rows, in_features).to(dtype)
+        amx_us, few_us = _best_pair_us(amx, few_rows, x, min_calls=5)
+        if amx_us >= few_us * MARGIN:
+            break
+        first = rows
+    return first
 
 
 def measure_a8(dense, a8, q_rows: int, in_features: int, dtype) -> tuple[int, int]:
@@ -197,6 +215,25 @@ class KernelRows:
 
         return self._entry(f"{fmt}:{n}x{k}", lambda: measure(dense, quantized, k, self.dtype),
                            "quantized kernel up to {} rows on this machine")  # fmt: skip
+
+    def amx_from(self, fmt: str, layer, peers: list | None = None) -> int:
+        """Rows from which the int4 linear `layer` (the few-row kind, `peers` as for max_rows)
+        runs its AMX kernel (`measure_amx`); quant.NEVER where the extension has none here,
+        or the rows are fixed (`PDSERVE_QUANT_MAX_ROWS`: the few-row kernel throughout)."""
+        from pdserve.model.quant import NEVER
+
+        ext = getattr(layer, "ext", None)
+        if self.fixed is not None or ext is None or not ext.amx_available():
+            return NEVER
+        n, k = layer.shape
+        peers = peers or [layer]
+
+        def kernel(amx_from: int):
+            return lambda x: [ext.few_rows_mm(x, *peer.tensors, amx_from) for peer in peers]
+
+        return self._entry(f"amx:{fmt}:{n}x{k}",
+                           lambda: measure_amx(kernel(NEVER), kernel(1), k, self.dtype),
+                           "the AMX kernel from {} rows")  # fmt: skip
 
     def a8_rows(self, fmt: str, layer) -> tuple[int, int]:
         """(first, last rows of int8 activations) for the quantized linear `layer` with its

@@ -7,8 +7,10 @@ bytes over DRAM bandwidth; fewer bytes per weight is the speed-up. Formats:
 * `int4`: groups of 32 input columns share a scale and a zero; x @ ((q - 8) * scale + zero).T
   with q in [0, 16), by pdserve's few-row kernel (csrc/few_rows.h, for bf16 models where the
   C++ extension builds: the rows quantized to int8 groups of 32 as llama.cpp's Q8 activations,
-  the products summed exactly in int32 by VNNI) or torch's `_weight_int4pack_mm_for_cpu`.
-  GGUF's Q4_0 and Q4_1 blocks are exactly this (32 wide; Q4_1 stores w = d * q + m, so
+  the products summed exactly in int32 by VNNI; from `amx_from` rows, where the CPU has AMX,
+  each group of weights unpacked to bf16 once for every row and multiplied on the tile unit:
+  a big decode batch) or torch's `_weight_int4pack_mm_for_cpu`. GGUF's Q4_0 and Q4_1 blocks
+  are exactly this (32 wide; Q4_1 stores w = d * q + m, so
   scale = d and zero = m + 8 d; Q4_0 stores w = d * (q - 8), so zero = 0): they are packed as
   the file has them, never expanded and re-quantized. Other weights get min/max groups.
 * `int8`: one symmetric scale per output row (few_rows.h's, or torch's `_weight_int8pack_mm`).
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 GROUP = 32  # int4 group width: GGUF's block width, and gpt-fast's default
+NEVER = 1 << 62  # a row count no input reaches (a kernel's "from" when it never runs)
 # A linear built on its own (not by quantize_model, which measures this machine) uses its
 # quantized kernel up to these rows: the AMD EPYC crossovers above.
 MAX_ROWS = {"int4": 16, "int8": 8}
@@ -131,9 +134,9 @@ class Dense:
 
     def kernel_spec(self) -> tuple:
         """(kind, max_rows, [weight, *packed], first and last rows of int8 activations,
-        [their tensors]) for the fused decode step's `Linear` (the weight as held: plain, or
-        in oneDNN's layout)."""
-        return self.kind, self.max_rows, [self._weight, *self.packed], 0, 0, []
+        [their tensors], rows from which the int4 kernel runs on AMX) for the fused decode
+        step's `Linear` (the weight as held: plain, or in oneDNN's layout)."""
+        return self.kind, self.max_rows, [self._weight, *self.packed], 0, 0, [], NEVER
 
 
 # prompt row counts at which a packed GEMM is timed whole and as row parts
@@ -233,6 +236,7 @@ class _Quantized(Dense):
 
     a8 = None  # act_quant.Int8Activations, once calibrated
     a8_rows = (0, 0)  # the first and last row counts it runs
+    amx_from = NEVER  # rows from which the int4 few-row kind runs on AMX (Int4Linear)
     calib_amax = None  # while calibrating: the largest |x| per input channel seen
 
     def __init__(self, weight: torch.Tensor):
@@ -253,8 +257,8 @@ class _Quantized(Dense):
     def kernel_spec(self):
         dense = [self._weight, *self.packed]
         if self.a8 is None or not self.a8_rows[1]:
-            return self.kind, self.max_rows, dense, 0, 0, []
-        return self.kind, self.max_rows, dense, *self.a8_rows, self.a8.tensors
+            return self.kind, self.max_rows, dense, 0, 0, [], self.amx_from
+        return self.kind, self.max_rows, dense, *self.a8_rows, self.a8.tensors, self.amx_from
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -263,7 +267,8 @@ class _Quantized(Dense):
 class Int4Linear(_Quantized):
     """Int4 groups of 32. In bf16, with the C++ extension built and N a multiple of 16, its
     few-row kernel (csrc/few_rows.h: a verify step of 1 + k rows costs little more than one
-    row); else torch's int4 kernel."""
+    row), and from `amx_from` rows its AMX kernel (each group of weights unpacked to bf16 once
+    for every row: a big decode batch) where the CPU has AMX; else torch's int4 kernel."""
 
     format = "int4"
 
@@ -286,7 +291,7 @@ class Int4Linear(_Quantized):
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == 3:
-            return self.ext.few_rows_mm(x, *self.tensors)
+            return self.ext.few_rows_mm(x, *self.tensors, self.amx_from)
         return torch._weight_int4pack_mm_for_cpu(x, self.tensors[0], GROUP, self.tensors[1])
 
 
@@ -469,6 +474,10 @@ def set_kernel_rows(model, rows) -> None:
     peers: dict[tuple, list] = {}
     for linear in linears:
         peers.setdefault((linear.format, linear.shape), []).append(linear)
+    for linear in linears:  # the AMX kernel first: it moves the crossover with the dense GEMM
+        same = peers[linear.format, linear.shape]
+        if linear.kind == 3:
+            linear.amx_from = rows.amx_from(linear.format, linear, same)
     for linear in linears:
         linear.max_rows = rows.max_rows(linear.format, linear, peers[linear.format, linear.shape])
     rows.save()

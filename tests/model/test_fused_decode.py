@@ -242,6 +242,10 @@ LONG = dict(num_heads=6, num_kv_heads=2, hidden_size=384, max_position_embedding
 def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(
     monkeypatch, block_size, window, shape, kv
 ):
+    verify_rows_equal_plain_steps(monkeypatch, block_size, window, shape, kv)
+
+
+def verify_rows_equal_plain_steps(monkeypatch, block_size, window, shape, kv):
     """A sequence verifying 4 proposals is 5 rows of one block table in one fused step (their
     queries share the K/V rows read). Each row's logits are those of a step of that row alone,
     bit for bit, so greedy speculation emits plain decoding's tokens; over a context of many
@@ -283,6 +287,22 @@ def test_a_verify_steps_rows_equal_plain_steps_bit_for_bit(
     alone = torch.cat([step([i]) for i in range(6)])
     assert torch.equal(together, alone)
     assert torch.isfinite(together).all() and together.std() > 0
+    return eng
+
+
+def test_the_int4_amx_kernel_gives_verify_rows_the_bits_of_plain_steps(monkeypatch):
+    """As above with the int4 linears on their AMX kernel (csrc/few_rows.h `mm_amx`) from one
+    row on: the fused step's Linear is given the rows it runs from (`amx_from`), and a row's
+    logits are its own whatever the rows beside it."""
+    from pdserve.model import kernel_rows, quant
+    from pdserve.model.extension import load_extension
+
+    if not load_extension().amx_available():
+        pytest.skip("this CPU (or build) has no AMX-BF16 tiles")
+    monkeypatch.setattr(kernel_rows.KernelRows, "amx_from", lambda self, *a, **k: 1)
+    eng = verify_rows_equal_plain_steps(monkeypatch, 16, None, {}, "auto")
+    linears = [lin for lin in quant.quantized_linears(eng.runner.model) if lin.kind == 3]
+    assert linears and all(lin.kernel_spec()[-1] == 1 for lin in linears)
 
 
 def test_bf16_caches_attend_by_avx512_bf16_where_the_cpu_has_it():

@@ -29,6 +29,18 @@ def test_a_quantized_kernel_that_never_wins_gets_zero_rows():
     assert measure(lambda x: None, lambda x: spin(200), 8, torch.float32) == 0
 
 
+def test_the_amx_kernel_runs_from_the_fewest_rows_where_it_wins_at_every_larger_count():
+    # AMX: 2,000 us whatever the rows; the few-row kernel 100 us a row -> AMX from 24 rows
+    def few_rows(x):
+        spin(100 * x.shape[0])
+
+    def amx(x):
+        spin(2000)
+
+    assert kernel_rows.measure_amx(few_rows, amx, 8, torch.float32) == 24
+    assert kernel_rows.measure_amx(amx, few_rows, 8, torch.float32) == quant.NEVER
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     from pdserve import envs
@@ -101,6 +113,7 @@ def test_each_quantized_linear_of_a_model_gets_its_shapes_rows(cache, monkeypatc
         return rows[(linear.format, *linear.weight.shape)]
 
     monkeypatch.setattr(kernel_rows, "measure", fake)
+    monkeypatch.setattr(kernel_rows, "measure_amx", lambda *a: quant.NEVER)
     table = KernelRows(torch.bfloat16, threads=1)
     quant.quantize_model(model, "int4", {}, table)
     layers = len(model.layers)
@@ -110,7 +123,41 @@ def test_each_quantized_linear_of_a_model_gets_its_shapes_rows(cache, monkeypatc
         assert [x.max_rows for x in linears] == [4, 8, 12, 16]
     assert model.lm_head.max_rows == 2
     assert model.layers[0].attn.qkv.kernel_spec()[1] == 4  # what the fused decode step is given
-    assert len(table.measured) == 5 and table.path.exists()  # once per shape, then saved
+    amx = [name for name in table.measured if name.startswith("amx:")]  # where AMX runs
+    assert len(table.measured) == 5 + len(amx) and table.path.exists()  # once a shape, saved
+
+
+def test_every_int4_linear_has_its_amx_rows_before_the_dense_crossover_is_timed(cache, monkeypatch):
+    """The AMX kernel moves where the quantized kernel stops beating the dense GEMM, so every
+    layer of a shape (all timed together) runs from its AMX rows when max_rows is measured."""
+    files = make_model_files(seed=1)
+    model = LlamaModel(make_model_config(), files.weights, torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(KernelRows, "amx_from", lambda self, fmt, layer, peers=None: 24)
+    seen = []
+
+    def fake(dense, quantized, k, dtype):
+        seen.append(quantized)
+        return 64
+
+    monkeypatch.setattr(kernel_rows, "measure", fake)
+    quant.quantize_model(model, "int4", {}, KernelRows(torch.bfloat16, threads=1))
+    few = [lin for lin in quant.quantized_linears(model) if lin.kind == 3]
+    assert few and seen and all(lin.amx_from == 24 and lin.max_rows == 64 for lin in few)
+    assert all(lin.kernel_spec()[-1] == 24 for lin in few)  # what the fused decode step is given
+
+
+def test_amx_rows_are_never_with_fixed_rows_and_cached_per_shape(cache, monkeypatch):
+    from pdserve.model.extension import load_extension
+
+    monkeypatch.setenv("PDSERVE_QUANT_MAX_ROWS", "16")
+    assert KernelRows(torch.bfloat16, threads=2).amx_from("int4", _linear()) == quant.NEVER
+    monkeypatch.delenv("PDSERVE_QUANT_MAX_ROWS")
+    if not load_extension().amx_available():
+        assert KernelRows(torch.bfloat16, threads=2).amx_from("int4", _linear()) == quant.NEVER
+        return
+    monkeypatch.setattr(kernel_rows, "measure_amx", lambda *a: 32)
+    rows = KernelRows(torch.bfloat16, threads=2)
+    assert rows.amx_from("int4", _linear()) == 32 and rows.measured == ["amx:int4:64x96"]
 
 
 def test_row_parts_run_only_between_two_winning_ladder_counts():

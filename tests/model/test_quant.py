@@ -181,6 +181,44 @@ def test_a_bf16_engine_holds_its_dense_weights_in_onednn_layout(files, weights, 
     assert not any(lin.onednn for lin in make_engine(files).runner.model.linears())  # float32
 
 
+def amx_extension():
+    from pdserve.model.extension import load_extension
+
+    ext = load_extension()
+    if not ext.amx_available():
+        pytest.skip("this CPU (or build) has no AMX-BF16 tiles")
+    return ext
+
+
+@pytest.mark.parametrize("n,k", [(96, 128), (32, 1536)])
+def test_the_int4_amx_kernel_is_the_bf16_weights_product_and_each_row_its_own(n, k):
+    """csrc/few_rows.h `mm_amx` (the int4 few-row kind from `amx_from` rows): each weight
+    unpacked to bf16 as (q - 8) * scale + zero, times the bf16 rows summed in float32, for 1 to
+    130 rows (passes of 64, the last tile padded with zero rows); a row's result the same bits
+    whatever rows are beside it, and x read from wherever it lies (not 64-byte aligned: copied)."""
+    ext = amx_extension()
+    torch.manual_seed(1)
+    w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
+    b = quant.int4_blocks(w)
+    q, sz = quant.pack_few_rows(b, torch.bfloat16)
+    scale = torch.from_numpy(b.scale).bfloat16().float().repeat_interleave(32, 1)
+    zero = torch.from_numpy(b.zero).bfloat16().float().repeat_interleave(32, 1)
+    wb = ((torch.from_numpy(b.q).float() - 8) * scale + zero).bfloat16().double()
+    for rows in (1, 15, 16, 17, 64, 65, 130):
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        got = ext.few_rows_mm(x, q, sz, 1)
+        want = x.double() @ wb.T
+        assert (got.double() - want).abs().max() <= 0.005 * want.abs().max()  # bf16's rounding
+        for r in (0, rows - 1):
+            assert torch.equal(ext.few_rows_mm(x[r : r + 1], q, sz, 1)[0], got[r])
+        shifted = torch.empty(rows * k + 8, dtype=torch.bfloat16)[8:].view(rows, k)
+        shifted.copy_(x)  # 16 bytes past an aligned start
+        assert torch.equal(ext.few_rows_mm(shifted, q, sz, 1), got)
+    vnni = ext.few_rows_mm(x, q, sz)  # by default
+    assert torch.equal(vnni, ext.few_rows_mm(x, q, sz, quant.NEVER))
+    assert not torch.equal(ext.few_rows_mm(x, q, sz, rows + 1), got)  # below amx_from: VNNI's
+
+
 def test_few_row_kernels_leave_what_they_cannot_run_to_torch():
     """float32 weights, or N not a multiple of 16 (int8; torch's int4 packing needs it too):
     torch's kernels, as before."""

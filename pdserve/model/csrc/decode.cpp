@@ -280,20 +280,22 @@ struct Linear {
   std::vector<Tensor> t;
   int64_t a8_first, a8_last;
   std::vector<Tensor> a8;
+  int64_t amx_from;  // int4 (kind 3): rows from which few_rows::mm runs its AMX kernel
 
   Linear(int64_t kind, int64_t max_rows, std::vector<Tensor> t, int64_t a8_first,
-         int64_t a8_last, std::vector<Tensor> a8)
+         int64_t a8_last, std::vector<Tensor> a8, int64_t amx_from)
       : kind(kind),
         max_rows(max_rows),
         t(std::move(t)),
         a8_first(a8_first),
         a8_last(a8_last),
-        a8(std::move(a8)) {}
+        a8(std::move(a8)),
+        amx_from(amx_from) {}
 
   Tensor operator()(const Tensor& x) const {
     const int64_t rows = x.size(0);
     if (kind != 0 && rows <= max_rows) {
-      if (kind == 3) return few_rows::mm(x, t[1], t[2]);
+      if (kind == 3) return few_rows::mm(x, t[1], t[2], amx_from);
       if (kind == 4) return few_rows::mm8(x, t[1], t[2]);
       if (kind == 1) return at::_weight_int4pack_mm_for_cpu(x, t[1], 32, t[2]);
       return at::_weight_int8pack_mm(x, t[1], t[2]);
@@ -1235,7 +1237,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_attention", [] { return bf16_items(true, 64); });  // built with AVX512-BF16
   m.def("quantize_rows", &quantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
-  m.def("few_rows_mm", &few_rows::mm, py::call_guard<py::gil_scoped_release>());
+  m.def("few_rows_mm", &few_rows::mm, py::arg("x"), py::arg("q"), py::arg("sz"),
+        py::arg("amx_from") = std::numeric_limits<int64_t>::max(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("amx_available", &few_rows::amx_available);
   m.def("few_rows_mm8", &few_rows::mm8<c10::BFloat16>, py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
@@ -1245,7 +1250,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,
-                    std::vector<Tensor>>());
+                    std::vector<Tensor>, int64_t>());
   py::class_<AttnParts>(m, "AttnParts")
       .def(py::init<std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
                     double>());

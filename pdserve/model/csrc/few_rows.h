@@ -30,9 +30,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace few_rows {
 
@@ -263,8 +267,14 @@ void tile_rows(const int8_t* xq, int64_t k, const float* d, const float* xs, con
   tile<R>(xq, k, d, xs, q, sz, out, ldo);
 }
 
-// y (M, N) bf16 = x (M, K) bf16, as int8 groups, times the packed int4 weight.
-inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sz) {
+bool amx_available();
+at::Tensor mm_amx(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sz);
+
+// y (M, N) bf16 = x (M, K) bf16, as int8 groups, times the packed int4 weight; from `amx_from`
+// rows on (measured per machine and shape: model/kernel_rows.py) by mm_amx where it runs.
+inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sz,
+                     int64_t amx_from = std::numeric_limits<int64_t>::max()) {
+  if (x_in.size(0) >= amx_from && amx_available()) return mm_amx(x_in, q, sz);
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "few_rows::mm: bf16 rows");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = q.size(0) * kTile, groups = k / kGroup;
@@ -285,6 +295,197 @@ inline at::Tensor mm(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   });
   return out;
 }
+
+// ---- The same int4 weights on AMX tiles (a big decode batch) -------------------------------
+// Above ~16 rows the kernel above computes more than it streams (its vpdpbusd work grows with
+// the rows); the dense bf16 GEMM reads 4x the bytes. Here each group of a tile's weights is
+// unpacked once into bf16, (q - 8) * scale + zero in float as a B tile of k pairs, and every
+// 16 rows of x (an A tile, read from x as it lies) take it in one tdpbf16ps: the unpacking is
+// paid once per weight whatever the rows, the products on the tile unit, x in bf16 unrounded.
+// SmolLM2's 30 layers' linears, 2 threads, Xeon with AMX (ms; the VNNI kernel / oneDNN's dense
+// bf16 / this): 16 rows 6.6 / 12.3 / 6.0, 32 rows 11.9 / 14.3 / 7.2, 64 rows 23.5 / 16.6 /
+// 12.8; 1 row 1.9 / 12.0 / 5.8 (the unpacking, ~30 ns a group of 512 weights, is most of it,
+// and the tile products do not overlap it). Which rows run it: model/kernel_rows.py.
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+constexpr int kAmxTiles = 4;  // C tiles of 16 rows each (tmm4..tmm7): up to 64 rows a pass
+
+// Built with the tile instructions, and Linux hands this process the tiles' state (it does
+// once asked, by arch_prctl).
+inline bool amx_available() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tile instructions with their registers as template arguments (GCC's intrinsics paste
+// them into the instruction's text, which takes only literal numbers).
+template <int D>
+inline void tile_load(const void* base, int64_t stride) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(D) : "memory");
+}
+template <int S>
+inline void tile_store(void* base, int64_t stride) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(S) : "memory");
+}
+template <int D>
+inline void tile_zero() {
+  asm volatile("tilezero %%tmm%c0" ::"i"(D));
+}
+template <int C, int A, int B>  // C += A B
+inline void tile_dp() {
+  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+}
+
+// Group g of a tile (its 4 loads of 64 bytes of nibbles, its 16 scales and zeros) as the B
+// tile b: row r holds, for each column c, the pair k = 2r, 2r + 1 as bf16. Load j's dword c
+// holds k = 8j + i (low nibbles) and 8j + 4 + i (high) of column c in byte i.
+inline void unpack_b(const uint8_t* qg, const uint16_t* sg, c10::BFloat16* b) {
+  const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg))), 16));
+  const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kTile))), 16));
+  // q as the float 1 + q / 16 by its bits (q into the mantissa's top four), so
+  // (q - 8) s + z = (1 + q / 16) 16 s + (z - 8 s - 16 s): no int -> float conversion
+  const __m512 s16 = _mm512_mul_ps(s, _mm512_set1_ps(16.f));
+  const __m512 z24 = _mm512_sub_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z), s16);
+  const __m512i top = _mm512_set1_epi32(0x00780000), one = _mm512_set1_epi32(0x3F800000);
+  // cvtne2ps gives [even k's 16 columns, odd k's 16 columns]; pairs per column wanted
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i w = _mm512_loadu_si512(qg + 64 * j);
+    // the nibble at bit p of each dword, moved to bits 19..22 and or-ed into 1.0f
+    const auto nibble = [&](int p) {
+      const __m512i at = p <= 19 ? _mm512_slli_epi32(w, 19 - p) : _mm512_srli_epi32(w, p - 19);
+      return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(at, top, one, 0xEA));  // a & b | c
+    };
+    // row 4j + u: k = 8j + 2u (even) and 8j + 2u + 1 (odd), at bits kEven[u] and kOdd[u]
+    constexpr int kEven[4] = {0, 16, 4, 20}, kOdd[4] = {8, 24, 12, 28};
+    for (int u = 0; u < 4; ++u) {
+      const __m512 we = _mm512_fmadd_ps(nibble(kEven[u]), s16, z24);
+      const __m512 wo = _mm512_fmadd_ps(nibble(kOdd[u]), s16, z24);
+      const __m512i v = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(wo, we));
+      _mm512_store_si512(b + (4 * j + u) * 32, v);
+    }
+  }
+}
+
+// Tile registers: A (x's rows) in tmm0 / tmm1 by turns, so a load need not wait for the
+// product reading its register's last value; B (a group's weights) in tmm2 (in two by turns,
+// 4 x 16 rows took 40 % longer); C (the sums of 16 rows) in tmm4 + i.
+template <int T, int B, int I = 0>
+inline void tile_rows(const c10::BFloat16* x, int64_t k) {  // C += x's rows times B
+  if constexpr (I < T) {
+    tile_load<I % 2>(x + I * 16 * k, k * 2);
+    tile_dp<4 + I, I % 2, B>();
+    tile_rows<T, B, I + 1>(x, k);
+  }
+}
+template <int T, int I = 0>
+inline void tile_zeros() {
+  if constexpr (I < T) {
+    tile_zero<4 + I>();
+    tile_zeros<T, I + 1>();
+  }
+}
+template <int T, int I = 0>
+inline void tile_stores(float* c) {
+  if constexpr (I < T) {
+    tile_store<4 + I>(c + I * 256, 64);
+    tile_stores<T, I + 1>(c);
+  }
+}
+
+// Tiles [t0, t1) of the weight times x's T * 16 rows (zero past `rows`) into out. The groups
+// of every tile in one sequence, each unpacked two groups ahead of its products (unpacked
+// just before, its B load held ~20 % of the samples). SmolLM2's 30 layers' linears at 64 rows,
+// one thread: 122 ns a group, 87 with x 64-byte aligned (a tile row across two cache lines
+// costs a load each), 114 with each tile's groups all unpacked before their products.
+template <int T>
+void amx_tiles(const c10::BFloat16* x, int64_t k, int64_t rows, const uint8_t* q,
+               const uint16_t* sz, int64_t t0, int64_t t1, c10::BFloat16* out, int64_t n) {
+  constexpr int64_t kLead = 2;
+  const int64_t groups = k / kGroup, units = (t1 - t0) * groups;
+  alignas(64) c10::BFloat16 b[4][16 * 32];
+  alignas(64) float c[T * 256];
+  const uint8_t* q0 = q + t0 * groups * 256;  // unit u: group u % groups of tile t0 + u / groups
+  const uint16_t* s0 = sz + t0 * groups * 2 * kTile;
+  const auto unpack = [&](int64_t u) {
+    for (int j = 0; j < 4; ++j) __builtin_prefetch(q0 + (u + kPrefetch) * 256 + 64 * j);
+    __builtin_prefetch(s0 + (u + kPrefetch) * 2 * kTile);
+    unpack_b(q0 + u * 256, s0 + u * 2 * kTile, b[u & 3]);
+  };
+  for (int64_t u = 0; u < std::min(kLead, units); ++u) unpack(u);
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t g = u % groups;
+    if (g == 0) tile_zeros<T>();
+    tile_load<2>(b[u & 3], 64);
+    tile_rows<T, 2>(x + g * kGroup, k);
+    if (u + kLead < units) unpack(u + kLead);
+    if (g == groups - 1) {
+      tile_stores<T>(c);
+      const int64_t t = t0 + u / groups;
+      for (int64_t m = 0; m < std::min<int64_t>(rows, T * 16); ++m)
+        store_row(out + m * n + t * kTile, _mm512_load_ps(c + m * 16));
+    }
+  }
+}
+
+template <int T>
+void amx_pass(const c10::BFloat16* x, int64_t k, int64_t rows, const uint8_t* q,
+              const uint16_t* sz, int64_t tiles, c10::BFloat16* out, int64_t n) {
+  if constexpr (T > 1) {
+    if (rows <= (T - 1) * 16) return amx_pass<T - 1>(x, k, rows, q, sz, tiles, out, n);
+  }
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    TileConfig cfg;
+    for (int i = 0; i < 4 + T; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    amx_tiles<T>(x, k, rows, q, sz, begin, end, out, n);
+    _tile_release();
+  });
+}
+
+// y (M, N) bf16 = x (M, K) bf16 times the packed int4 weight (the layout of `mm`), on AMX.
+inline at::Tensor mm_amx(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sz) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "few_rows::mm_amx: bf16 rows");
+  TORCH_CHECK(amx_available(), "few_rows::mm_amx: this process may not use AMX tiles");
+  const int64_t rows = x_in.size(0), k = x_in.size(1), n = q.size(0) * kTile;
+  TORCH_CHECK(q.size(1) * kGroup == k && k % kGroup == 0, "few_rows::mm_amx: K does not match");
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>());
+  at::Tensor out = out_tensor<c10::BFloat16>(x_in, rows, n);
+  for (int64_t m0 = 0; m0 < rows; m0 += kAmxTiles * 16) {
+    const int64_t r = std::min<int64_t>(kAmxTiles * 16, rows - m0), padded = (r + 15) / 16 * 16;
+    at::Tensor x = x_in.narrow(0, m0, r).contiguous();
+    // whole tiles of rows, 64-byte aligned (rows of k * 2 bytes, k % 32 == 0, stay aligned)
+    if (padded != r || reinterpret_cast<uintptr_t>(x.data_ptr()) % 64 != 0) {
+      at::Tensor p = at::zeros({padded, k}, x.options());
+      p.narrow(0, 0, r).copy_(x);
+      x = p;
+    }
+    amx_pass<kAmxTiles>(x.data_ptr<c10::BFloat16>(), k, r, qp, sp, q.size(0),
+                        out.data_ptr<c10::BFloat16>() + m0 * n, n);
+  }
+  return out;
+}
+
+#else
+
+inline bool amx_available() { return false; }
+inline at::Tensor mm_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "few_rows::mm_amx: built without AMX-BF16");
+}
+
+#endif
 
 // ---- Int8 weights, one scale per column (model/quant.py Int8Linear: the lm_head) -----------
 // torch's int8 kernel: 2.5 ms for 1 row of SmolLM2's 49152 x 576 lm_head, 5.0 ms for 5.

@@ -30,7 +30,7 @@ from pdserve import envs
 from pdserve.model.extension import cpu_flags
 
 log = logging.getLogger(__name__)
-VERSION = 6  # of the measurement (6: int4's AMX kernel); a new one re-measures
+VERSION = 7  # of the measurement (7: the AMX kernels of int4 and int8); a new one re-measures
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # row counts timed, in order
 MIN_CALLS, MAX_CALLS = 20, 400  # timed calls of each kernel per row count
 BUDGET_S = 0.1  # beyond MIN_CALLS, time spent per row count
@@ -91,8 +91,8 @@ def measure(dense, quantized, in_features: int, dtype: torch.dtype) -> int:
 
 
 def measure_amx(few_rows, amx, in_features: int, dtype) -> int:
-    """The fewest rows of LADDER from which the int4 kernel on AMX tiles (`amx(x)`) beats its
-    few-row VNNI kernel (`few_rows(x)`) at every larger count; quant.NEVER: at none. (A Xeon
+    """The fewest rows of LADDER from which a quantized kernel on AMX tiles (`amx(x)`) beats
+    its few-row VNNI kernel (`few_rows(x)`) at every larger count; quant.NEVER: at none. (A Xeon
     with AMX, SmolLM2's 30 layers, 2 threads: the AMX kernel takes ~6 ms at 1-16 rows, where
     unpacking the weights to bf16 is most of it, and 13 at 64; the VNNI one 1.9 at 1, 6.6 at
     16 and 24 at 64.)"""
@@ -217,9 +217,10 @@ class KernelRows:
                            "quantized kernel up to {} rows on this machine")  # fmt: skip
 
     def amx_from(self, fmt: str, layer, peers: list | None = None) -> int:
-        """Rows from which the int4 linear `layer` (the few-row kind, `peers` as for max_rows)
-        runs its AMX kernel (`measure_amx`); quant.NEVER where the extension has none here,
-        or the rows are fixed (`PDSERVE_QUANT_MAX_ROWS`: the few-row kernel throughout)."""
+        """Rows from which the quantized linear `layer` (few_rows.h's int4 or int8 kind,
+        `peers` as for max_rows) runs its AMX kernel (`measure_amx`); quant.NEVER where the
+        extension has none here, or the rows are fixed (`PDSERVE_QUANT_MAX_ROWS`: the few-row
+        kernel throughout)."""
         from pdserve.model.quant import NEVER
 
         ext = getattr(layer, "ext", None)
@@ -228,8 +229,10 @@ class KernelRows:
         n, k = layer.shape
         peers = peers or [layer]
 
+        mm = ext.few_rows_mm if fmt == "int4" else ext.few_rows_mm8
+
         def kernel(amx_from: int):
-            return lambda x: [ext.few_rows_mm(x, *peer.tensors, amx_from) for peer in peers]
+            return lambda x: [mm(x, *peer.tensors, amx_from) for peer in peers]
 
         return self._entry(f"amx:{fmt}:{n}x{k}",
                            lambda: measure_amx(kernel(NEVER), kernel(1), k, self.dtype),

@@ -236,7 +236,7 @@ class _Quantized(Dense):
 
     a8 = None  # act_quant.Int8Activations, once calibrated
     a8_rows = (0, 0)  # the first and last row counts it runs
-    amx_from = NEVER  # rows from which the int4 few-row kind runs on AMX (Int4Linear)
+    amx_from = NEVER  # rows from which few_rows.h's int4 / int8 kinds run on AMX tiles
     calib_amax = None  # while calibrating: the largest |x| per input channel seen
 
     def __init__(self, weight: torch.Tensor):
@@ -364,7 +364,7 @@ class Int8Linear(_Quantized):
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == 4:
-            return self.ext.few_rows_mm8(x, *self.tensors)
+            return self.ext.few_rows_mm8(x, *self.tensors, self.amx_from)
         return torch._weight_int8pack_mm(x, *self.tensors)
 
 
@@ -476,7 +476,7 @@ def set_kernel_rows(model, rows) -> None:
         peers.setdefault((linear.format, linear.shape), []).append(linear)
     for linear in linears:  # the AMX kernel first: it moves the crossover with the dense GEMM
         same = peers[linear.format, linear.shape]
-        if linear.kind == 3:
+        if linear.kind in (3, 4):  # few_rows.h's int4 / int8 kinds
             linear.amx_from = rows.amx_from(linear.format, linear, same)
     for linear in linears:
         linear.max_rows = rows.max_rows(linear.format, linear, peers[linear.format, linear.shape])

@@ -127,7 +127,9 @@ def test_each_quantized_linear_of_a_model_gets_its_shapes_rows(cache, monkeypatc
     assert len(table.measured) == 5 + len(amx) and table.path.exists()  # once a shape, saved
 
 
-def test_every_int4_linear_has_its_amx_rows_before_the_dense_crossover_is_timed(cache, monkeypatch):
+def test_every_few_row_linear_has_its_amx_rows_before_the_dense_crossover_is_timed(
+    cache, monkeypatch
+):
     """The AMX kernel moves where the quantized kernel stops beating the dense GEMM, so every
     layer of a shape (all timed together) runs from its AMX rows when max_rows is measured."""
     files = make_model_files(seed=1)
@@ -141,7 +143,7 @@ def test_every_int4_linear_has_its_amx_rows_before_the_dense_crossover_is_timed(
 
     monkeypatch.setattr(kernel_rows, "measure", fake)
     quant.quantize_model(model, "int4", {}, KernelRows(torch.bfloat16, threads=1))
-    few = [lin for lin in quant.quantized_linears(model) if lin.kind == 3]
+    few = [lin for lin in quant.quantized_linears(model) if lin.kind in (3, 4)]
     assert few and seen and all(lin.amx_from == 24 and lin.max_rows == 64 for lin in few)
     assert all(lin.kernel_spec()[-1] == 24 for lin in few)  # what the fused decode step is given
 

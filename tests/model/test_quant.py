@@ -219,6 +219,26 @@ def test_the_int4_amx_kernel_is_the_bf16_weights_product_and_each_row_its_own(n,
     assert not torch.equal(ext.few_rows_mm(x, q, sz, rows + 1), got)  # below amx_from: VNNI's
 
 
+def test_the_int8_amx_kernel_is_the_bf16_weights_product_in_bf16_or_float():
+    """csrc/few_rows.h `mm8_amx` (the int8 kind from `amx_from` rows: the lm_head of a big
+    decode batch): each weight (w + 128 - 128) * its column's scale in bf16, times the bf16
+    rows summed in float32; as bf16 (the eager step) or as floats holding the same bf16 values
+    (the fused step's logits), each row its own bits."""
+    ext = amx_extension()
+    torch.manual_seed(2)
+    w = torch.randn(96, 576, dtype=torch.bfloat16) * 0.05
+    lin = Int8Linear(w)
+    wb = (lin.q.float() * lin.scales.float()[:, None]).bfloat16().double()
+    for rows in (1, 16, 40, 64, 70):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        got = ext.few_rows_mm8(x, *lin.tensors, 1)
+        want = x.double() @ wb.T
+        assert (got.double() - want).abs().max() <= 0.005 * want.abs().max()
+        assert torch.equal(ext.few_rows_mm8(x[-1:], *lin.tensors, 1)[0], got[-1])
+    lin.amx_from = 1
+    assert torch.equal(lin.quantized_mm(x), got)
+
+
 def test_few_row_kernels_leave_what_they_cannot_run_to_torch():
     """float32 weights, or N not a multiple of 16 (int8; torch's int4 packing needs it too):
     torch's kernels, as before."""

@@ -280,7 +280,7 @@ struct Linear {
   std::vector<Tensor> t;
   int64_t a8_first, a8_last;
   std::vector<Tensor> a8;
-  int64_t amx_from;  // int4 (kind 3): rows from which few_rows::mm runs its AMX kernel
+  int64_t amx_from;  // kinds 3 and 4: rows from which few_rows' kernel runs on AMX tiles
 
   Linear(int64_t kind, int64_t max_rows, std::vector<Tensor> t, int64_t a8_first,
          int64_t a8_last, std::vector<Tensor> a8, int64_t amx_from)
@@ -296,7 +296,7 @@ struct Linear {
     const int64_t rows = x.size(0);
     if (kind != 0 && rows <= max_rows) {
       if (kind == 3) return few_rows::mm(x, t[1], t[2], amx_from);
-      if (kind == 4) return few_rows::mm8(x, t[1], t[2]);
+      if (kind == 4) return few_rows::mm8(x, t[1], t[2], amx_from);
       if (kind == 1) return at::_weight_int4pack_mm_for_cpu(x, t[1], 32, t[2]);
       return at::_weight_int8pack_mm(x, t[1], t[2]);
     }
@@ -308,7 +308,7 @@ struct Linear {
   // values as floats rather than bf16 then a float copy.
   Tensor logits(const Tensor& x) const {
     if (kind == 4 && x.size(0) <= max_rows && x.scalar_type() == at::kBFloat16)
-      return few_rows::mm8<few_rows::RoundedFloat>(x, t[1], t[2]);
+      return few_rows::mm8<few_rows::RoundedFloat>(x, t[1], t[2], amx_from);
     return (*this)(x).to(at::kFloat);
   }
 
@@ -1336,7 +1336,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("amx_from") = std::numeric_limits<int64_t>::max(),
         py::call_guard<py::gil_scoped_release>());
   m.def("amx_available", &few_rows::amx_available);
-  m.def("few_rows_mm8", &few_rows::mm8<c10::BFloat16>, py::call_guard<py::gil_scoped_release>());
+  m.def("few_rows_mm8", &few_rows::mm8<c10::BFloat16>, py::arg("x"), py::arg("q"),
+        py::arg("scales"), py::arg("amx_from") = std::numeric_limits<int64_t>::max(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("onednn_row_parts", &onednn_row_parts, py::call_guard<py::gil_scoped_release>());

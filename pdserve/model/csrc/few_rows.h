@@ -404,32 +404,39 @@ inline void tile_stores(float* c) {
   }
 }
 
-// Tiles [t0, t1) of the weight times x's T * 16 rows (zero past `rows`) into out. The groups
-// of every tile in one sequence, each unpacked two groups ahead of its products (unpacked
-// just before, its B load held ~20 % of the samples). SmolLM2's 30 layers' linears at 64 rows,
-// one thread: 122 ns a group, 87 with x 64-byte aligned (a tile row across two cache lines
-// costs a load each), 114 with each tile's groups all unpacked before their products.
-template <int T>
-void amx_tiles(const c10::BFloat16* x, int64_t k, int64_t rows, const uint8_t* q,
-               const uint16_t* sz, int64_t t0, int64_t t1, c10::BFloat16* out, int64_t n) {
+// A tile's groups as B tiles, for an int4 weight: unit u is group u % groups of tile
+// t0 + u / groups (q and sz from tile t0 on), prefetched kPrefetch units ahead.
+struct Int4Groups {
+  const uint8_t* q;
+  const uint16_t* sz;
+
+  void operator()(int64_t u, c10::BFloat16* b) const {
+    for (int j = 0; j < 4; ++j) __builtin_prefetch(q + (u + kPrefetch) * 256 + 64 * j);
+    __builtin_prefetch(sz + (u + kPrefetch) * 2 * kTile);
+    unpack_b(q + u * 256, sz + u * 2 * kTile, b);
+  }
+};
+
+// Tiles [t0, t1) of the weight times x's T * 16 rows (zero past `rows`) into out, each group
+// unpacked by `unpack` (Int4Groups, Int8Groups from tile t0). The groups of every tile in one
+// sequence, each unpacked two groups ahead of its products (unpacked just before, its B load
+// held ~20 % of the samples). SmolLM2's 30 layers' linears at 64 rows, one thread: 122 ns a
+// group, 87 with x 64-byte aligned (a tile row across two cache lines costs a load each), 114
+// with each tile's groups all unpacked before their products.
+template <int T, typename O, typename U>
+void amx_tiles(const c10::BFloat16* x, int64_t k, int64_t rows, int64_t t0, int64_t t1, O* out,
+               int64_t n, const U& unpack) {
   constexpr int64_t kLead = 2;
   const int64_t groups = k / kGroup, units = (t1 - t0) * groups;
   alignas(64) c10::BFloat16 b[4][16 * 32];
   alignas(64) float c[T * 256];
-  const uint8_t* q0 = q + t0 * groups * 256;  // unit u: group u % groups of tile t0 + u / groups
-  const uint16_t* s0 = sz + t0 * groups * 2 * kTile;
-  const auto unpack = [&](int64_t u) {
-    for (int j = 0; j < 4; ++j) __builtin_prefetch(q0 + (u + kPrefetch) * 256 + 64 * j);
-    __builtin_prefetch(s0 + (u + kPrefetch) * 2 * kTile);
-    unpack_b(q0 + u * 256, s0 + u * 2 * kTile, b[u & 3]);
-  };
-  for (int64_t u = 0; u < std::min(kLead, units); ++u) unpack(u);
+  for (int64_t u = 0; u < std::min(kLead, units); ++u) unpack(u, b[u & 3]);
   for (int64_t u = 0; u < units; ++u) {
     const int64_t g = u % groups;
     if (g == 0) tile_zeros<T>();
     tile_load<2>(b[u & 3], 64);
     tile_rows<T, 2>(x + g * kGroup, k);
-    if (u + kLead < units) unpack(u + kLead);
+    if (u + kLead < units) unpack(u + kLead, b[(u + kLead) & 3]);
     if (g == groups - 1) {
       tile_stores<T>(c);
       const int64_t t = t0 + u / groups;
@@ -439,30 +446,30 @@ void amx_tiles(const c10::BFloat16* x, int64_t k, int64_t rows, const uint8_t* q
   }
 }
 
-template <int T>
-void amx_pass(const c10::BFloat16* x, int64_t k, int64_t rows, const uint8_t* q,
-              const uint16_t* sz, int64_t tiles, c10::BFloat16* out, int64_t n) {
+template <int T, typename O, typename Make>
+void amx_pass(const c10::BFloat16* x, int64_t k, int64_t rows, int64_t tiles, O* out, int64_t n,
+              const Make& make) {
   if constexpr (T > 1) {
-    if (rows <= (T - 1) * 16) return amx_pass<T - 1>(x, k, rows, q, sz, tiles, out, n);
+    if (rows <= (T - 1) * 16) return amx_pass<T - 1>(x, k, rows, tiles, out, n, make);
   }
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
     for (int i = 0; i < 4 + T; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     _tile_loadconfig(&cfg);
-    amx_tiles<T>(x, k, rows, q, sz, begin, end, out, n);
+    amx_tiles<T>(x, k, rows, begin, end, out, n, make(begin));
     _tile_release();
   });
 }
 
-// y (M, N) bf16 = x (M, K) bf16 times the packed int4 weight (the layout of `mm`), on AMX.
-inline at::Tensor mm_amx(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& sz) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "few_rows::mm_amx: bf16 rows");
-  TORCH_CHECK(amx_available(), "few_rows::mm_amx: this process may not use AMX tiles");
-  const int64_t rows = x_in.size(0), k = x_in.size(1), n = q.size(0) * kTile;
-  TORCH_CHECK(q.size(1) * kGroup == k && k % kGroup == 0, "few_rows::mm_amx: K does not match");
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>());
-  at::Tensor out = out_tensor<c10::BFloat16>(x_in, rows, n);
+// y (M, N) = x (M, K) bf16 times a weight whose groups `make(t0)` unpacks from tile t0 on, in
+// passes of 64 rows; O: bf16, or RoundedFloat (y's bf16 values as float).
+template <typename O, typename Make>
+at::Tensor amx_mm(const at::Tensor& x_in, int64_t n, const Make& make, const char* name) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, name, ": bf16 rows");
+  TORCH_CHECK(amx_available(), name, ": this process may not use AMX tiles");
+  const int64_t rows = x_in.size(0), k = x_in.size(1);
+  at::Tensor out = out_tensor<O>(x_in, rows, n);
+  O* op = reinterpret_cast<O*>(out.data_ptr());
   for (int64_t m0 = 0; m0 < rows; m0 += kAmxTiles * 16) {
     const int64_t r = std::min<int64_t>(kAmxTiles * 16, rows - m0), padded = (r + 15) / 16 * 16;
     at::Tensor x = x_in.narrow(0, m0, r).contiguous();
@@ -472,10 +479,20 @@ inline at::Tensor mm_amx(const at::Tensor& x_in, const at::Tensor& q, const at::
       p.narrow(0, 0, r).copy_(x);
       x = p;
     }
-    amx_pass<kAmxTiles>(x.data_ptr<c10::BFloat16>(), k, r, qp, sp, q.size(0),
-                        out.data_ptr<c10::BFloat16>() + m0 * n, n);
+    amx_pass<kAmxTiles>(x.data_ptr<c10::BFloat16>(), k, r, n / kTile, op + m0 * n, n, make);
   }
   return out;
+}
+
+// y (M, N) bf16 = x (M, K) bf16 times the packed int4 weight (the layout of `mm`), on AMX.
+inline at::Tensor mm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sz) {
+  const int64_t k = x.size(1), groups = k / kGroup;
+  TORCH_CHECK(q.size(1) * kGroup == k && k % kGroup == 0, "few_rows::mm_amx: K does not match");
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<c10::BFloat16>());
+  return amx_mm<c10::BFloat16>(x, q.size(0) * kTile, [&](int64_t t0) {
+    return Int4Groups{qp + t0 * groups * 256, sp + t0 * groups * 2 * kTile};
+  }, "few_rows::mm_amx");  // fmt: skip
 }
 
 #else
@@ -560,10 +577,16 @@ void tile8_rows(const int8_t* xq, int64_t k, const float* d, const int32_t* sums
   tile8<R>(xq, k, d, sums, q, scale, out, ldo);
 }
 
+template <typename O>
+at::Tensor mm8_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
+
 // y (M, N) bf16 = x (M, K) bf16, as int8 groups, times the packed int8 weight and its scales;
-// O RoundedFloat: y's values as float32 (the fused step's logits).
+// O RoundedFloat: y's values as float32 (the fused step's logits). From `amx_from` rows on by
+// mm8_amx where it runs.
 template <typename O = c10::BFloat16>
-inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales) {
+inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales,
+                      int64_t amx_from = std::numeric_limits<int64_t>::max()) {
+  if (x_in.size(0) >= amx_from && amx_available()) return mm8_amx<O>(x_in, q, scales);
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "few_rows::mm8: bf16 rows");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = q.size(0) * kTile, groups = k / kGroup;
@@ -591,5 +614,64 @@ inline at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& q, const at::Ten
   });
   return out;
 }
+
+// The int8 weight on AMX tiles (as mm_amx): each group of 32 k's of a tile's 16 columns
+// unpacked to bf16 (w + 128 - 128) * scale once for every row. Entry p (4 k's) holds in dword c
+// column c's k = 4p .. 4p + 3, bytes 0-1 giving B row 2p and bytes 2-3 row 2p + 1.
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+inline void unpack8_b(const uint8_t* qg, __m512 s, c10::BFloat16* b) {
+  const __m512i byte = _mm512_set1_epi32(0xFF), two23 = _mm512_set1_epi32(0x4B000000);
+  const __m512 bias = _mm512_set1_ps(8388608.f + 128.f);  // the float 2^23 + u8, less 128
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  for (int e = 0; e < kGroup / 4; ++e) {
+    const __m512i w = _mm512_loadu_si512(qg + 64 * e);
+    const auto value = [&](int i) {  // byte i of each dword, (u8 - 128) * scale
+      const __m512i at = i ? _mm512_srli_epi32(w, 8 * i) : w;
+      const __m512 f = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(at, byte, two23, 0xEA));
+      return _mm512_mul_ps(_mm512_sub_ps(f, bias), s);
+    };
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_permutexvar_epi16(
+          pairs, (__m512i)_mm512_cvtne2ps_pbh(value(2 * h + 1), value(2 * h)));
+      _mm512_store_si512(b + (2 * e + h) * 32, v);
+    }
+  }
+}
+
+struct Int8Groups {  // as Int4Groups: q from tile t0, its columns' scales from tile t0
+  const uint8_t* q;
+  const uint16_t* scales;
+  int64_t groups;
+
+  void operator()(int64_t u, c10::BFloat16* b) const {
+    for (int j = 0; j < 8; ++j) __builtin_prefetch(q + (u + kPrefetch) * 512 + 64 * j);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + u / groups * kTile))), 16));
+    unpack8_b(q + u * 512, s, b);
+  }
+};
+
+template <typename O>
+at::Tensor mm8_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  const int64_t k = x.size(1), groups = k / kGroup;
+  TORCH_CHECK(q.size(1) * 4 == k && k % kGroup == 0, "few_rows::mm8_amx: K does not match");
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
+  return amx_mm<O>(x, q.size(0) * kTile, [&](int64_t t0) {
+    return Int8Groups{qp + t0 * groups * 512, sp + t0 * kTile, groups};
+  }, "few_rows::mm8_amx");  // fmt: skip
+}
+
+#else
+
+template <typename O>
+at::Tensor mm8_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "few_rows::mm8_amx: built without AMX-BF16");
+}
+
+#endif
 
 }  // namespace few_rows

@@ -382,11 +382,11 @@ inline void unpack_b(const uint8_t* qg, const uint16_t* sg, c10::BFloat16* b) {
 // product reading its register's last value; B (a group's weights) in tmm2 (in two by turns,
 // 4 x 16 rows took 40 % longer); C (the sums of 16 rows) in tmm4 + i.
 template <int T, int B, int I = 0>
-inline void tile_rows(const c10::BFloat16* x, int64_t k) {  // C += x's rows times B
+inline void amx_rows(const c10::BFloat16* x, int64_t k) {  // C += x's rows times B
   if constexpr (I < T) {
     tile_load<I % 2>(x + I * 16 * k, k * 2);
     tile_dp<4 + I, I % 2, B>();
-    tile_rows<T, B, I + 1>(x, k);
+    amx_rows<T, B, I + 1>(x, k);
   }
 }
 template <int T, int I = 0>
@@ -435,7 +435,7 @@ void amx_tiles(const c10::BFloat16* x, int64_t k, int64_t rows, int64_t t0, int6
     const int64_t g = u % groups;
     if (g == 0) tile_zeros<T>();
     tile_load<2>(b[u & 3], 64);
-    tile_rows<T, 2>(x + g * kGroup, k);
+    amx_rows<T, 2>(x + g * kGroup, k);
     if (u + kLead < units) unpack(u + kLead, b[(u + kLead) & 3]);
     if (g == groups - 1) {
       tile_stores<T>(c);

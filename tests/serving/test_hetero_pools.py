@@ -18,11 +18,17 @@ PROMPTS = [  # each longer than LADDER[-1] tokens (test_the_prompts_prefill_on_t
     "The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is "
     "Madrid. The capital of Portugal is Lisbon. The capital of Austria is Vienna. The capital "
     "of Poland is Warsaw. The capital of Greece is Athens. The capital of Norway is Oslo. The "
-    "capital of Denmark is Copenhagen. The capital of Sweden is Stockholm. The capital of Italy "
-    "is",
-    "Counting to fifty: one, two, three, four, five, six, seven, eight, nine, ten, eleven, "
+    "capital of Denmark is Copenhagen. The capital of Sweden is Stockholm. The capital of "
+    "Finland is Helsinki. The capital of Ireland is Dublin. The capital of Belgium is Brussels. "
+    "The capital of the Netherlands is Amsterdam. The capital of Switzerland is Bern. The "
+    "capital of Hungary is Budapest. The capital of Romania is Bucharest. The capital of "
+    "Bulgaria is Sofia. The capital of Croatia is Zagreb. The capital of Italy is",
+    "Counting to eighty: one, two, three, four, five, six, seven, eight, nine, ten, eleven, "
     "twelve, thirteen, fourteen, fifteen, sixteen, seventeen, eighteen, nineteen, twenty, "
-    "twenty-one, twenty-two, twenty-three, twenty-four, twenty-five, twenty-six, twenty-seven,",
+    "twenty-one, twenty-two, twenty-three, twenty-four, twenty-five, twenty-six, twenty-seven, "
+    "twenty-eight, twenty-nine, thirty, thirty-one, thirty-two, thirty-three, thirty-four, "
+    "thirty-five, thirty-six, thirty-seven, thirty-eight, thirty-nine, forty, forty-one, "
+    "forty-two, forty-three, forty-four, forty-five, forty-six,",
 ]
 MAX_TOKENS = 12
 

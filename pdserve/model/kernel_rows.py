@@ -98,13 +98,21 @@ def measure_amx(few_rows, amx, in_features: int, dtype) -> int:
     16 and 24 at 64.)"""
     from pdserve.model.quant import NEVER
 
-    first = NEVER
-    for rows in reversed(LADDER):
-        x = torch.randn(rows, in_features).to(dtype)
-        amx_us, few_us = _best_pair_us(amx, few_rows, x, min_calls=5)
-        if amx_us >= few_us * MARGIN:
+    def race(rows: int) -> tuple[float, float]:
+        return _best_pair_us(amx, few_rows, torch.randn(rows, in_features).to(dtype), 5)
+
+    return _wins_from(LADDER, race, NEVER)
+
+
+def _wins_from(ladder, race, never: int) -> int:
+    """The fewest counts of `ladder` from which a challenger wins `race(count)` ((its us, the
+    incumbent's us)) at every larger count; `never` where it loses at the top."""
+    first = never
+    for count in reversed(ladder):
+        challenger_us, incumbent_us = race(count)
+        if challenger_us >= incumbent_us * MARGIN:
             break
-        first = rows
+        first = count
     return first
 
 
@@ -163,18 +171,14 @@ def measure_prompt_attention(n_heads: int, n_kv: int, head_dim: int, dtype) -> i
     every larger count; ALL_ROWS: never (SDPA for every prompt chunk)."""
     from pdserve.model import attention
 
-    first = ALL_ROWS
-    for n in reversed(ATTENTION_LADDER):
+    def race(n: int) -> tuple[float, float]:
         q = torch.randn(n, n_heads, head_dim).to(dtype)
         k, v = (torch.randn(n, n_kv, head_dim).to(dtype) for _ in range(2))
-        qkv = (q, k, v)
-        ours_us, sdpa_us = _best_pair_us(
-            lambda x: attention.prompt_causal(*x), lambda x: attention.sdpa_causal(*x), qkv, 5
+        return _best_pair_us(
+            lambda x: attention.prompt_causal(*x), lambda x: attention.sdpa_causal(*x), (q, k, v), 5
         )
-        if ours_us >= sdpa_us * MARGIN:
-            break
-        first = n
-    return first
+
+    return _wins_from(ATTENTION_LADDER, race, ALL_ROWS)
 
 
 class KernelRows:

@@ -134,7 +134,7 @@ class Dense:
 
     def kernel_spec(self) -> tuple:
         """(kind, max_rows, [weight, *packed], first and last rows of int8 activations,
-        [their tensors], rows from which the int4 kernel runs on AMX) for the fused decode
+        [their tensors], rows from which the int4 / int8 kernel runs on AMX) for the fused decode
         step's `Linear` (the weight as held: plain, or in oneDNN's layout)."""
         return self.kind, self.max_rows, [self._weight, *self.packed], 0, 0, [], NEVER
 

@@ -949,21 +949,8 @@ struct Layer {
 inline void attend_items(const Batch& bt, const Layer& l, int64_t begin, int64_t end) {
   const int64_t d = l.d, group = l.nh / l.nkv, row_len = (l.nh + 2 * l.nkv) * d;
   std::vector<c10::BFloat16> zero(d, c10::BFloat16(0.f));
-  std::unique_ptr<Tiles> tiles;  // the scores on AMX tiles where this process has them
-#if defined(__AMX_BF16__)
-  struct Release {
-    bool on;
-    ~Release() {
-      if (on) _tile_release();
-    }
-  } release{few_rows::amx_available()};
-  if (release.on) {
-    tiles.reset(new Tiles());  // zeros: see load_queries
-    few_rows::TileConfig cfg;
-    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
-  }
-#endif
+  const few_rows::TileScope scope;  // the scores on AMX tiles where this process has them
+  std::unique_ptr<Tiles> tiles(scope.on ? new Tiles() : nullptr);  // zeros: see load_queries
   std::vector<float> qf(d), scores;
   std::vector<c10::BFloat16> q, probs;
   for (int64_t i = begin; i < end; ++i) {

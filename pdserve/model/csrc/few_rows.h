@@ -324,6 +324,23 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// This thread's eight tile registers, each 16 rows of 64 bytes, for the scope's life, where
+// `want` and this process may use them (`on`).
+struct TileScope {
+  bool on;
+  explicit TileScope(bool want = true) : on(want && amx_available()) {
+    if (!on) return;
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+  }
+  ~TileScope() {
+    if (on) _tile_release();
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
 // The tile instructions with their registers as template arguments (GCC's intrinsics paste
 // them into the instruction's text, which takes only literal numbers).
 template <int D>
@@ -453,11 +470,8 @@ void amx_pass(const c10::BFloat16* x, int64_t k, int64_t rows, int64_t tiles, O*
     if (rows <= (T - 1) * 16) return amx_pass<T - 1>(x, k, rows, tiles, out, n, make);
   }
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    TileConfig cfg;
-    for (int i = 0; i < 4 + T; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
+    const TileScope scope;
     amx_tiles<T>(x, k, rows, begin, end, out, n, make(begin));
-    _tile_release();
   });
 }
 
@@ -498,6 +512,10 @@ inline at::Tensor mm_amx(const at::Tensor& x, const at::Tensor& q, const at::Ten
 #else
 
 inline bool amx_available() { return false; }
+struct TileScope {  // no tiles in this build
+  bool on = false;
+  explicit TileScope(bool = true) {}
+};
 inline at::Tensor mm_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "few_rows::mm_amx: built without AMX-BF16");
 }

@@ -224,22 +224,8 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v) {
     std::vector<BF> qs(rows_max * d, BF(0.f));
     std::vector<float> s(rows_max * lds), o;
     std::vector<BF> p(rows_max * ldp, BF(0.f));
-#if defined(__AMX_BF16__)
-    struct Release {
-      bool on;
-      ~Release() {
-        if (on) _tile_release();
-      }
-    } tiles_on{few_rows::amx_available()};
-    if (tiles_on.on) {
-      few_rows::TileConfig cfg;
-      for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-      _tile_loadconfig(&cfg);
-      o.resize(rows_max * d);
-    }
-#else
-    const struct { bool on = false; } tiles_on;
-#endif
+    const few_rows::TileScope tiles_on;  // the products on AMX tiles where it has them
+    if (tiles_on.on) o.resize(rows_max * d);
     for (int64_t item = b; item < e; ++item) {
       // blocks in the order first, last, second, second to last, ...: a block's work grows
       // with its position, and each thread's share of the items is then about half the work

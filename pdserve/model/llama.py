@@ -16,7 +16,7 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.model import registry
 from pdserve.model.attention import AttentionMetadata
-from pdserve.model.parts import rms
+from pdserve.model.parts import add_rms, rms
 from pdserve.model.quant import Dense, prompt_rows
 from pdserve.model.rope import rope_inv_freq
 
@@ -95,17 +95,20 @@ class LlamaModel(nn.Module):
             return self._layers(x, cos, sin, kv_caches, meta)
 
     def _layers(self, x, cos, sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        eps, mlp_out = self.cfg.rms_norm_eps, None
         for i, layer in zip(self.layer_ids, self.layers, strict=True):
             if meta.before_layer is not None:
                 meta.before_layer(i)
-            h = self._rms(x, layer.attn_norm)
-            x = x + self._reduce(
-                layer.attn(h, cos, sin, kv_caches[i], meta, self.n_heads, self.n_kv)
-            )
-            x = x + self._reduce(layer.mlp(self._rms(x, layer.mlp_norm)))
+            if mlp_out is None:
+                h = self._rms(x, layer.attn_norm)
+            else:  # the last layer's residual add and this one's norm in one pass
+                x, h = add_rms(x, mlp_out, layer.attn_norm, eps)
+            a = self._reduce(layer.attn(h, cos, sin, kv_caches[i], meta, self.n_heads, self.n_kv))
+            x, h = add_rms(x, a, layer.mlp_norm, eps)
+            mlp_out = self._reduce(layer.mlp(h))
             if meta.layer_hook is not None:
                 meta.layer_hook(i)
-        return x
+        return x if mlp_out is None else x + mlp_out
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self._rms(x, self.norm)

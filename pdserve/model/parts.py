@@ -36,6 +36,26 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream x + delta and its RMSNorm (`rms`); a bf16 prefill's rows in one
+    pass of the extension (the same rounding)."""
+    ext = eager_kernels(x)
+    if (
+        ext is not None
+        and x.dim() == 2
+        and x.shape == delta.shape
+        and delta.dtype == x.dtype
+        and x.shape[1] % 16 == 0
+        and weight.dtype == x.dtype
+    ):
+        s, h = ext.add_rms_norm(x, delta, weight, eps)
+        return s, h
+    x = x + delta
+    return x, rms(x, weight, eps)
+
+
 class GQA:
     """The shared decoder's attention: q/k/v in one matmul, the family's `parts` on its output,
     RoPE over the q and k heads at once (one pass of each op instead of two), paged GQA
@@ -120,7 +140,11 @@ class SwiGLU:
         return [(self, attr, names) for attr, names in self.parts.items()]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, -1)
+        gate_up = self.gate_up(x)
+        ext = eager_kernels(gate_up)
+        if ext is not None and gate_up.dim() == 2 and gate_up.shape[1] % 32 == 0:
+            return self.down(ext.swiglu(gate_up))  # one pass: silu(gate) * up, as below
+        gate, up = gate_up.chunk(2, -1)
         return self.down(F.silu(gate) * up)
 
 

@@ -128,11 +128,12 @@ class ModelRunner:
         from pdserve.model.kernel_rows import KernelRows
 
         rows = self.kernel_rows or KernelRows(self.dtype)
-        attns = [layer.attn for layer in self.model.layers if hasattr(layer.attn, "kernel_from")]
+        attns = [layer.attn for layer in self.model.layers if hasattr(layer.attn, "kernel_queries")]
         if attns:
-            first = rows.prompt_kernel_from(self.model.n_heads, self.model.n_kv, self.kv_shape.dim)
+            heads = (self.model.n_heads, self.model.n_kv, self.kv_shape.dim)
+            queries = rows.prompt_kernel_queries(*heads)
             for attn in attns:
-                attn.kernel_from = first
+                attn.kernel_queries = queries
         quant.set_split_rows(self.model, rows)  # saves the table
 
     def _fused_decode(self) -> tuple[FusedDecode | None, str]:

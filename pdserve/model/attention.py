@@ -96,9 +96,11 @@ def _decode(q, k_cache, v_cache, tables, mask) -> torch.Tensor:
 # AVX512-BF16 without AMX), blockwise time / SDPA time: 0.95 at 128 queries, 0.5 at 512, 0.53 at
 # 2,048 (45 vs 85 ms); below 128 its fixed Python cost (~0.2 ms per call) loses. In float32 both
 # take the same time (SDPA kept). The default only: an engine on CPU measures where its own
-# kernel wins on its machine (`kernel_rows.KernelRows.prompt_kernel_from`: on a Xeon with AMX,
-# whose SDPA runs oneDNN's tile GEMMs, it never does) and sets each layer's `kernel_from`.
+# kernel wins on its machine (`kernel_rows.KernelRows.prompt_kernel_queries`: on a Xeon with
+# AMX, from 128 to 1,024 queries; SDPA's flash loop wins longer chunks) and sets each layer's
+# `kernel_queries`.
 BLOCKWISE_MIN_QUERIES = 128
+KERNEL_QUERIES = (BLOCKWISE_MIN_QUERIES, 1 << 30)  # (first, last): the default range
 # Query positions per block. 128 x group 3 = 384 score rows per matmul: big enough for the
 # matmuls to run near peak, small enough that a block's scores (<= 1.5 MiB at 2,048 keys) stay in
 # cache between the two matmuls and the softmax. Measured at 2,048 tokens: 45 ms per layer at
@@ -171,8 +173,9 @@ def _prompt_kernel(q: torch.Tensor):
     return ext if ext is not None and ext.bf16_attention() else None
 
 
-def _use_blockwise(q: torch.Tensor, kernel_from: int) -> bool:
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.shape[0] >= kernel_from
+def _use_blockwise(q: torch.Tensor, kernel_queries: tuple[int, int]) -> bool:
+    first, last = kernel_queries
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and first <= q.shape[0] <= last
 
 
 def prompt_causal(q, k, v, dest: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,12 +194,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     window: int | None = None,
-    kernel_from: int = BLOCKWISE_MIN_QUERIES,
+    kernel_queries: tuple[int, int] = KERNEL_QUERIES,
 ) -> torch.Tensor:
     """Writes k/v into the cache at meta.slot_mapping, returns attention output (T, n_heads, d).
     `window`: sliding-window attention, each query attends to the last `window` positions (itself
     included), as transformers' sliding_window_overlay; decode groups carry it in their mask.
-    `kernel_from`: prompt chunks of at least this many queries run `prompt_causal`, shorter ones
+    `kernel_queries`: prompt chunks of [first, last] queries run `prompt_causal`, others
     torch's SDPA (bf16 on CPU; see BLOCKWISE_MIN_QUERIES). An int8 cache (`kv_int8`) takes
     the rows quantized and gives them back dequantized."""
     write_kv(k, k_cache, meta.slot_mapping)
@@ -214,7 +217,7 @@ def paged_attention(
             vs = read_blocks(v_cache, span.block_table, q.dtype)[:ctx]
         if window is not None and span.context_len > window:
             out[span.start : span.end] = sdpa_causal(qs, ks, vs, window)
-        elif _use_blockwise(qs, kernel_from):
+        elif _use_blockwise(qs, kernel_queries):
             prompt_causal(qs, ks, vs, dest=out[span.start : span.end])
         else:
             out[span.start : span.end] = sdpa_causal(qs, ks, vs)

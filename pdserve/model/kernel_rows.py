@@ -30,7 +30,7 @@ from pdserve import envs
 from pdserve.model.extension import cpu_flags
 
 log = logging.getLogger(__name__)
-VERSION = 7  # of the measurement (7: the AMX kernels of int4 and int8); a new one re-measures
+VERSION = 8  # of the measurement (8: the prompt attention kernel's range); a new one re-measures
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # row counts timed, in order
 MIN_CALLS, MAX_CALLS = 20, 400  # timed calls of each kernel per row count
 BUDGET_S = 0.1  # beyond MIN_CALLS, time spent per row count
@@ -132,19 +132,25 @@ def measure_a8(dense, a8, q_rows: int, in_features: int, dtype) -> tuple[int, in
         x = torch.randn(rows, in_features).to(dtype)
         a_us, d_us = _best_pair_us(a8, dense, x, min_calls=3 if rows > 64 else MIN_CALLS)
         wins.append(a_us < d_us * MARGIN)
-    best, run = (0, 0), None  # (first, last) index into counts of the longest winning run
-    for i, won in enumerate([*wins, False]):
-        if won and run is None:
-            run = i
-        elif not won and run is not None:
-            if i - run > best[1] - best[0]:
-                best = (run, i)
-            run = None
-    if best == (0, 0):
+    best = _longest_run(wins)
+    if best is None:
         return 0, 0
     first = counts[best[0] - 1] + 1 if best[0] > 0 else q_rows + 1
     last = ALL_ROWS if best[1] == len(counts) else counts[best[1] - 1]
     return first, last
+
+
+def _longest_run(wins: list[bool]) -> tuple[int, int] | None:
+    """[start, end) of the longest run of True in `wins` (the first of equals); None: none."""
+    best, run = None, None
+    for i, won in enumerate([*wins, False]):
+        if won and run is None:
+            run = i
+        elif not won and run is not None:
+            if best is None or i - run > best[1] - best[0]:
+                best = (run, i)
+            run = None
+    return best
 
 
 def measure_split(layer, in_features: int, dtype) -> list[int]:
@@ -165,20 +171,28 @@ def measure_split(layer, in_features: int, dtype) -> list[int]:
     return wins
 
 
-def measure_prompt_attention(n_heads: int, n_kv: int, head_dim: int, dtype) -> int:
-    """The fewest queries of ATTENTION_LADDER from which a fresh prompt's causal attention by
-    `attention.prompt_causal` (the C++ kernel, else blockwise matmuls) beats torch's SDPA at
-    every larger count; ALL_ROWS: never (SDPA for every prompt chunk)."""
+def measure_prompt_attention(n_heads: int, n_kv: int, head_dim: int, dtype) -> list[int]:
+    """[first, last] queries of a prompt chunk whose causal attention runs
+    `attention.prompt_causal` (the C++ kernel, else blockwise matmuls) rather than torch's
+    SDPA: the longest run of ATTENTION_LADDER's counts where a fresh prompt's beats SDPA's (last
+    ALL_ROWS when the run reaches the top); [ALL_ROWS, ALL_ROWS]: never. A range, not a floor:
+    the kernel holds a block's whole score rows, SDPA's flash loop does not, and on a Xeon with
+    AMX the kernel won 1.2-1.4x from 128 to 1,024 queries and lost at 2,048."""
     from pdserve.model import attention
 
-    def race(n: int) -> tuple[float, float]:
+    wins = []
+    for n in ATTENTION_LADDER:
         q = torch.randn(n, n_heads, head_dim).to(dtype)
         k, v = (torch.randn(n, n_kv, head_dim).to(dtype) for _ in range(2))
-        return _best_pair_us(
+        kernel_us, sdpa_us = _best_pair_us(
             lambda x: attention.prompt_causal(*x), lambda x: attention.sdpa_causal(*x), (q, k, v), 5
         )
-
-    return _wins_from(ATTENTION_LADDER, race, ALL_ROWS)
+        wins.append(kernel_us < sdpa_us * MARGIN)
+    best = _longest_run(wins)
+    if best is None:
+        return [ALL_ROWS, ALL_ROWS]
+    last = ALL_ROWS if best[1] == len(wins) else ATTENTION_LADDER[best[1] - 1]
+    return [ATTENTION_LADDER[best[0]], last]
 
 
 class KernelRows:
@@ -269,14 +283,15 @@ class KernelRows:
                            "the GEMM as row parts at {} rows")  # fmt: skip
         return tuple(wins)
 
-    def prompt_kernel_from(self, n_heads: int, n_kv: int, head_dim: int) -> int:
-        """Queries of a prompt chunk from which its attention runs `prompt_causal` rather
+    def prompt_kernel_queries(self, n_heads: int, n_kv: int, head_dim: int) -> tuple[int, int]:
+        """(first, last) queries of a prompt chunk whose attention runs `prompt_causal` rather
         than SDPA (`measure_prompt_attention`), for this rank's heads."""
-        return self._entry(
+        first, last = self._entry(
             f"attention:{n_heads}x{n_kv}x{head_dim}",
             lambda: measure_prompt_attention(n_heads, n_kv, head_dim, self.dtype),
-            "prompt attention's own kernel from {} queries",
+            "prompt attention's own kernel at [first, last] queries {}",
         )
+        return first, last
 
     def _entry(self, name: str, make, what: str):
         """The table's `name`, made by `make()` (a measurement) the first time and logged as
@@ -334,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = KernelRows(dtype, n)
         quant.set_kernel_rows(model, rows)
         extension_or_none()  # serving loads it: its prompt attention is timed, not blockwise's
-        rows.prompt_kernel_from(model.n_heads, model.n_kv, files.config.head_dim)
+        rows.prompt_kernel_queries(model.n_heads, model.n_kv, files.config.head_dim)
         quant.set_split_rows(model, rows)
         if act_quant.supported():  # the timings need no calibration: any smoothing will do
             for lin in quant.quantized_linears(model):

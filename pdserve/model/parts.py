@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.attention import BLOCKWISE_MIN_QUERIES, AttentionMetadata, paged_attention
+from pdserve.model.attention import KERNEL_QUERIES, AttentionMetadata, paged_attention
 from pdserve.model.extension import eager_kernels
 from pdserve.model.quant import Dense
 from pdserve.model.rope import apply_rope
@@ -67,7 +67,7 @@ class GQA:
         self.o = Dense(w[a + "o_proj.weight"])
         self.parts, self.prefix = parts, a
         self.head_dim, self.window = cfg.head_dim, cfg.sliding_window
-        self.kernel_from = BLOCKWISE_MIN_QUERIES  # prompt chunks from which the kernel runs
+        self.kernel_queries = KERNEL_QUERIES  # (first, last) prompt chunks the kernel runs
 
     def linears(self):
         return [(self, "qkv", tuple(f"{self.prefix}{n}_proj" for n in "qkv")),
@@ -83,7 +83,7 @@ class GQA:
         qk = apply_rope(qkv[:, : n_qk * d].view(t, n_qk, d), cos, sin)
         q, k = qk[:, :n_heads], qk[:, n_heads:]  # (T, n_heads, d), (T, n_kv, d)
         v = qkv[:, n_qk * d :].view(t, n_kv, d)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.window, self.kernel_from)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.window, self.kernel_queries)
         return self.o(o.reshape(t, n_heads * d))
 
 

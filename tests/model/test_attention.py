@@ -77,13 +77,15 @@ def test_blockwise_writes_into_dest():
     assert (dest[:5] == 7).all() and (dest[25:] == 7).all()
 
 
-def test_dispatch_uses_blockwise_only_for_long_bf16_spans_on_cpu():
+def test_dispatch_uses_blockwise_only_for_bf16_spans_in_its_range_on_cpu():
     n = attention.BLOCKWISE_MIN_QUERIES
-    long_bf16 = torch.zeros(n, 9, 64, dtype=torch.bfloat16)
-    assert attention._use_blockwise(long_bf16, n)
-    assert not attention._use_blockwise(long_bf16[:-1], n)
-    assert not attention._use_blockwise(long_bf16.float(), n)
-    assert not attention._use_blockwise(long_bf16, kernel_rows.ALL_ROWS)  # SDPA won here
+    long_bf16 = torch.zeros(2 * n, 9, 64, dtype=torch.bfloat16)
+    assert attention._use_blockwise(long_bf16[:n], (n, 2 * n))
+    assert attention._use_blockwise(long_bf16, (n, 2 * n))
+    assert not attention._use_blockwise(long_bf16[: n - 1], (n, 2 * n))
+    assert not attention._use_blockwise(long_bf16, (n, 2 * n - 1))  # SDPA's above the range
+    assert not attention._use_blockwise(long_bf16.float(), attention.KERNEL_QUERIES)
+    assert not attention._use_blockwise(long_bf16, (kernel_rows.ALL_ROWS,) * 2)  # SDPA won here
 
 
 def test_each_layer_gets_the_prompt_attention_measured_on_this_machine(tmp_path, monkeypatch):
@@ -102,11 +104,13 @@ def test_each_layer_gets_the_prompt_attention_measured_on_this_machine(tmp_path,
     runner = make_engine(files, dtype="bfloat16").runner
     name = f"attention:{runner.model.n_heads}x{runner.model.n_kv}x{runner.kv_shape.dim}"
     measured = kernel_rows.KernelRows(torch.bfloat16).table[name]  # read from the saved file
-    assert measured in (*kernel_rows.ATTENTION_LADDER, kernel_rows.ALL_ROWS)
-    assert {layer.attn.kernel_from for layer in runner.model.layers} == {measured}
+    first, last = measured
+    assert first in (*kernel_rows.ATTENTION_LADDER, kernel_rows.ALL_ROWS) and first <= last
+    assert last in (*kernel_rows.ATTENTION_LADDER, kernel_rows.ALL_ROWS)
+    assert {layer.attn.kernel_queries for layer in runner.model.layers} == {tuple(measured)}
     monkeypatch.setattr(kernel_rows, "measure_prompt_attention", lambda *a: pytest.fail("again"))
     again = make_engine(files, dtype="bfloat16").runner
-    assert {layer.attn.kernel_from for layer in again.model.layers} == {measured}
+    assert {layer.attn.kernel_queries for layer in again.model.layers} == {tuple(measured)}
 
 
 def test_engine_with_blockwise_everywhere_matches_sdpa(monkeypatch):
@@ -193,7 +197,7 @@ def test_a_bf16_engine_attends_prompts_with_the_kernel_as_eager_does(monkeypatch
     engine = make_engine(files, dtype="bfloat16", weights="bf16")
     runner = engine.runner
     for layer in runner.model.layers:  # the kernel from 128 queries, whatever won here
-        layer.attn.kernel_from = attention.BLOCKWISE_MIN_QUERIES
+        layer.attn.kernel_queries = attention.KERNEL_QUERIES
     ids = [(7 * i) % 250 + 1 for i in range(300)]
 
     def logits(chunks):

@@ -109,9 +109,9 @@ def test_bfloat16_long_prompt_through_blockwise_attention_stays_close_to_float32
     ids = llm.tokenizer.encode(text)[:400]
     ref = all_logits(llm, ids)
     layers = b16.engine.runner.model.layers
-    for first in (kernel_rows.ALL_ROWS, attention.BLOCKWISE_MIN_QUERIES):  # SDPA, then kernel
+    for queries in ((kernel_rows.ALL_ROWS,) * 2, attention.KERNEL_QUERIES):  # SDPA, then kernel
         for layer in layers:
-            layer.attn.kernel_from = first
+            layer.attn.kernel_queries = queries
         ours = all_logits(b16, ids).float()
         assert (ours - ref).abs().mean().item() < 0.2
         assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.95

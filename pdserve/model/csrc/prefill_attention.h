@@ -116,8 +116,10 @@ void in_passes(int64_t rows, F&& pass) {  // pass(first row, rows of this pass a
 // tile, tmm0) times 16 key pairs of 16 dims (tmm1 / tmm2 by turns) into four C tiles of 16
 // dims (tmm4..tmm7), a pass per 64 dims. Rows past `rows` in a last pass of 16 read the
 // buffers' spare rows and are never written out. Against torch's SDPA (Xeon with AMX, 9 / 3
-// heads, 2 threads; `benchmarks/prompt_attention.py`): 0.95-1.18x at 128-2,048 keys, where the
-// vdpbf16ps products ran at 0.35-0.5x; the softmax (its exp) is now ~40 % of the time.
+// heads, 2 threads; `benchmarks/prompt_attention.py`): with `probabilities`' softmax, 1.17x at
+// 256 fresh tokens, 1.44x at 1,000, 1.46x for the last 1,024 of 2,048, but 0.96x at 2,048 fresh
+// (SDPA's flash loop keeps no row of scores), hence a measured range of chunk sizes
+// (kernel_rows.py `measure_prompt_attention`).
 template <int C, int H = 0>
 inline void load_query_tiles(const BF* q) {  // A tile H: the 16 rows' dims [32H, 32H + 32)
   if constexpr (H < C / 2) {
@@ -197,6 +199,38 @@ void value_rows_amx(const BF* p, int64_t ldp, int64_t rows, const BF* vp, int64_
 }
 #endif
 
+// A row's probabilities as bf16 into p[0, width) (zeros past its n keys) from its raw float
+// scores s (overwritten): softmax<BF>(s, n, 1) and the rounding to bf16 in three passes, its exp
+// by exp512 and its roundings by vcvtneps2bf16 (a probability a bf16 step apart from
+// softmax's, rarely). The softmax, then ~40 % of a 256-token prompt's attention, took 0.8x the
+// time (SmolLM2's heads, 2 threads).
+inline void probabilities(float* s, int64_t n, BF* p, int64_t width) {
+  const int64_t padded = (n + 15) / 16 * 16;
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __mmask16 last = static_cast<__mmask16>((1u << (n - (padded - 16))) - 1);
+  __m512 mx = ninf;
+  for (int64_t t = 0; t < padded; t += 16) {  // scores rounded to bf16, as eager's matmul's
+    __m512 v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+    if (t + 16 > n) v = _mm512_mask_blend_ps(last, ninf, v);
+    _mm512_storeu_ps(s + t, v);
+    mx = _mm512_max_ps(mx, v);
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 16) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+    if (t + 16 > n) e = _mm512_maskz_mov_ps(last, e);
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t t = 0; t < padded; t += 16) {
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+    std::memcpy(p + t, &b, sizeof b);
+  }
+  std::memset(p + padded, 0, (width - padded) * sizeof(BF));
+}
+
 // q (n, H, d), the last n positions of a context whose k and v are (L, KV, d): bf16, each
 // head's d contiguous; out (n, H, d). Query i sits at position L - n + i and sees keys up to it.
 template <int C>
@@ -250,16 +284,9 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v) {
           score_rows<decltype(nr)::value>(qs.data() + r0 * d, d, kh, key_tiles, d,
                                           s.data() + r0 * lds, lds);
         });
-      for (int64_t r = 0; r < rows; ++r) {  // row r sees keys [0, its position]
-        float* sr = s.data() + r * lds;
-        const int64_t seen = offset + i0 + r / group + 1;
-        softmax<BF>(sr, seen, 1.f);  // zeros to the next multiple of 16, raw scores after
-        BF* pr = p.data() + r * ldp;
-        const int64_t padded = (seen + 15) / 16 * 16;
-        for (int64_t t = 0; t < padded; t += 16) store16(pr + t, load16(sr + t));
-        for (int64_t t = padded; t < (key_tiles * kKeys + 31) / 32 * 32; t += 16)
-          store16(pr + t, f16v{});
-      }
+      for (int64_t r = 0; r < rows; ++r)  // row r sees keys [0, its position]
+        probabilities(s.data() + r * lds, offset + i0 + r / group + 1, p.data() + r * ldp,
+                      (key_tiles * kKeys + 31) / 32 * 32);
       const BF* vh = vp.data_ptr<BF>() + h * vp.size(1);
 #if defined(__AMX_BF16__)
       if (tiles_on.on) {

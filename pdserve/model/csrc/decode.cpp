@@ -919,9 +919,7 @@ void item(const KV<c10::BFloat16>& kv, Query* qs, float scale, const c10::BFloat
     score_chunk<NQ, CH2>(chunk(c0), qs, c0, ahead(c0, kv.k), step, width);
   for (int n = 0; n < NQ; ++n) {
     const int64_t keys = qs[n].ctx - qs[n].first, padded = (keys + 15) / 16 * 16;
-    softmax<c10::BFloat16>(qs[n].scores, keys, scale);
-    c10::BFloat16* p = qs[n].p + (qs[n].first - lo);  // bf16 values: stored exactly
-    for (int64_t t = 0; t < padded; t += 16) store16(p + t, load16(qs[n].scores + t));
+    prefill::probabilities(qs[n].scores, keys, qs[n].p + (qs[n].first - lo), padded, scale);
   }
   __m512 acc[NQ][CH2 * 2];
   for (int n = 0; n < NQ; ++n)

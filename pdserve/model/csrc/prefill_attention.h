@@ -200,17 +200,18 @@ void value_rows_amx(const BF* p, int64_t ldp, int64_t rows, const BF* vp, int64_
 #endif
 
 // A row's probabilities as bf16 into p[0, width) (zeros past its n keys) from its raw float
-// scores s (overwritten): softmax<BF>(s, n, 1) and the rounding to bf16 in three passes, its exp
-// by exp512 and its roundings by vcvtneps2bf16 (a probability a bf16 step apart from
+// scores s (overwritten): softmax<BF>(s, n, scale) and the rounding to bf16 in three passes, its
+// exp by exp512 and its roundings by vcvtneps2bf16 (a probability a bf16 step apart from
 // softmax's, rarely). The softmax, then ~40 % of a 256-token prompt's attention, took 0.8x the
-// time (SmolLM2's heads, 2 threads).
-inline void probabilities(float* s, int64_t n, BF* p, int64_t width) {
+// time (SmolLM2's heads, 2 threads). The fused decode step's bf16 items take it too.
+inline void probabilities(float* s, int64_t n, BF* p, int64_t width, float scale = 1.f) {
   const int64_t padded = (n + 15) / 16 * 16;
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __mmask16 last = static_cast<__mmask16>((1u << (n - (padded - 16))) - 1);
   __m512 mx = ninf;
   for (int64_t t = 0; t < padded; t += 16) {  // scores rounded to bf16, as eager's matmul's
-    __m512 v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+    __m512 v = _mm512_mul_ps(_mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t))),
+                             _mm512_set1_ps(scale));
     if (t + 16 > n) v = _mm512_mask_blend_ps(last, ninf, v);
     _mm512_storeu_ps(s + t, v);
     mx = _mm512_max_ps(mx, v);

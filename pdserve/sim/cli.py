@@ -40,7 +40,8 @@ def _register_kv_size(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="preset name (e.g. llama-3.1-70b) or a HF "
                    "config.json path")  # fmt: skip
     p.add_argument("--prompt-tokens", type=int, required=True, help="prompt length in tokens")
-    p.add_argument("--dtype", default="fp16", help="KV dtype: fp32, fp16, bf16, fp8, int4 "
+    p.add_argument("--dtype", default="fp16", help="KV dtype: fp32, fp16, bf16, fp8, int4, "
+                   "int8 (pdserve's --kv-cache-dtype int8: + a 4-byte scale a row) "
                    "(default fp16)")  # fmt: skip
     p.add_argument("--link", help="show only this link (e.g. 100gbe, ib-ndr, nvlink4)")
     p.add_argument("--bandwidth-gbps", type=float, help="show only a link of this many Gbps")

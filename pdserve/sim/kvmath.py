@@ -5,7 +5,9 @@
 GQA and MQA enter through the KV head count. MLA (DeepSeek) caches one compressed latent of
 `kv_lora_rank` plus a shared RoPE key of `qk_rope_head_dim` per token and layer instead of
 per-head K and V. Sizes are exact integers (int4 is half a byte, so counts stay whole for the
-even element counts every real model has).
+even element counts every real model has). int8 is pdserve's 8-bit cache (`--kv-cache-dtype
+int8`, model/kv_int8.py): each (token, KV head) row of K or V carries its float32 scale after
+its values, 4 bytes more a row (6 % at head_dim 64).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pdserve.sim.hardware import Link
 from pdserve.sim.models import ModelSpec
 
 # Bits per element, so int4 stays exact in integer arithmetic.
+INT8_SCALE_BYTES = 4  # model/kv_int8.py SCALE_BYTES (that module imports torch; this one may not)
 DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
 _DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16"}
 
@@ -48,16 +51,26 @@ def kv_elements_per_token(model: ModelSpec) -> int:
     return model.num_layers * kv_shape_of(model).elements
 
 
+def _scale_bytes_per_token(model: ModelSpec, dtype: str) -> int:
+    """The int8 cache's row scales a token adds across all layers (K and V per KV head)."""
+    shape = kv_shape_of(model)
+    if dtype.lower() != "int8" or shape.is_latent:
+        return 0
+    return model.num_layers * 2 * model.num_kv_heads * INT8_SCALE_BYTES
+
+
 def kv_bytes_per_token(model: ModelSpec, dtype: str = "fp16") -> int:
     """KV-cache bytes one token adds across all layers."""
-    return kv_elements_per_token(model) * dtype_bits(dtype) // 8
+    values = kv_elements_per_token(model) * dtype_bits(dtype) // 8
+    return values + _scale_bytes_per_token(model, dtype)
 
 
 def kv_bytes(model: ModelSpec, tokens: int, dtype: str = "fp16") -> int:
     """KV-cache bytes of a `tokens`-long prompt; ValueError for negative lengths."""
     if tokens < 0:
         raise ValueError(f"prompt length must be >= 0 tokens, got {tokens}")
-    return kv_elements_per_token(model) * tokens * dtype_bits(dtype) // 8
+    values = kv_elements_per_token(model) * tokens * dtype_bits(dtype) // 8
+    return values + _scale_bytes_per_token(model, dtype) * tokens
 
 
 class TransferTime(NamedTuple):

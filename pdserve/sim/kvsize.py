@@ -27,6 +27,7 @@ def kv_size_report(model: ModelSpec, prompt_tokens: int, dtype: str, links: list
         shape = (
             f"{model.attention}: 2 x {model.num_layers} layers x {model.num_kv_heads} KV heads "
             f"x {model.head_dim} head_dim x {dtype}"
+            + (" + a float32 scale a row" if dtype.lower() == "int8" else "")
         )
     lines = [
         f"model       {model.name} ({shape})",

@@ -59,6 +59,20 @@ def test_gqa_mqa_mla_and_dtypes():
     assert sizes == [655_360, 327_680, 327_680, 163_840, 81_920]
 
 
+def test_int8_is_pdserve_s_cache_with_a_scale_a_row():
+    """`pdserve kv-size --dtype int8` counts what `--kv-cache-dtype int8` allocates: each
+    (token, KV head) row of K and V as head_dim int8 values and a float32 scale."""
+    from pdserve.model import kv_int8
+
+    model = get_model("llama-3.1-70b")
+    per_row = kv_int8.row_width(model.head_dim)  # bytes of one cached row
+    expected = model.num_layers * 2 * model.num_kv_heads * per_row
+    assert kv_bytes_per_token(model, "int8") == expected == 163_840 + 5_120
+    assert kv_bytes(model, 3, "int8") == 3 * expected
+    ds = get_model("deepseek-v3")  # no 8-bit latent cache here: plain bytes
+    assert kv_bytes_per_token(ds, "int8") == 61 * 576
+
+
 def test_bad_inputs_say_what_to_fix(tmp_path):
     with pytest.raises(ValueError, match="unknown model 'gpt-9'.*llama-3.1-70b"):
         get_model("gpt-9")

@@ -288,3 +288,31 @@ def test_an_mla_latent_cache_goes_to_the_store_and_comes_back(deepseek, serve, t
     finally:
         link.close()
     engine.check_integrity()
+
+
+@both_transports
+def test_an_int8_cache_goes_to_the_store_and_comes_back(files, serve, tmp_path):
+    """`--kv-cache-dtype int8` blocks (each row's int8 values and float32 scale, moved as
+    bytes): evicted, stored, loaded back, with the tokens of a cold run on that cache."""
+    cold = make_engine(files, enable_prefix_caching=False, kv_cache_dtype="int8")
+    want = {tuple(p): run_to_completion(cold, [p], GREEDY)[0] for p in (A, B)}
+    block = 4 * 2 * 2 * 2 * (16 + 4)  # tokens x K/V x layers x kv heads x (int8 row + scale)
+    engine = make_engine(files, kv_cache_gb=BLOCKS * block / (1 << 30), kv_cache_dtype="int8")
+    assert engine.block_manager.num_blocks == BLOCKS
+    layout = layout_of(engine.fingerprint, engine.runner.k_caches)
+    assert payload_bytes(layout) == block
+    served = serve(layout, config=make_config(tmp_path / "ssd", layout, 64, 0))
+    client = StoreClient(served.server.endpoint, layout, engine.runner.k_caches,
+                         engine.runner.v_caches)  # fmt: skip
+    link = StoreLink(client, engine.block_manager, offload_finished=False)
+    engine.connect(link)
+    try:
+        assert generate(engine, link, A) == want[tuple(A)]
+        assert generate(engine, link, B) == want[tuple(B)]  # evicts A's blocks to the store
+        settle(link)
+        assert link.client.lookup(block_hashes(A, 4)) == 5
+        assert generate(engine, link, A) == want[tuple(A)]
+        assert link.hit_tokens == 20  # A's 5 full blocks loaded back
+    finally:
+        link.close()
+    engine.check_integrity()

@@ -50,8 +50,7 @@ def add_rms(
         and x.shape[1] % 16 == 0
         and weight.dtype == x.dtype
     ):
-        s, h = ext.add_rms_norm(x, delta, weight, eps)
-        return s, h
+        return tuple(ext.add_rms_norm(x, delta, weight, eps))
     x = x + delta
     return x, rms(x, weight, eps)
 

@@ -274,20 +274,7 @@ def test_an_mla_latent_cache_goes_to_the_store_and_comes_back(deepseek, serve, t
     assert engine.block_manager.num_blocks == BLOCKS and engine.runner.v_caches == []
     layout = layout_of(engine.fingerprint, engine.runner.k_caches, latent=True)
     assert payload_bytes(layout) == 2 * 4 * 40 * 4  # layers x block tokens x latent x fp32
-    served = serve(layout, config=make_config(tmp_path / "ssd", layout, 64, 0))
-    client = StoreClient(served.server.endpoint, layout, engine.runner.k_caches, [])
-    link = StoreLink(client, engine.block_manager, offload_finished=False)
-    engine.connect(link)
-    try:
-        assert generate(engine, link, A) == want[tuple(A)]
-        assert generate(engine, link, B) == want[tuple(B)]  # evicts A's blocks to the store
-        settle(link)
-        assert link.client.lookup(block_hashes(A, 4)) == 5
-        assert generate(engine, link, A) == want[tuple(A)]
-        assert link.hit_tokens == 20  # A's 5 full blocks loaded back
-    finally:
-        link.close()
-    engine.check_integrity()
+    _evicted_stored_and_loaded_back(engine, layout, serve, tmp_path, want)
 
 
 @both_transports
@@ -301,6 +288,12 @@ def test_an_int8_cache_goes_to_the_store_and_comes_back(files, serve, tmp_path):
     assert engine.block_manager.num_blocks == BLOCKS
     layout = layout_of(engine.fingerprint, engine.runner.k_caches)
     assert payload_bytes(layout) == block
+    _evicted_stored_and_loaded_back(engine, layout, serve, tmp_path, want)
+
+
+def _evicted_stored_and_loaded_back(engine, layout, serve, tmp_path, want):
+    """A's blocks evicted by B's into a store of `layout`, then loaded back for A: the tokens of
+    `want` (a cold run) each time, A's 5 full blocks from the store."""
     served = serve(layout, config=make_config(tmp_path / "ssd", layout, 64, 0))
     client = StoreClient(served.server.endpoint, layout, engine.runner.k_caches,
                          engine.runner.v_caches)  # fmt: skip

@@ -1034,22 +1034,25 @@ inline int64_t attn_tile(bool bf16_cache, int64_t d, int64_t group) {
 }
 
 
-// x += delta, rounded as eager's add. n % 16 == 0.
+// dst = x + delta (dst may be x), rounded as eager's add. n % 16 == 0.
 template <typename T>
-void add_into(T* x, const T* delta, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) store16(x + i, load16(x + i) + load16(delta + i));
+void add_into(T* dst, const T* x, const T* delta, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) store16(dst + i, load16(x + i) + load16(delta + i));
 }
 
-// The fused step's rows (B, n): x += delta (when given), then out = RMSNorm(x) * w, one pass a
-// row, the rows shared between the threads where they are many (at 64 rows these passes on one
-// thread, the other waiting, were ~1 % of a step).
+// Rows (B, n): sum = x + delta (when given; sum null: x in place), then out = RMSNorm of it * w,
+// one pass a row, the rows shared between the threads where they are many (the fused step's
+// at 64 rows on one thread, the other waiting, were ~1 % of a step; a prefill's:
+// add_rms_norm).
 template <typename T>
-void add_norm_rows(T* x, const T* delta, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+void add_norm_rows(T* x, const T* delta, const T* w, T* out, int64_t rows, int64_t n, float eps,
+                   T* sum = nullptr) {
+  T* s = sum != nullptr ? sum : x;
   at::parallel_for(0, rows, std::max<int64_t>(1, few_rows::kRowGrain / n),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      if (delta) add_into<T>(x + r * n, delta + r * n, n);
-      rms_rows<T>(x + r * n, w, out + r * n, 1, n, eps);
+      if (delta) add_into<T>(s + r * n, x + r * n, delta + r * n, n);
+      rms_rows<T>((delta ? s : x) + r * n, w, out + r * n, 1, n, eps);
     }
   });
 }
@@ -1079,7 +1082,7 @@ void apply_parts(Tensor& qkv, const AttnParts& p, int64_t nh, int64_t nkv, int64
   const int64_t row_len = qkv.size(1);
   for (int64_t b = 0; b < qkv.size(0); ++b) {
     T* r = qkv.data_ptr<T>() + b * row_len;
-    if (p.bias.defined()) add_into<T>(r, p.bias.data_ptr<T>(), row_len);
+    if (p.bias.defined()) add_into<T>(r, r, p.bias.data_ptr<T>(), row_len);
     if (p.q_norm.defined()) {
       rms_rows<T>(r, p.q_norm.data_ptr<T>(), r, nh, d, p.eps);  // in place: row by row
       rms_rows<T>(r + nh * d, p.k_norm.data_ptr<T>(), r + nh * d, nkv, d, p.eps);
@@ -1186,8 +1189,6 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
   group_items(kcp, vcp);
 }
 
-// gate_up (B, 2f) -> silu(gate) * up (B, f), rounded as eager: T(T(silu(g)) * u). f % 16 == 0;
-// 16 values a chunk, the chunks shared between the threads (a big batch has ~10^5 values).
 // silu(g) = g / (1 + exp(-g)) of 16 floats (exp512 with AVX-512). With the bf16 roundings
 // by vcvtneps2bf16 in silu_mul, SmolLM2's gate_up of a 927-row prefill (2 threads) takes 0.38
 // ms a layer against torch's silu * up 0.60 (bf16 results equal but ~2 in 10^6); 64 rows
@@ -1205,6 +1206,8 @@ inline f16v silu_vec(f16v g) {
 #endif
 }
 
+// gate_up (B, 2f) -> silu(gate) * up (B, f), rounded as eager: T(T(silu(g)) * u). f % 16 == 0;
+// 16 values a chunk, the chunks shared between the threads (a big batch has ~10^5 values).
 template <typename T>
 void silu_mul(const T* gu, T* out, int64_t rows, int64_t f) {
   const int64_t per_row = f / 16;
@@ -1387,17 +1390,9 @@ std::vector<Tensor> add_rms_norm(const Tensor& x_in, const Tensor& d_in, const T
               "add_rms_norm: bf16 rows and their bf16 delta, a multiple of 16 wide, and the "
               "norm's bf16 weight");
   Tensor sum = at::empty_like(x), out = at::empty_like(x);
-  const int64_t n = x.size(1);
   using BF = c10::BFloat16;
-  const BF *xp = x.data_ptr<BF>(), *dp = delta.data_ptr<BF>(), *wp = w.data_ptr<BF>();
-  BF *sp = sum.data_ptr<BF>(), *op = out.data_ptr<BF>();
-  at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      for (int64_t i = 0; i < n; i += 16)
-        store16(sp + r * n + i, load16(xp + r * n + i) + load16(dp + r * n + i));
-      rms_rows<BF>(sp + r * n, wp, op + r * n, 1, n, static_cast<float>(eps));
-    }
-  });
+  add_norm_rows<BF>(x.data_ptr<BF>(), delta.data_ptr<BF>(), w.data_ptr<BF>(), out.data_ptr<BF>(),
+                    x.size(0), x.size(1), static_cast<float>(eps), sum.data_ptr<BF>());
   return {sum, out};
 }
 

@@ -43,6 +43,17 @@ def files():
 
 
 @pytest.fixture(scope="session")
+def ext():
+    """The C++ extension (csrc/), built or loaded once; skips where it does not build."""
+    from pdserve.model import extension
+
+    module = extension.extension_or_none()
+    if module is None:
+        pytest.skip("the C++ extension does not build here")
+    return module
+
+
+@pytest.fixture(scope="session")
 def disagg_server():
     """float32 so that outputs can be compared token for token with the offline engine;
     threshold 0 so that every prompt goes through the prefill pool."""

@@ -100,22 +100,64 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
-def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    if all(s.params.greedy for s in seqs):
-        return argmax_rows(logits)
+def _uniforms(seqs: list[Sequence]) -> torch.Tensor:
+    """One uniform in [0, 1) per row, float64: a seeded request's from its own generator (so its
+    tokens depend on its seed alone), the others' from torch's default one in one draw."""
+    u = torch.rand(len(seqs), dtype=torch.float64)
+    for i, seq in enumerate(seqs):
+        if seq.params.seed is not None:
+            if seq.generator is None:
+                seq.generator = torch.Generator().manual_seed(seq.params.seed)
+            u[i] = torch.rand((), dtype=torch.float64, generator=seq.generator)
+    return u
+
+
+def _inverse_cdf(logits: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) -> list[int]:
+    """Row by row in torch, as the extension's `sample_rows` draws (csrc/sample_rows.h): the
+    first token whose running sum of the filtered probabilities passes u times their total;
+    the argmax where the settings leave no finite probabilities."""
     out = []
-    for row, seq in zip(logits, seqs, strict=True):
+    for row, seq, ui in zip(logits, seqs, u.tolist(), strict=True):
         p = seq.params
-        if p.greedy:
-            out.append(int(row.argmax()))
-            continue
-        if p.seed is not None and seq.generator is None:
-            seq.generator = torch.Generator().manual_seed(p.seed)
         probs = _filter(row / p.temperature, p.top_k, p.top_p).softmax(-1)
         if not torch.isfinite(probs).all():  # degenerate settings: fall back to the argmax
             out.append(int(row.argmax()))
             continue
-        out.append(int(torch.multinomial(probs.cpu(), 1, generator=seq.generator)))
+        cum = probs.double().cumsum(-1)
+        pick = int(torch.searchsorted(cum, ui * cum[-1], right=True))
+        out.append(min(pick, int(probs.nonzero()[-1])))  # rounding past the end: the last
+    return out
+
+
+def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """Greedy rows take the argmax; the others are drawn by the inverse CDF (one uniform a row)
+    from their temperature / top-k / top-p distribution, all at once by the extension's
+    `sample_rows` where this process has it (per row in torch, softmax and multinomial took
+    ~1 ms at a 49,152-token vocabulary, a top-p's sort ~4 ms: 66 / 258 ms for a step of 64)."""
+    if all(s.params.greedy for s in seqs):
+        return argmax_rows(logits)
+    out = [0] * len(seqs)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if greedy:
+        for i, tok in zip(greedy, argmax_rows(logits[greedy]), strict=True):
+            out[i] = tok
+    rows = logits if not greedy else logits[drawn]  # (a copy of 64 rows took ~1 ms)
+    params = [seqs[i].params for i in drawn]
+    u = _uniforms([seqs[i] for i in drawn])
+    ext = loaded_or_none()
+    if ext is not None and rows.dtype == torch.float32 and rows.device.type == "cpu":
+        tokens = ext.sample_rows(
+            rows,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            u,
+        ).tolist()
+    else:
+        tokens = _inverse_cdf(rows, [seqs[i] for i in drawn], u)
+    for i, tok in zip(drawn, tokens, strict=True):
+        out[i] = tok
     return out
 
 

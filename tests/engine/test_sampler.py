@@ -5,6 +5,7 @@ import pytest
 import torch
 from factories import make_engine, make_sequence
 
+from pdserve.engine import sampler
 from pdserve.engine.sampler import apply_penalties, sample
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -135,3 +136,101 @@ def test_logit_bias_forces_and_bans_tokens_batched():
     tokens, _ = sample(logits, seqs)
     assert tokens[0] == 7 and tokens[1] not in (0, 1)
     assert logits[1, 0] == 5.0  # the caller's logits are left alone
+
+
+def _drawn_params(n: int, **kw) -> tuple:
+    """n sequences with the same sampling settings, and the extension's per-row tensors."""
+    seqs = [make_sequence([1], f"r{i}", **kw) for i in range(n)]
+    p = seqs[0].params
+    return seqs, (
+        torch.full((n,), p.temperature, dtype=torch.float32),
+        torch.full((n,), p.top_k, dtype=torch.long),
+        torch.full((n,), p.top_p, dtype=torch.float32),
+    )
+
+
+SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.3, top_k=40),
+    dict(temperature=0.5, top_k=100, top_p=0.5),
+    dict(temperature=2.0, top_p=0.999),
+]
+
+
+@pytest.mark.parametrize("kw", SETTINGS)
+def test_the_extension_draws_the_token_of_the_inverse_cdf_of_the_filtered_probabilities(ext, kw):
+    """sample_rows against the torch path (`_filter`, softmax, cumulative sum): the same token
+    for the same uniform, but where a uniform falls within rounding of a boundary."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(300, 1000, generator=g) * 3
+    seqs, (t, k, p) = _drawn_params(300, **kw)
+    u = torch.rand(300, dtype=torch.float64, generator=g)
+    ours = ext.sample_rows(logits, t, k, p, u).tolist()
+    assert ours == sampler._inverse_cdf(logits, seqs, u)
+
+
+@pytest.mark.parametrize("kw", SETTINGS)
+def test_the_nucleus_and_the_top_k_are_the_torch_filter_s(ext, kw):
+    """u just below 1 draws the last kept token in vocabulary order, u = 0 the first: both are
+    the edges of what `_filter` keeps (distinct random logits: no ties at the edge)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(50, 2000, generator=g) * 4
+    seqs, (t, k, p) = _drawn_params(50, **kw)
+    kept = [
+        torch.isfinite(sampler._filter(row / s.params.temperature, s.params.top_k, s.params.top_p))
+        .nonzero()
+        .view(-1)
+        for row, s in zip(logits, seqs, strict=True)
+    ]
+    last = ext.sample_rows(logits, t, k, p, torch.full((50,), 1 - 1e-12, dtype=torch.float64))
+    first = ext.sample_rows(logits, t, k, p, torch.zeros(50, dtype=torch.float64))
+    assert last.tolist() == [int(x[-1]) for x in kept]
+    assert first.tolist() == [int(x[0]) for x in kept]
+
+
+def test_drawn_tokens_follow_the_distribution(ext):
+    """20,000 draws over 6 tokens at temperature 0.8 with top_k 4: frequencies within 4.5
+    standard deviations of softmax(logits / 0.8) over the four largest, none elsewhere."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.5, 3.0, 0.0]]).repeat(20000, 1)
+    _, (t, k, p) = _drawn_params(20000, temperature=0.8, top_k=4)
+    u = torch.rand(20000, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    counts = torch.bincount(ext.sample_rows(logits, t, k, p, u), minlength=6).double()
+    expected = torch.zeros(6, dtype=torch.float64)
+    top = logits[0].topk(4).indices
+    expected[top] = (logits[0, top].double() / 0.8).softmax(-1)
+    sd = (20000 * expected * (1 - expected)).sqrt()
+    assert ((counts - 20000 * expected).abs() <= 4.5 * sd + 1e-9).all(), (counts, expected)
+
+
+def test_masked_tokens_are_never_drawn_and_bad_rows_take_the_argmax(ext):
+    """-inf logits (a grammar's mask, a ban) have no mass whatever u is; a row with a NaN, or
+    with nothing finite, takes torch's argmax, as the torch path does."""
+    logits = torch.full((5, 300), float("-inf"))
+    logits[:3, 7] = 1.0
+    logits[:3, 200] = 0.5
+    logits[3, 10] = float("nan")  # the rest -inf: argmax is the first NaN
+    # row 4: all -inf -> argmax 0
+    seqs, (t, k, p) = _drawn_params(5, temperature=1.5, top_p=0.99)
+    # weights 1 and exp(-0.5 / 1.5) = 0.72: u below 1 / 1.72 draws token 7, above it 200
+    for uv, token in ((0.0, 7), (0.5, 7), (0.6, 200), (1 - 1e-15, 200)):
+        u = torch.full((5,), uv, dtype=torch.float64)
+        ours = ext.sample_rows(logits, t, k, p, u).tolist()
+        assert ours == [token] * 3 + [10, 0]
+        assert ours == sampler._inverse_cdf(logits, seqs, u)
+
+
+def test_seeded_requests_draw_the_same_tokens_and_unseeded_rows_draw_in_one_batch(ext):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 500, generator=g)
+
+    def draw(seed_of):
+        seqs = [make_sequence([1], f"s{i}", temperature=1.0, seed=seed_of(i)) for i in range(8)]
+        return [sample(logits, seqs)[0] for _ in range(3)]  # three steps of the same rows
+
+    a, b = draw(lambda i: 100 + i), draw(lambda i: 100 + i)
+    assert a == b  # each request's tokens depend on its seed alone
+    assert draw(lambda i: 200 + i) != a
+    mixed = [make_sequence([1], "g"), make_sequence([1], "t", temperature=1.0)]
+    tokens, _ = sample(logits[:2], mixed)
+    assert tokens[0] == int(logits[0].argmax())  # a greedy row beside a drawn one

@@ -8,14 +8,6 @@ import torch
 from pdserve.model import extension, parts, rope
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = extension.extension_or_none()
-    if module is None:
-        pytest.skip("the C++ extension does not build here")
-    return module
-
-
 def _torch_rms(x, w, eps):
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -1232,6 +1232,46 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t f) {
   });
 }
 
+// x[0, n)'s argmax as torch.argmax: the first largest value, or the first NaN where it has one.
+inline int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float top = x[0];
+  bool nan = false;
+#if defined(__AVX512F__)
+  if (n >= 16) {  // per lane the first largest; then the largest lane, first index
+    __m512 mx = _mm512_loadu_ps(x);
+    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i idx = at;
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __mmask16 unordered = _mm512_cmp_ps_mask(mx, mx, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      at = _mm512_add_epi32(at, sixteen);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, mx, _CMP_GT_OQ);
+      mx = _mm512_mask_mov_ps(mx, gt, v);
+      idx = _mm512_mask_mov_epi32(idx, gt, at);
+    }
+    nan = unordered != 0;
+    alignas(64) float mv[16];
+    alignas(64) int32_t iv[16];
+    _mm512_store_ps(mv, mx);
+    _mm512_store_si512(iv, idx);
+    top = mv[0], best = iv[0];
+    for (int l = 1; l < 16; ++l)
+      if (mv[l] > top || (mv[l] == top && iv[l] < best)) top = mv[l], best = iv[l];
+  }
+#endif
+  for (; i < n && !nan; ++i) {  // the tail (or the whole row without AVX-512)
+    nan = std::isnan(x[i]);
+    if (x[i] > top) top = x[i], best = i;
+  }
+  if (nan)  // torch's argmax takes a NaN as the largest: the first one
+    for (best = 0; !std::isnan(x[best]); ++best) {
+    }
+  return best;
+}
+
 // Each row's argmax of float logits (B, V), as torch.argmax: the first largest value, or the
 // first NaN where a row has one. torch's CPU argmax reads ~6 GB/s (a 64-row step's logits,
 // 12.6 MB: 1.35 ms, against 0.07 ms for their amax); this one runs both threads at vector width.
@@ -1244,48 +1284,12 @@ Tensor argmax_rows(const Tensor& logits_in) {
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* x = lp + r * n;
-      int64_t i = 0, best = 0;
-      float top = x[0];
-      bool nan = false;
-#if defined(__AVX512F__)
-      if (n >= 16) {  // per lane the first largest; then the largest lane, first index
-        __m512 mx = _mm512_loadu_ps(x);
-        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512i idx = at;
-        const __m512i sixteen = _mm512_set1_epi32(16);
-        __mmask16 unordered = _mm512_cmp_ps_mask(mx, mx, _CMP_UNORD_Q);
-        for (i = 16; i + 16 <= n; i += 16) {
-          const __m512 v = _mm512_loadu_ps(x + i);
-          at = _mm512_add_epi32(at, sixteen);
-          unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-          const __mmask16 gt = _mm512_cmp_ps_mask(v, mx, _CMP_GT_OQ);
-          mx = _mm512_mask_mov_ps(mx, gt, v);
-          idx = _mm512_mask_mov_epi32(idx, gt, at);
-        }
-        nan = unordered != 0;
-        alignas(64) float mv[16];
-        alignas(64) int32_t iv[16];
-        _mm512_store_ps(mv, mx);
-        _mm512_store_si512(iv, idx);
-        top = mv[0], best = iv[0];
-        for (int l = 1; l < 16; ++l)
-          if (mv[l] > top || (mv[l] == top && iv[l] < best)) top = mv[l], best = iv[l];
-      }
-#endif
-      for (; i < n && !nan; ++i) {  // the tail (or the whole row without AVX-512)
-        nan = std::isnan(x[i]);
-        if (x[i] > top) top = x[i], best = i;
-      }
-      if (nan)  // torch's argmax takes a NaN as the largest: the first one
-        for (best = 0; !std::isnan(x[best]); ++best) {
-        }
-      op[r] = best;
-    }
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(lp + r * n, n);
   });
   return out;
 }
+
+#include "sample_rows.h"
 
 class DecodeModel {
  public:
@@ -1417,6 +1421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("sample_rows", &sample_rows, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,
                     std::vector<Tensor>, int64_t>());

@@ -34,36 +34,45 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: list[int]) -> 
     return out
 
 
-def _counts(rows: list[list[int]], vocab: int) -> torch.Tensor:
-    """(len(rows), vocab) occurrence counts of each row's token ids."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width + 1), vocab, dtype=torch.long)  # pad: an extra column
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    counts = torch.zeros(len(rows), vocab + 1)
-    return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :vocab]
+def _keys(rows: dict[int, list[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, token id) pairs of `rows` (row -> ids) as flat indices
+    row * vocab + id, and how often each occurs."""
+    flat = [r * vocab + t for r, ids in rows.items() for t in ids]
+    return torch.tensor(flat, dtype=torch.long).unique(return_counts=True)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The penalized logits, as vLLM and OpenAI define them: repetition divides a positive
     logit (and multiplies a negative one) of every token seen in the prompt or the output;
-    frequency subtracts its count in the output, presence subtracts once if it is there."""
+    frequency subtracts its count in the output, presence subtracts once if it is there.
+    Only the (row, token) entries seen are computed (a dense count over a 49,152-token
+    vocabulary cost 15-33 ms a step of 64 rows)."""
     rows = [i for i, s in enumerate(seqs) if s.params.penalized]
     if not rows:
         return logits
-    vocab, sub = logits.shape[1], logits[rows]
-    ps = [seqs[i].params for i in rows]
-    out = _counts([seqs[i].generated_token_ids for i in rows], vocab)
-    seen = out > 0
-    if any(p.repetition_penalty != 1.0 for p in ps):
-        seen_prompt = _counts([seqs[i].prompt_token_ids for i in rows], vocab) > 0
-        rep = torch.tensor([p.repetition_penalty for p in ps]).view(-1, 1)
-        penalized = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen | seen_prompt, penalized, sub)
-    freq = torch.tensor([p.frequency_penalty for p in ps]).view(-1, 1)
-    pres = torch.tensor([p.presence_penalty for p in ps]).view(-1, 1)
+    vocab = logits.shape[1]
+    out_keys, out_n = _keys({i: seqs[i].generated_token_ids for i in rows}, vocab)
+    keys, counts = out_keys, out_n.float()
+    rep_any = any(seqs[i].params.repetition_penalty != 1.0 for i in rows)
+    if rep_any:  # every token of the prompt too, with no count of its own
+        prompt_keys, _ = _keys({i: seqs[i].prompt_token_ids for i in rows}, vocab)
+        keys, where = torch.cat([out_keys, prompt_keys]).unique(return_inverse=True)
+        counts = torch.zeros(len(keys)).index_put_(
+            (where[: len(out_keys)],), out_n.float(), accumulate=True
+        )
+    row = keys // vocab
+
+    def param(name: str) -> torch.Tensor:  # each entry's row's setting
+        return torch.tensor([getattr(s.params, name) for s in seqs])[row]
+
     logits = logits.clone()
-    logits[rows] = sub - (freq * out + pres * seen)
+    flat = logits.view(-1)
+    x = flat[keys]
+    if rep_any:
+        rep = param("repetition_penalty")
+        x = torch.where(x > 0, x / rep, x * rep)
+    freq, pres = param("frequency_penalty"), param("presence_penalty")
+    flat[keys] = x - (freq * counts + pres * (counts > 0))
     return logits
 
 

@@ -49,6 +49,21 @@ def test_penalties_are_exact_against_the_reference_and_leave_other_rows_alone():
     assert seqs[2].generated_token_ids == seqs[2].token_ids[len(seqs[2].token_ids) - 7 - 4 :]
 
 
+def test_penalties_before_any_output_touch_only_the_prompt_s_tokens():
+    """The first step's rows: no output yet, so presence changes nothing and repetition
+    only the prompt's tokens (the entries are computed sparsely: none at all here for a)."""
+    torch.manual_seed(2)
+    seqs = [
+        make_sequence([1, 2, 3], "a", presence_penalty=1.0),
+        make_sequence([4, 5, 4], "b", repetition_penalty=1.5),
+        make_sequence([6], "c"),
+    ]
+    logits = torch.randn(3, 20)
+    got = apply_penalties(logits, seqs)
+    assert torch.equal(got, reference_penalties(logits, seqs))
+    assert torch.equal(got[0], logits[0]) and (got[1] != logits[1]).sum() == 2
+
+
 def test_logprobs_are_of_the_raw_logits_and_the_top_is_sorted():
     torch.manual_seed(1)
     logits = torch.randn(3, 40)

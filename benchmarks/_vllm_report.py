@@ -3,6 +3,7 @@ cause of a failed start, from the measured figures and the servers' logs."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,16 @@ class Plan:
     warmup: int
     cores: str
     vllm_kv_gib: float
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_p: float = 1.0
+
+    @property
+    def sampling(self) -> tuple[str, ...]:
+        """`pdserve bench` arguments for the requests' sampling (none: its greedy default)."""
+        if self.temperature == 0 and self.top_p == 1:
+            return ()
+        body = {"temperature": self.temperature, "top_p": self.top_p}
+        return ("--extra-body", json.dumps(body))
 
 
 def root_cause(log: Path, most: int = 3) -> str:

@@ -19,9 +19,10 @@ turn on the same cores and stops it after:
 
 Every server runs under `taskset -c CORES`. Each gets the same closed-loop streaming workload
 from `pdserve bench` (N-token prompts of distinct random words, M tokens out with ignore_eos,
-temperature 0) at each concurrency, after a short warm-up; the table gives output tok/s, TTFT
-p50/p90 and ITL p50 per server and concurrency, with pdserve/vLLM ratios, and each server's
-start-up time. The load generator runs on the same machine (its cost is the same for all).
+temperature 0, or --temperature / --top-p for a sampled load) at each concurrency, after a
+short warm-up; the table gives output tok/s, TTFT p50/p90 and ITL p50 per server and
+concurrency, with pdserve/vLLM ratios, and each server's start-up time. The load generator
+runs on the same machine (its cost is the same for all).
 
 vLLM's start-up includes torch.compile of the model: 254 s on the first start here (2 loaded
 cores), 137 s on later ones, whose AOT cache in ~/.cache/vllm fails to load in this wheel
@@ -150,7 +151,7 @@ def measure(name: str, spec, plan: Plan, work: Path) -> dict:
         print(f"== {name}: ready in {startup:.1f} s at {url}", flush=True)
         # each run its own seed: `pdserve bench` numbers requests from 0, and the same seed
         # would resend the same prompts, which both servers' prefix caches would then hit
-        model = ("--model", MODEL_NAME, "--seed")
+        model = (*plan.sampling, "--model", MODEL_NAME, "--seed")
         if plan.warmup:
             warm = min(4, max(plan.concurrency))
             closed_loop(url, warm, plan.warmup, plan.prompt, 16, work / f"{name}-warm", *model, "0")
@@ -192,6 +193,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (default 256)")
     ap.add_argument("--output-tokens", type=int, default=128, help="tokens out (default 128)")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature (default 0: greedy; 1 is the OpenAI API's default)",
+    )
+    ap.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default 1)")
     ap.add_argument(
         "--warmup", type=int, default=4, help="requests sent to each server before measuring"
     )
@@ -262,6 +270,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         args.warmup,
         args.cores,
         args.vllm_kv_gib,
+        args.temperature,
+        args.top_p,
     )
 
 
@@ -297,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(
         f"\nservers {', '.join(plan.servers)}; concurrency {plan.concurrency}, requests "
-        f"{plan.requests}; {plan.prompt} in / {plan.output} out; cores {plan.cores}; "
+        f"{plan.requests}; {plan.prompt} in / {plan.output} out; temperature "
+        f"{plan.temperature:g}, top_p {plan.top_p:g}; cores {plan.cores}; "
         f"logs in {work}",
         flush=True,
     )

@@ -121,6 +121,37 @@ def _uniforms(seqs: list[Sequence]) -> torch.Tensor:
     return u
 
 
+def draw_from(probs: torch.Tensor, u: float) -> int:
+    """The token of probabilities (V,) (zeros allowed, total > 0) at uniform u in [0, 1): the
+    first whose running sum passes u times the total (the last one with any mass if rounding
+    leaves none), as the extension's `sample_rows` draws."""
+    cum = probs.double().cumsum(-1)
+    pick = int(torch.searchsorted(cum, u * cum[-1], right=True))
+    return min(pick, int(probs.nonzero()[-1]))
+
+
+def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Each row's sampling distribution (R, V) float32 (temperature, top-k, top-p of its
+    SamplingParams): the extension's `sampling_probs` where this process has it, torch's
+    `_filter` and softmax per row elsewhere; a row whose settings leave no finite
+    probabilities is NaN (its draw is the argmax)."""
+    ext = loaded_or_none()
+    if ext is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+        return ext.sampling_probs(logits, *_settings(params))
+    rows = zip(logits, params, strict=True)
+    return torch.stack([_filter(r / p.temperature, p.top_k, p.top_p) for r, p in rows]).softmax(-1)
+
+
+def _settings(params: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Temperature (float32), top_k (int64) and top_p (float32) of each row, as the
+    extension's sampling kernels take them."""
+    return (
+        torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.long),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+    )
+
+
 def _inverse_cdf(logits: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) -> list[int]:
     """Row by row in torch, as the extension's `sample_rows` draws (csrc/sample_rows.h): the
     first token whose running sum of the filtered probabilities passes u times their total;
@@ -132,9 +163,7 @@ def _inverse_cdf(logits: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) ->
         if not torch.isfinite(probs).all():  # degenerate settings: fall back to the argmax
             out.append(int(row.argmax()))
             continue
-        cum = probs.double().cumsum(-1)
-        pick = int(torch.searchsorted(cum, ui * cum[-1], right=True))
-        out.append(min(pick, int(probs.nonzero()[-1])))  # rounding past the end: the last
+        out.append(draw_from(probs, ui))
     return out
 
 
@@ -156,13 +185,7 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     u = _uniforms([seqs[i] for i in drawn])
     ext = loaded_or_none()
     if ext is not None and rows.dtype == torch.float32 and rows.device.type == "cpu":
-        tokens = ext.sample_rows(
-            rows,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], dtype=torch.long),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            u,
-        ).tolist()
+        tokens = ext.sample_rows(rows, *_settings(params), u).tolist()
     else:
         tokens = _inverse_cdf(rows, [seqs[i] for i in drawn], u)
     for i, tok in zip(drawn, tokens, strict=True):

@@ -29,7 +29,14 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pdserve.engine.sampler import TokenLogprobs, _filter, argmax_rows, process, token_logprobs
+from pdserve.engine.sampler import (
+    TokenLogprobs,
+    argmax_rows,
+    draw_from,
+    filtered_probs,
+    process,
+    token_logprobs,
+)
 from pdserve.engine.sequence import Sequence
 from pdserve.model.quant import quantized_linears
 
@@ -375,9 +382,7 @@ def processed_logits(
 def target_probs(processed: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """The target's sampling distribution at each row (R, V) of seq's processed logits, as
     `sample` draws it (temperature, top-k / top-p)."""
-    p = seq.params
-    rows = [_filter(row / p.temperature, p.top_k, p.top_p) for row in processed]
-    return torch.stack(rows).softmax(-1)
+    return filtered_probs(processed, [seq.params] * len(processed))
 
 
 def verify(
@@ -398,7 +403,7 @@ def verify(
     if seq.params.seed is not None and seq.generator is None:
         seq.generator = torch.Generator().manual_seed(seq.params.seed)
     probs = target_probs(logits, seq)
-    if not torch.isfinite(probs).all():  # degenerate settings: the sampler's argmax fallback
+    if not torch.isfinite(probs.sum(-1)).all():  # degenerate settings (a NaN row): argmax
         return [int(logits[0].argmax())]
     u = torch.rand(len(draft), generator=seq.generator).tolist()
     out = []
@@ -410,5 +415,10 @@ def verify(
         residual[d] = 0.0  # max(0, p - q) for a point mass q at d
         if float(residual.sum()) <= 0:
             return [*out, d]
-        return [*out, int(torch.multinomial(residual, 1, generator=seq.generator))]
-    return [*out, int(torch.multinomial(probs[len(draft)], 1, generator=seq.generator))]
+        return [*out, draw_from(residual, _uniform(seq))]
+    return [*out, draw_from(probs[len(draft)], _uniform(seq))]
+
+
+def _uniform(seq: Sequence) -> float:
+    """One uniform in [0, 1) from seq's generator (its seed's), else torch's default one."""
+    return float(torch.rand((), dtype=torch.float64, generator=seq.generator))

@@ -249,3 +249,24 @@ def test_seeded_requests_draw_the_same_tokens_and_unseeded_rows_draw_in_one_batc
     mixed = [make_sequence([1], "g"), make_sequence([1], "t", temperature=1.0)]
     tokens, _ = sample(logits[:2], mixed)
     assert tokens[0] == int(logits[0].argmax())  # a greedy row beside a drawn one
+
+
+def test_sampling_probs_are_the_torch_filter_s_softmax(ext):
+    """What speculation's verify takes as the target's distribution: the kernel's kept weights
+    over their total against `_filter` then softmax, row by row with its own settings; a row
+    with nothing finite is NaN all along in both (verify then takes the argmax)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(len(SETTINGS) + 1, 1000, generator=g) * 3
+    logits[-1] = float("-inf")
+    params = [make_sequence([1], f"r{i}", **kw).params for i, kw in enumerate(SETTINGS)]
+    params.append(params[0])
+    ours = ext.sampling_probs(logits, *sampler._settings(params))
+    ref = torch.stack(
+        [
+            sampler._filter(r / p.temperature, p.top_k, p.top_p)
+            for r, p in zip(logits, params, strict=True)
+        ]
+    ).softmax(-1)
+    assert torch.equal(ours[:-1] > 0, ref[:-1] > 0)  # the same tokens kept
+    assert torch.allclose(ours[:-1], ref[:-1], rtol=1e-5, atol=1e-7)
+    assert ours[-1].isnan().all() and ref[-1].isnan().all()

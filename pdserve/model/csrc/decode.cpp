@@ -1422,6 +1422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>());
   m.def("sample_rows", &sample_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("sampling_probs", &sampling_probs, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,
                     std::vector<Tensor>, int64_t>());

@@ -78,9 +78,16 @@ inline float nucleus_floor(const float* w, int64_t n, double total, float p,
   }
 }
 
-// One row: its token (see the top of this file).
-inline int64_t draw(const float* x, int64_t n, float temperature, int64_t k, float p, double u,
-                    std::vector<float>& w, std::vector<float>& buf) {
+// A row's weights w[0, n) (see the top of this file) and the smallest kept one, `floor`
+// (weights below it are dropped), with the kept ones' total; false for a row with a NaN or no
+// finite largest logit.
+struct Kept {
+  float floor;
+  double total;
+};
+
+inline bool weights(const float* x, int64_t n, float temperature, int64_t k, float p,
+                    std::vector<float>& w, std::vector<float>& buf, Kept& kept) {
   constexpr float inf = std::numeric_limits<float>::infinity();
   f16v most = f16v{} - inf;
   i32v unordered = i32v{};
@@ -95,7 +102,7 @@ inline int64_t draw(const float* x, int64_t n, float temperature, int64_t k, flo
   bool nan = false;
   for (int l = 0; l < 16; ++l) top = std::max(top, most[l]), nan |= unordered[l] != 0;
   for (; i < n; ++i) nan |= std::isnan(x[i]), top = std::max(top, x[i]);
-  if (nan || !std::isfinite(top)) return argmax_row(x, n);
+  if (nan || !std::isfinite(top)) return false;
   const float lo = k > 0 && k < n ? kth_largest(x, n, k, top, buf)
                                   : -inf;
   const float inv_t = 1.f / temperature;
@@ -122,7 +129,17 @@ inline int64_t draw(const float* x, int64_t n, float temperature, int64_t k, flo
     total = 0;
     for (int64_t j = 0; j < n; ++j) total += w[j] >= floor ? w[j] : 0.f;
   }
-  const double target = u * total;
+  kept = {floor, total};
+  return true;
+}
+
+// One row: its token (see the top of this file).
+inline int64_t draw(const float* x, int64_t n, float temperature, int64_t k, float p, double u,
+                    std::vector<float>& w, std::vector<float>& buf) {
+  Kept kept;
+  if (!weights(x, n, temperature, k, p, w, buf, kept)) return argmax_row(x, n);
+  const float floor = kept.floor;
+  const double target = u * kept.total;
   double run = 0;
   int64_t last = 0;  // rounding past the end: the last kept token (the largest logit is kept)
   for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 weights at a time, then the one that passes
@@ -182,6 +199,41 @@ Tensor sample_rows(const Tensor& logits_in, const Tensor& temperature, const Ten
     std::vector<float> w, buf;
     for (int64_t r = begin; r < end; ++r)
       op[r] = sampling::draw(lp + r * n, n, tp[r], kp[r], pp[r], up[r], w, buf);
+  });
+  return out;
+}
+
+// The distributions sample_rows draws from, as probabilities (R, V) float32: each row's kept
+// weights over their total, 0 elsewhere; NaN all along a row sample_rows gives the argmax.
+// For speculation's verify (engine/spec_decode.py), which needs the target's p at its drafts
+// and the rest of it (per row in torch, a top-p's sort took ~4 ms: 20 ms a verify of 4 drafts).
+Tensor sampling_probs(const Tensor& logits_in, const Tensor& temperature, const Tensor& top_k,
+                      const Tensor& top_p) {
+  const Tensor logits = logits_in.contiguous();
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  const Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous();
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && n > 0 &&
+                  t.scalar_type() == at::kFloat && k.scalar_type() == at::kLong &&
+                  p.scalar_type() == at::kFloat && t.numel() == rows && k.numel() == rows &&
+                  p.numel() == rows,
+              "sampling_probs: float32 logits (rows, vocab), temperature (rows,) float32, "
+              "top_k (rows,) int64, top_p (rows,) float32");
+  Tensor out = at::empty({rows, n}, logits.options());
+  const float *lp = logits.data_ptr<float>(), *tp = t.data_ptr<float>(), *pp = p.data_ptr<float>();
+  const int64_t* kp = k.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w, buf;
+    for (int64_t r = begin; r < end; ++r) {
+      float* o = op + r * n;
+      sampling::Kept kept;
+      if (!sampling::weights(lp + r * n, n, tp[r], kp[r], pp[r], w, buf, kept)) {
+        std::fill(o, o + n, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      const float inv = static_cast<float>(1.0 / kept.total);
+      for (int64_t j = 0; j < n; ++j) o[j] = w[j] >= kept.floor ? w[j] * inv : 0.f;
+    }
   });
   return out;
 }

@@ -3,7 +3,6 @@ cause of a failed start, from the measured figures and the servers' logs."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +31,8 @@ class Plan:
 
     @property
     def sampling(self) -> tuple[str, ...]:
-        """`pdserve bench` arguments for the requests' sampling (none: its greedy default)."""
-        if self.temperature == 0 and self.top_p == 1:
-            return ()
-        body = {"temperature": self.temperature, "top_p": self.top_p}
-        return ("--extra-body", json.dumps(body))
+        """`pdserve bench` arguments for the requests' sampling."""
+        return ("--temperature", str(self.temperature), "--top-p", str(self.top_p))
 
 
 def root_cause(log: Path, most: int = 3) -> str:

@@ -147,6 +147,14 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--api-key", metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
     c.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature (default 0: greedy; the OpenAI API's default is 1, "
+        "and a sampled load costs a server its draws: pdserve's docs/results.md run 26)",
+    )
+    c.add_argument("--top-p", type=float, help="every request's top_p (default: not sent)")
+    c.add_argument(
         "--extra-body",
         metavar="JSON",
         help="a JSON object merged into every request body, e.g. '{\"logprobs\": 2}' or "

@@ -39,6 +39,8 @@ class Endpoint:
     ignore_eos: bool = True  # ours honours it; other servers may ignore or reject it
     api_key: str | None = None
     extra_body: str | None = None  # a JSON object merged into every body (--extra-body)
+    temperature: float = 0.0  # 0: greedy (the benchmarks' default); the OpenAI API's is 1
+    top_p: float | None = None  # sent only when given
 
     def __post_init__(self) -> None:
         if self.extra_body is not None:
@@ -54,6 +56,10 @@ class Endpoint:
             raise ValueError(f"unknown API {self.api!r}; choose one of {', '.join(APIS)}")
         if not self.timeout_s > 0:
             raise ValueError(f"request timeout must be > 0 seconds, got {self.timeout_s}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
 
     @property
     def target(self) -> str:
@@ -65,8 +71,10 @@ class Endpoint:
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "temperature": 0.0,
+            "temperature": self.temperature,
         }
+        if self.top_p is not None:
+            body["top_p"] = self.top_p
         if self.model:
             body["model"] = self.model
         if self.ignore_eos:

@@ -51,6 +51,8 @@ def endpoint_of(args: argparse.Namespace, url: str) -> Endpoint:
         not args.no_ignore_eos,
         args.api_key,
         args.extra_body,
+        args.temperature,
+        args.top_p,
     )
 
 

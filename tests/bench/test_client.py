@@ -116,6 +116,8 @@ def test_payload_uses_only_the_public_api_fields():
     assert chat.payload("hi", 5)["messages"] == [{"role": "user", "content": "hi"}]
     assert chat.payload("hi", 5)["ignore_eos"] is True
     assert chat.headers == {"Authorization": "Bearer k"}
+    sampled = Endpoint("http://h:1/v1", temperature=1.0, top_p=0.95).payload("hi", 5)
+    assert sampled["temperature"] == 1.0 and sampled["top_p"] == 0.95
 
 
 def test_endpoint_validation():
@@ -123,3 +125,7 @@ def test_endpoint_validation():
         Endpoint("127.0.0.1:8000/v1")
     with pytest.raises(ValueError, match="unknown API 'grpc'"):
         Endpoint("http://h/v1", api="grpc")
+    with pytest.raises(ValueError, match="--temperature must be >= 0"):
+        Endpoint("http://h/v1", temperature=-1)
+    with pytest.raises(ValueError, match=r"--top-p must be in \(0, 1\]"):
+        Endpoint("http://h/v1", top_p=0)

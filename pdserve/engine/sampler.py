@@ -109,15 +109,26 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
+def generator_of(seq: Sequence) -> torch.Generator | None:
+    """seq's own generator, made from its seed at first use (None without a seed: torch's
+    default one)."""
+    if seq.params.seed is not None and seq.generator is None:
+        seq.generator = torch.Generator().manual_seed(seq.params.seed)
+    return seq.generator
+
+
+def uniform(seq: Sequence) -> float:
+    """One uniform in [0, 1) from seq's generator (`generator_of`)."""
+    return float(torch.rand((), dtype=torch.float64, generator=generator_of(seq)))
+
+
 def _uniforms(seqs: list[Sequence]) -> torch.Tensor:
     """One uniform in [0, 1) per row, float64: a seeded request's from its own generator (so its
     tokens depend on its seed alone), the others' from torch's default one in one draw."""
     u = torch.rand(len(seqs), dtype=torch.float64)
     for i, seq in enumerate(seqs):
         if seq.params.seed is not None:
-            if seq.generator is None:
-                seq.generator = torch.Generator().manual_seed(seq.params.seed)
-            u[i] = torch.rand((), dtype=torch.float64, generator=seq.generator)
+            u[i] = uniform(seq)
     return u
 
 
@@ -138,6 +149,11 @@ def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     ext = loaded_or_none()
     if ext is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
         return ext.sampling_probs(logits, *_settings(params))
+    return _torch_probs(logits, params)
+
+
+def _torch_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """`filtered_probs` by torch ops, row by row: `_filter` and softmax."""
     rows = zip(logits, params, strict=True)
     return torch.stack([_filter(r / p.temperature, p.top_k, p.top_p) for r, p in rows]).softmax(-1)
 
@@ -156,15 +172,10 @@ def _inverse_cdf(logits: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) ->
     """Row by row in torch, as the extension's `sample_rows` draws (csrc/sample_rows.h): the
     first token whose running sum of the filtered probabilities passes u times their total;
     the argmax where the settings leave no finite probabilities."""
-    out = []
-    for row, seq, ui in zip(logits, seqs, u.tolist(), strict=True):
-        p = seq.params
-        probs = _filter(row / p.temperature, p.top_k, p.top_p).softmax(-1)
-        if not torch.isfinite(probs).all():  # degenerate settings: fall back to the argmax
-            out.append(int(row.argmax()))
-            continue
-        out.append(draw_from(probs, ui))
-    return out
+    probs = _torch_probs(logits, [s.params for s in seqs])
+    rows = zip(logits, probs, u.tolist(), strict=True)
+    # degenerate settings (no finite probabilities): fall back to the argmax
+    return [draw_from(q, ui) if torch.isfinite(q).all() else int(x.argmax()) for x, q, ui in rows]
 
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

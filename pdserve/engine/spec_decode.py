@@ -34,8 +34,10 @@ from pdserve.engine.sampler import (
     argmax_rows,
     draw_from,
     filtered_probs,
+    generator_of,
     process,
     token_logprobs,
+    uniform,
 )
 from pdserve.engine.sequence import Sequence
 from pdserve.model.quant import quantized_linears
@@ -400,12 +402,10 @@ def verify(
                 break
             out.append(d)
         return [*out, target[len(out)]]
-    if seq.params.seed is not None and seq.generator is None:
-        seq.generator = torch.Generator().manual_seed(seq.params.seed)
     probs = target_probs(logits, seq)
     if not torch.isfinite(probs.sum(-1)).all():  # degenerate settings (a NaN row): argmax
         return [int(logits[0].argmax())]
-    u = torch.rand(len(draft), generator=seq.generator).tolist()
+    u = torch.rand(len(draft), generator=generator_of(seq)).tolist()
     out = []
     for j, d in enumerate(draft):
         if u[j] < float(probs[j, d]):  # accept with min(1, p(d) / q(d)), q(d) = 1
@@ -415,10 +415,5 @@ def verify(
         residual[d] = 0.0  # max(0, p - q) for a point mass q at d
         if float(residual.sum()) <= 0:
             return [*out, d]
-        return [*out, draw_from(residual, _uniform(seq))]
-    return [*out, draw_from(probs[len(draft)], _uniform(seq))]
-
-
-def _uniform(seq: Sequence) -> float:
-    """One uniform in [0, 1) from seq's generator (its seed's), else torch's default one."""
-    return float(torch.rand((), dtype=torch.float64, generator=seq.generator))
+        return [*out, draw_from(residual, uniform(seq))]
+    return [*out, draw_from(probs[len(draft)], uniform(seq))]

@@ -89,26 +89,14 @@ struct Kept {
 inline bool weights(const float* x, int64_t n, float temperature, int64_t k, float p,
                     std::vector<float>& w, std::vector<float>& buf, Kept& kept) {
   constexpr float inf = std::numeric_limits<float>::infinity();
-  f16v most = f16v{} - inf;
-  i32v unordered = i32v{};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    f16v v;
-    std::memcpy(&v, x + i, sizeof v);
-    unordered |= v != v;
-    most = v > most ? v : most;
-  }
-  float top = -inf;
-  bool nan = false;
-  for (int l = 0; l < 16; ++l) top = std::max(top, most[l]), nan |= unordered[l] != 0;
-  for (; i < n; ++i) nan |= std::isnan(x[i]), top = std::max(top, x[i]);
-  if (nan || !std::isfinite(top)) return false;
-  const float lo = k > 0 && k < n ? kth_largest(x, n, k, top, buf)
-                                  : -inf;
+  const float top = x[argmax_row(x, n)];  // a NaN where the row has one
+  if (!std::isfinite(top)) return false;
+  const float lo = k > 0 && k < n ? kth_largest(x, n, k, top, buf) : -inf;
   const float inv_t = 1.f / temperature;
   w.resize((n + 15) / 16 * 16);
   double total = 0;
-  for (i = 0; i + 16 <= n; i += 16) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
     f16v v;
     std::memcpy(&v, x + i, sizeof v);
     const auto keep = (v >= lo) & (v > -inf);
@@ -118,9 +106,7 @@ inline bool weights(const float* x, int64_t n, float temperature, int64_t k, flo
     total += hsum(e);
   }
   for (; i < n; ++i) {
-    w[i] = x[i] >= lo && x[i] > -inf
-               ? std::exp((x[i] - top) * inv_t)
-               : 0.f;
+    w[i] = x[i] >= lo && x[i] > -inf ? std::exp((x[i] - top) * inv_t) : 0.f;
     total += w[i];
   }
   float floor = std::numeric_limits<float>::denorm_min();  // every weight that is not 0
@@ -141,7 +127,7 @@ inline int64_t draw(const float* x, int64_t n, float temperature, int64_t k, flo
   const float floor = kept.floor;
   const double target = u * kept.total;
   double run = 0;
-  int64_t last = 0;  // rounding past the end: the last kept token (the largest logit is kept)
+  int64_t last = 0;  // the last block with a kept token (the largest logit is kept)
   for (int64_t j0 = 0; j0 < n; j0 += 16) {  // 16 weights at a time, then the one that passes
     const int64_t j1 = std::min(n, j0 + 16);
     float block = 0;
@@ -153,52 +139,67 @@ inline int64_t draw(const float* x, int64_t n, float temperature, int64_t k, flo
       for (int64_t j = j0; j < j1; ++j) block += w[j] >= floor ? w[j] : 0.f;
     }
     if (block == 0.f) continue;
+    last = j0;
     if (run + block <= target) {
       run += block;
-      for (int64_t j = j1 - 1; j >= j0; --j)
-        if (w[j] >= floor) {
-          last = j;
-          break;
-        }
       continue;
     }
-    for (int64_t j = j0; j < j1; ++j) {
-      if (w[j] < floor) continue;
-      run += w[j];
-      last = j;
-      if (run > target) return j;
-    }
+    for (int64_t j = j0; j < j1; ++j)
+      if (w[j] >= floor && (run += w[j]) > target) return j;
   }
-  return last;
+  int64_t j = std::min(n, last + 16) - 1;  // rounding past the end: the last kept token
+  while (w[j] < floor) --j;
+  return j;
 }
 
 }  // namespace sampling
 
-// Rows of float logits (B, V) -> a token each (B,), int64: temperatures (B,) float32 > 0,
-// top_k (B,) int64 (0: off), top_p (B,) float32 in (0, 1], u (B,) float64 in [0, 1).
-Tensor sample_rows(const Tensor& logits_in, const Tensor& temperature, const Tensor& top_k,
-                   const Tensor& top_p, const Tensor& u) {
+namespace sampling {
+
+// The per-row settings both entry points take, checked: temperature (rows,) float32 > 0, top_k
+// (rows,) int64 (0: off), top_p (rows,) float32 in (0, 1]; the tensors held while in use.
+struct Settings {
+  Tensor t, k, p;
+  const float *temperature, *top_p;
+  const int64_t* top_k;
+
+  Settings(const char* who, int64_t rows, const Tensor& t_in, const Tensor& k_in,
+           const Tensor& p_in)
+      : t(t_in.contiguous()), k(k_in.contiguous()), p(p_in.contiguous()) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && k.scalar_type() == at::kLong &&
+                    p.scalar_type() == at::kFloat && t.numel() == rows && k.numel() == rows &&
+                    p.numel() == rows,
+                who, ": temperature (rows,) float32, top_k (rows,) int64, top_p (rows,) float32");
+    temperature = t.data_ptr<float>(), top_p = p.data_ptr<float>(), top_k = k.data_ptr<int64_t>();
+  }
+};
+
+inline Tensor checked_logits(const char* who, const Tensor& logits_in) {
   const Tensor logits = logits_in.contiguous();
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.size(1) > 0,
-              "sample_rows: float32 logits (rows, vocab)");
+              who, ": float32 logits (rows, vocab)");
+  return logits;
+}
+
+}  // namespace sampling
+
+// Rows of float logits (B, V) -> a token each (B,), int64, at uniforms u (B,) float64 in [0, 1).
+Tensor sample_rows(const Tensor& logits_in, const Tensor& temperature, const Tensor& top_k,
+                   const Tensor& top_p, const Tensor& u_in) {
+  const Tensor logits = sampling::checked_logits("sample_rows", logits_in), u = u_in.contiguous();
   const int64_t rows = logits.size(0), n = logits.size(1);
-  const Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous();
-  const Tensor uu = u.contiguous();
-  TORCH_CHECK(t.scalar_type() == at::kFloat && k.scalar_type() == at::kLong &&
-                  p.scalar_type() == at::kFloat && uu.scalar_type() == at::kDouble &&
-                  t.numel() == rows && k.numel() == rows && p.numel() == rows &&
-                  uu.numel() == rows,
-              "sample_rows: temperature (rows,) float32, top_k (rows,) int64, top_p (rows,) "
-              "float32, u (rows,) float64");
+  const sampling::Settings s("sample_rows", rows, temperature, top_k, top_p);
+  TORCH_CHECK(u.scalar_type() == at::kDouble && u.numel() == rows,
+              "sample_rows: u (rows,) float64");
   Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  const float *lp = logits.data_ptr<float>(), *tp = t.data_ptr<float>(), *pp = p.data_ptr<float>();
-  const int64_t* kp = k.data_ptr<int64_t>();
-  const double* up = uu.data_ptr<double>();
+  const float* lp = logits.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w, buf;
     for (int64_t r = begin; r < end; ++r)
-      op[r] = sampling::draw(lp + r * n, n, tp[r], kp[r], pp[r], up[r], w, buf);
+      op[r] = sampling::draw(lp + r * n, n, s.temperature[r], s.top_k[r], s.top_p[r], up[r], w,
+                             buf);
   });
   return out;
 }
@@ -209,25 +210,19 @@ Tensor sample_rows(const Tensor& logits_in, const Tensor& temperature, const Ten
 // and the rest of it (per row in torch, a top-p's sort took ~4 ms: 20 ms a verify of 4 drafts).
 Tensor sampling_probs(const Tensor& logits_in, const Tensor& temperature, const Tensor& top_k,
                       const Tensor& top_p) {
-  const Tensor logits = logits_in.contiguous();
+  const Tensor logits = sampling::checked_logits("sampling_probs", logits_in);
   const int64_t rows = logits.size(0), n = logits.size(1);
-  const Tensor t = temperature.contiguous(), k = top_k.contiguous(), p = top_p.contiguous();
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && n > 0 &&
-                  t.scalar_type() == at::kFloat && k.scalar_type() == at::kLong &&
-                  p.scalar_type() == at::kFloat && t.numel() == rows && k.numel() == rows &&
-                  p.numel() == rows,
-              "sampling_probs: float32 logits (rows, vocab), temperature (rows,) float32, "
-              "top_k (rows,) int64, top_p (rows,) float32");
+  const sampling::Settings s("sampling_probs", rows, temperature, top_k, top_p);
   Tensor out = at::empty({rows, n}, logits.options());
-  const float *lp = logits.data_ptr<float>(), *tp = t.data_ptr<float>(), *pp = p.data_ptr<float>();
-  const int64_t* kp = k.data_ptr<int64_t>();
+  const float* lp = logits.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w, buf;
     for (int64_t r = begin; r < end; ++r) {
       float* o = op + r * n;
       sampling::Kept kept;
-      if (!sampling::weights(lp + r * n, n, tp[r], kp[r], pp[r], w, buf, kept)) {
+      if (!sampling::weights(lp + r * n, n, s.temperature[r], s.top_k[r], s.top_p[r], w, buf,
+                             kept)) {
         std::fill(o, o + n, std::numeric_limits<float>::quiet_NaN());
         continue;
       }

@@ -148,17 +148,27 @@ class Tokenizer:
 
 class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8
-    character (shown as U+FFFD) until the next token completes it."""
+    character (shown as U+FFFD) until the next token completes it.
+
+    Each token decodes a short window, not the whole output (as vLLM's incremental
+    detokenizer): the tokens since the last text was released plus the ones before them
+    (`prefix`), whose own text is cut off the front. Decoding everything so far made a
+    token's cost grow with the output (a 2,000-token answer: ~2,000 tokens decoded a token,
+    in the router's one thread); the window keeps the context a tokenizer's decoder needs
+    (SentencePiece's leading-space rule, byte tokens of one character)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix = 0  # the window's first token
+        self.read = 0  # tokens whose text has been released
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix : self.read]) if self.read > self.prefix else ""
+        text = decode(self.ids[self.prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(before):
             return ""
-        delta, self.emitted = text[len(self.emitted) :], text
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]

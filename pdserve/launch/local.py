@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve import envs
+from pdserve.aio import fast_event_loop
 from pdserve.config import WORKER_CHUNK_SIZE
 from pdserve.subprocs import EXIT_CONFIG, WorkerRefused, cannot_restart, split_cores
 
@@ -219,7 +220,8 @@ def serve_forever(app, host: str, port: int, on_ready=None, on_stop=None, drain=
         return 1 if failed else 0
 
     try:
-        return asyncio.run(main()) or 0
+        with asyncio.Runner(loop_factory=fast_event_loop()) as runner:  # uvloop
+            return runner.run(main()) or 0
     finally:
         if on_stop:
             on_stop()

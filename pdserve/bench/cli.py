@@ -1,6 +1,6 @@
 """`pdserve bench` (load an OpenAI-compatible endpoint) and `pdserve bench compare`.
 
-Registering imports argparse only; the handlers import numpy, httpx, matplotlib when run.
+Registering imports argparse only; the handlers import numpy, aiohttp, matplotlib when run.
 """
 
 from __future__ import annotations

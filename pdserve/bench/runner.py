@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-import httpx
+import aiohttp
 
+from pdserve.aio import fast_event_loop
 from pdserve.bench.client import Endpoint, make_client, send_request
 from pdserve.bench.metrics import SLO, RequestRecord, goodput, summarize, summarize_by_class
 from pdserve.bench.workload import ARRIVALS, RequestSpec
@@ -90,11 +91,13 @@ class RunResult(NamedTuple):
     per_class: dict[str, dict]
 
 
-async def _check_reachable(client: httpx.AsyncClient, endpoint: Endpoint) -> None:
+async def _check_reachable(client: aiohttp.ClientSession, endpoint: Endpoint) -> None:
     """Fail fast when nothing listens; also warms the connection path (not measured)."""
+    url = endpoint.url.rstrip("/") + "/models"
     try:
-        await client.get(endpoint.url.rstrip("/") + "/models", timeout=10.0)
-    except httpx.HTTPError as exc:
+        async with client.get(url, timeout=aiohttp.ClientTimeout(total=10.0)) as response:
+            await response.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise ValueError(
             f"cannot reach {endpoint.url} ({type(exc).__name__}: {exc}); is the server running, "
             "and does --url include the API prefix (e.g. http://127.0.0.1:8000/v1)?"
@@ -104,8 +107,8 @@ async def _check_reachable(client: httpx.AsyncClient, endpoint: Endpoint) -> Non
 async def _open_loop(client, endpoint, specs, prompts, t0, on_done) -> list[RequestRecord]:
     tasks = []
     for spec in specs:
-        delay = t0 + spec.arrival_s - time.perf_counter()
-        if delay > 0:
+        # a loop's timers may fire early (uvloop's by up to a millisecond): sleep until due
+        while (delay := t0 + spec.arrival_s - time.perf_counter()) > 0:
             await asyncio.sleep(delay)
         task = asyncio.create_task(send_request(client, endpoint, spec, prompts.build(spec), t0))
         task.add_done_callback(lambda t: on_done(t.result()))
@@ -163,7 +166,8 @@ def run_load(
         bar.update()
 
     try:
-        records, duration = asyncio.run(_run(endpoint, specs, prompts, load, on_done))
+        with asyncio.Runner(loop_factory=fast_event_loop()) as runner:
+            records, duration = runner.run(_run(endpoint, specs, prompts, load, on_done))
     finally:
         bar.close()
     return RunResult(

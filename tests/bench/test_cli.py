@@ -102,7 +102,7 @@ def test_registering_imports_nothing_heavy():
     code = (
         "import sys, argparse; import pdserve.bench.cli as c; "
         "c.register(argparse.ArgumentParser().add_subparsers()); "
-        "print(sorted(m for m in ('numpy', 'httpx', 'matplotlib', 'torch', 'msgspec') "
+        "print(sorted(m for m in ('numpy', 'aiohttp', 'matplotlib', 'torch', 'msgspec', 'uvloop') "
         "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

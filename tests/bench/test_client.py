@@ -63,8 +63,8 @@ def test_tokens_are_counted_when_the_server_sends_no_usage():
         (
             "disconnect",
             "error",
-            "RemoteProtocolError: peer closed connection without sending complete message body "
-            "(incomplete chunked read)",
+            "ClientPayloadError: Response payload is not completed: <TransferEncodingError: 400, "
+            "message='Not enough data to satisfy transfer length header.'>",
         ),
         ("malformed", "error", "malformed SSE data after 3 tokens: '{oops'"),
         ("error_event", "error", "error in stream after 3 tokens: {'message': 'kv lost'}"),
@@ -88,7 +88,7 @@ def test_connection_refused_is_an_error_record():
         pass  # closed: nothing listens on that port any more
     (record,) = _refused(url)
     assert record.status == "error"
-    assert record.error.startswith("ConnectError")
+    assert record.error.startswith("ClientConnectorError")
 
 
 def _refused(url: str) -> list:

@@ -43,11 +43,17 @@ class Answer:
         once the client has left (`client_left`; the caller's `finally` then aborts the
         request on its workers)."""
         text = TextStream(self.tok, self.plan.params.stop, self.eos)
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         while True:
             try:
-                async with asyncio.timeout_at(deadline):
-                    ev = await state.events.get()
+                if state.events.empty():  # a timer only where it waits: not a token's cost
+                    async with asyncio.timeout_at(deadline):
+                        ev = await state.events.get()
+                elif loop.time() < deadline:
+                    ev = state.events.get_nowait()
+                else:
+                    raise TimeoutError
             except TimeoutError:
                 raise APIError(
                     504, f"the request did not finish within {self.timeout_s:.0f}s"

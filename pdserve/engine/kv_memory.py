@@ -21,8 +21,7 @@ import torch
 
 
 def zeroed_caches(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
-    """`count` cache tensors of `shape`, zeros, in one private anonymous mapping of this
-    process."""
+    """`count` cache tensors of `shape`, zeros, in one anonymous mapping of this process."""
     return _map(-1, shape, dtype, count)
 
 
@@ -49,6 +48,10 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 def _map(fd: int, shape, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
     size = _nbytes(shape, dtype)
-    buf = mmap.mmap(fd, count * size)  # fd -1: anonymous, private
+    # fd -1: anonymous, and shared (Python's default flags): shmem pages, which this VM's
+    # kernel gives no huge pages (shmem_enabled never). Private pages with MADV_HUGEPAGE get
+    # them, but a 2 MB page's first touch took ~5 ms there: the closed loop at 64 ran 888 ->
+    # 693 tok/s, 846 with the cache touched at start (2.5 s a GiB); docs/results.md, run 28
+    buf = mmap.mmap(fd, count * size)
     flat = torch.frombuffer(buf, dtype=torch.uint8)  # keeps the mapping alive
     return [flat[i * size : (i + 1) * size].view(dtype).view(shape) for i in range(count)]

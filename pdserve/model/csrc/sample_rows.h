@@ -152,10 +152,6 @@ inline int64_t draw(const float* x, int64_t n, float temperature, int64_t k, flo
   return j;
 }
 
-}  // namespace sampling
-
-namespace sampling {
-
 // The per-row settings both entry points take, checked: temperature (rows,) float32 > 0, top_k
 // (rows,) int64 (0: off), top_p (rows,) float32 in (0, 1]; the tensors held while in use.
 struct Settings {

@@ -332,7 +332,11 @@ struct TileScope {
     if (!on) return;
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
+    // by asm with cfg as its operand: GCC 12's _tile_loadconfig does not tell the compiler that
+    // it reads cfg, so where this constructor is compiled out of line it may drop the stores
+    // above and load a config of stack garbage (ldtilecfg then faults: SIGSEGV in every AMX
+    // kernel once an unrelated change to this header moved the inlining)
+    asm volatile("ldtilecfg %0" ::"m"(cfg));
   }
   ~TileScope() {
     if (on) _tile_release();

@@ -117,6 +117,7 @@ class ModelRunner:
         # decode_path says which decode step runs, and why (the worker's ready line)
         self.fused, self.decode_path = self._fused_decode()
         self._choose_prompt_kernels()  # after the fused build: its extension is timed too
+        self.fused_prompt_rows = self._fused_prompt_rows()
 
     def _choose_prompt_kernels(self) -> None:
         """Where a prompt's work runs on this machine, as measured here once (bf16 on CPU;
@@ -135,6 +136,34 @@ class ModelRunner:
             for attn in attns:
                 attn.kernel_queries = queries
         quant.set_split_rows(self.model, rows)  # saves the table
+
+    def _fused_prompt_rows(self) -> int:
+        """The most rows of a step of prompt chunks alone that the fused step computes (0:
+        none). The eager model gives a prompt's rows the dense weight and keeps them bf16
+        (quant.prompt_rows); the fused step takes them where that changes nothing but the
+        rounding: every layer's linears hold the file's own 4-bit blocks (the dense weight's
+        values but for their scales' rounding to bf16; not weights quantized at load) and run
+        them on AMX tiles (bf16 rows times the blocks unpacked to bf16; SmolLM2's first-token
+        logits as close to float32's as the eager prefill's, tests/model/test_real_model.py),
+        up to the rows where those beat the dense GEMM on this machine (their measured
+        `max_rows`). A short prompt then skips the eager model's per-layer Python and the
+        dense weights' bytes: SmolLM2 Q4_1, Xeon with AMX, 2 threads, a prompt's step of 16 /
+        32 / 64 tokens 32 / 38 / 35 ms eager, 9 / 12 / 19 fused; at 128 alike, at 256 slower
+        (its attention goes row by row)."""
+        if self.fused is None or self.dtype != torch.bfloat16:
+            return 0
+        linears = [
+            lin
+            for layer in self.model.layers
+            for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
+        ]
+        if not all(getattr(lin, "kind", 0) == 3 and lin.stored for lin in linears):
+            return 0  # dense, quantized here, or not the few-row kernel: the eager model
+        from pdserve.model.extension import load_extension
+
+        if not load_extension().amx_available():
+            return 0  # the few-row kernels' int8 rows are not a prompt's precision
+        return min(lin.max_rows for lin in linears)
 
     def _fused_decode(self) -> tuple[FusedDecode | None, str]:
         """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""
@@ -324,6 +353,8 @@ class ModelRunner:
             fusable = [self._fusable(s, n) for s, n in zip(*batch, strict=True)]
             if all(fusable):
                 return self._run_fused(batch)
+            if self._short_prompts(batch):
+                return self._run_fused(batch, prompt=True)
             if any(fusable):  # a mixed step: its decodes fused, its prefill chunks eager
                 return self._run_split(batch, fusable)
         return self._run_eager(batch, layer_hook, before_layer)
@@ -335,6 +366,19 @@ class ModelRunner:
         prompt_logprobs = seq.params.prompt_logprobs is not None
         return (n == 1 or bool(seq.spec_token_ids)) and not (
             prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens
+        )
+
+    def _short_prompts(self, batch: ScheduledBatch) -> bool:
+        """Whether the step is prompt chunks alone (no decodes, no proposals, no prompt
+        logprobs) of at most `fused_prompt_rows` rows in all: the fused step computes them."""
+        if sum(batch.num_new_tokens) > self.fused_prompt_rows:
+            return False
+        return all(
+            n > 1
+            and not seq.spec_token_ids
+            and seq.num_computed_tokens < seq.num_prompt_tokens
+            and seq.params.prompt_logprobs is None
+            for seq, n in zip(*batch, strict=True)
         )
 
     def _run_split(self, batch: ScheduledBatch, fusable: list[bool]):
@@ -436,11 +480,15 @@ class ModelRunner:
             targets = torch.tensor(seq.token_ids[a + 1 : b + 1])
             seq.prompt_logprobs.extend(token_logprobs(logits, targets, [k] * (b - a)))
 
-    def _run_fused(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
+    def _run_fused(
+        self, batch: ScheduledBatch, prompt: bool = False
+    ) -> tuple[list[int], torch.Tensor | None]:
         """A step of one token per sequence through the fused step; as `run`. (A token of a
         prompt chunked one token at a time computes alike; it just samples nothing.) A
         sequence verifying k proposals is k+1 rows of one token each, at consecutive positions
-        over the same blocks: the step writes every row's K/V before any row attends."""
+        over the same blocks: the step writes every row's K/V before any row attends; so is a
+        short prompt's chunk (`prompt`: `_short_prompts`), each row attending to the keys up to
+        its own position, and only the rows that sample get logits."""
         bs = self.block_size
         ids, pos, slots, tables, lens, rows = [], [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
@@ -455,16 +503,14 @@ class ModelRunner:
                     rows.append((i, len(ids) - 1))
         width = max(p // bs for p in pos) + 1
         tables = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
-        logits = self.fused(
-            torch.tensor(ids),
-            torch.tensor(pos),
-            torch.tensor(slots),
-            torch.tensor(tables),
-            torch.tensor(lens),
-        )
+        keep = [r for _, r in rows]
+        args = [torch.tensor(v) for v in (ids, pos, slots, tables, lens)]
+        if prompt:  # logits for the rows that sample only
+            logits = self.fused(*args, keep=torch.tensor(keep, dtype=torch.long), prompt=True)
+            return ([i for i, _ in rows], logits) if rows else ([], None)
+        logits = self.fused(*args)
         if not rows:
             return [], None
-        keep = [r for _, r in rows]
         return [i for i, _ in rows], logits if len(keep) == len(ids) else logits[keep]
 
 

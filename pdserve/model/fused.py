@@ -5,8 +5,9 @@ layer's norms, attention parts (`FUSED_PARTS`: q/k/v biases, per-head q/k RMSNor
 write, paged attention over the block table (no gather; over the sliding window where the
 config sets one), SwiGLU and residuals fused, the linears as model/quant.py runs them (the
 few-row int4/int8 kernels of csrc/few_rows.h, or torch's). Prefills and the prefill chunks of
-mixed steps stay on the eager model. `--enforce-eager` turns this off; a machine without a
-working compiler falls back to eager with a warning that says so.
+mixed steps stay on the eager model, except a step of short prompts alone on a CPU with AMX
+(`prompt` below; model_runner.py `ModelRunner.fused_prompt_rows`). `--enforce-eager` turns
+this off; a machine without a working compiler falls back to eager with a warning that says so.
 """
 
 from __future__ import annotations
@@ -78,10 +79,13 @@ class FusedDecode:
             cfg.sliding_window,
         )
 
-    def __call__(self, ids, positions, slots, tables, lens) -> torch.Tensor:
+    def __call__(self, ids, positions, slots, tables, lens, keep=None, prompt=False):
         """Logits (B, V) float32 of one decode token per sequence: ids, positions, slots and
-        lens (B,) long; tables (B, W) long block ids, padded (lens bound what is read)."""
-        return self.impl.forward(ids, positions, slots, tables, lens)
+        lens (B,) long; tables (B, W) long block ids, padded (lens bound what is read). `keep`
+        (long): only these rows' logits. `prompt`: the rows are prompt tokens, which keep
+        bf16 values in the layers (model/quant.py `prompt_rows`): their quantized linears run
+        only their AMX kernel (bf16 rows), else the dense weight; the lm_head as for any row."""
+        return self.impl.forward(ids, positions, slots, tables, lens, keep, prompt)
 
 
 if __name__ == "__main__":  # `python -m pdserve.model.fused`: build now (make install does)

@@ -274,6 +274,10 @@ class Int4Linear(_Quantized):
 
     def __init__(self, weight: torch.Tensor, blocks: Int4Blocks | None = None):
         super().__init__(weight)
+        # the file's own 4-bit blocks: the dense weight holds their values (the kernel's scales
+        # rounded to bf16), so a prompt's rows may take them on bf16 rows (model_runner
+        # `_fused_prompt_rows`)
+        self.stored = blocks is not None
         blocks = blocks if blocks is not None else int4_blocks(weight)
         self.ext = few_rows_extension(weight)
         if self.ext is not None:

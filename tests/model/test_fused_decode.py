@@ -311,3 +311,94 @@ def test_bf16_caches_attend_by_avx512_bf16_where_the_cpu_has_it():
     from pdserve.model.extension import cpu_flags, load_extension
 
     assert load_extension().bf16_attention() == ("avx512_bf16" in cpu_flags().split())
+
+
+def _amx_or_skip():
+    from pdserve.model.extension import load_extension
+
+    if not load_extension().amx_available():
+        pytest.skip("this CPU (or build) has no AMX-BF16 tiles")
+
+
+def _short_prompt_engines(monkeypatch, **overrides):
+    """A bf16 int4 engine whose linears serve up to 64 rows and count as the file's own blocks
+    (`Int4Linear.stored`; these tiny weights are quantized at load), and its eager twin giving
+    a prompt's rows the same int4 weights on the same AMX kernel: the fused step's prompt
+    rows are then the eager model's but for the fused step's roundings."""
+    from pdserve.model import kernel_rows, quant
+
+    _amx_or_skip()
+    monkeypatch.setenv("PDSERVE_QUANT_MAX_ROWS", "64")
+    monkeypatch.setattr(kernel_rows.KernelRows, "amx_from", lambda self, *a, **k: 1)
+    monkeypatch.setattr(quant, "FEW_ROWS_FOR_PROMPTS", True)
+    files = make_model_files(seed=4, **LONG)
+    shape = dict(dtype="bfloat16", weights="int4", kv_cache_gb=0.02, block_size=16, **overrides)
+    fused, eager = make_engine(files, **shape), make_engine(files, enforce_eager=True, **shape)
+    assert fused.runner.fused_prompt_rows == 0  # weights quantized at load: not a prompt's
+    for lin in quant.quantized_linears(fused.runner.model):
+        lin.stored = True
+    fused.runner.fused_prompt_rows = fused.runner._fused_prompt_rows()
+    assert fused.runner.fused_prompt_rows == 64
+    return fused, eager
+
+
+def _prompt_calls(eng) -> list[int]:
+    """The rows of each fused call the engine makes with prompt=True, as it makes them."""
+    calls, inner = [], eng.runner.fused
+
+    def fused(*args, prompt=False, **kw):
+        if prompt:
+            calls.append(len(args[0]))
+        return inner(*args, prompt=prompt, **kw)
+
+    eng.runner.fused = fused
+    return calls
+
+
+def test_short_prompts_alone_run_the_fused_step_on_bf16_rows(monkeypatch):
+    """A step of prompt chunks alone, up to the linears' measured rows, runs the fused step
+    (ModelRunner._short_prompts) with every linear on its AMX kernel: bf16 rows, as the eager
+    model keeps a prompt's (quant.prompt_rows). Its logits and the K/V it writes are the eager
+    prefill's within bf16 rounding, and only the sampled rows get logits. Past the rows, beside
+    a decode, or asking for prompt logprobs, a prompt keeps the eager model."""
+    fused, eager = _short_prompt_engines(monkeypatch)
+    calls = _prompt_calls(fused)
+    outs = []
+    for eng in (fused, eager):
+        seqs = [make_sequence(p, f"r{i}") for i, p in enumerate(PROMPTS)]
+        for seq in seqs:
+            assert eng.block_manager.allocate(seq)
+        rows, logits = eng.runner.run(ScheduledBatch(seqs, [s.num_tokens for s in seqs]))
+        assert sorted(rows) == [0, 1, 2]
+        outs.append((logits[torch.tensor(rows).argsort()], eng.runner.k_caches[1].clone()))
+    assert calls == [sum(len(p) for p in PROMPTS)]
+    (lf, kf), (le, ke) = outs
+    assert lf.shape == (3, fused.model_config.vocab_size)
+    assert (lf - le).abs().max().item() < 0.1 and (lf.argmax(-1) == le.argmax(-1)).all()
+    assert (kf.float() - ke.float()).abs().max().item() < 0.05
+
+    long = make_sequence([(t * 5) % 250 + 1 for t in range(65)], "long")
+    logprobs = make_sequence(PROMPTS[0], "lp", prompt_logprobs=1)
+    for seq in (long, logprobs):
+        assert fused.block_manager.allocate(seq)
+        fused.runner.run(ScheduledBatch([seq], [seq.num_tokens]))
+    assert calls == [sum(len(p) for p in PROMPTS)]  # neither of those two
+    decode = decode_batch(fused, PROMPTS[:1])  # its prefill: a short prompt alone
+    assert calls[1:] == [len(PROMPTS[0])]
+    prompt = make_sequence(PROMPTS[2], "beside")
+    assert fused.block_manager.allocate(prompt)
+    rows, _ = fused.runner.run(ScheduledBatch([decode.seqs[0], prompt], [1, prompt.num_tokens]))
+    assert sorted(rows) == [0, 1] and calls[2:] == []  # split: the prompt eager
+
+
+def test_a_prompt_in_fused_chunks_gives_the_eager_tokens(monkeypatch):
+    """Chunks of 8 (the first ones sample nothing: no logits asked for) and the decodes after:
+    the eager engine's greedy tokens, every block given back."""
+    fused, eager = _short_prompt_engines(monkeypatch, chunk_size=8)
+    calls = _prompt_calls(fused)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompt = [PROMPTS[1]]  # 39 tokens: chunks of 8, 8, 8, 8, 7
+    assert run_to_completion(fused, prompt, greedy) == run_to_completion(eager, prompt, greedy)
+    assert calls == [8, 8, 8, 8, 7]
+    fused.check_integrity()
+    assert fused.block_manager.num_free_blocks == fused.block_manager.num_blocks

@@ -327,3 +327,40 @@ def test_a_replayed_request_speculates_and_continues_with_the_plain_greedy_token
     assert seq.output_token_ids == whole[k:]
     assert eng.stats()["spec_accepted_tokens"] > before
     assert_clean(spec)
+
+
+def test_short_prompts_through_the_fused_step_stay_as_close_to_float32(llm):
+    """The default engine (bf16, the GGUF's Q4_1 blocks) computes a step of short prompts alone
+    with the fused step where the CPU has AMX (ModelRunner.fused_prompt_rows): the blocks on
+    bf16 rows, where the eager prefill takes the dense copy of the same values. Each prompt's
+    first-token logits are as close to the float32 model's as the eager prefill's are, with the
+    same argmax as float32 on as many prompts."""
+    from pdserve.engine.scheduler import ScheduledBatch
+
+    default = LLM(device="cpu")
+    runner = default.engine.runner
+    rows = runner.fused_prompt_rows
+    if not rows:
+        pytest.skip(f"no fused prompts here ({runner.decode_path})")
+    greedy = SamplingParams(max_tokens=1)
+
+    def first_logits(engine, ids):
+        seq = engine.make_sequence(ids, greedy)
+        assert engine.block_manager.allocate(seq)
+        _, logits = engine.runner.run(ScheduledBatch([seq], [seq.num_tokens]))
+        engine.block_manager.free(seq)
+        return logits[0].float()
+
+    near, hits = {"fused": 0.0, "eager": 0.0}, {"fused": 0, "eager": 0}
+    for prompt in [*PROMPTS, "Write a haiku about the sea.", "Explain photosynthesis briefly."]:
+        ids = default.tokenizer.encode(prompt)
+        assert len(ids) <= rows
+        ref = first_logits(llm.engine, ids)
+        for path, cap in (("fused", rows), ("eager", 0)):
+            runner.fused_prompt_rows = cap
+            got = first_logits(default.engine, ids)
+            near[path] += (got - ref).abs().mean().item()
+            hits[path] += int(got.argmax() == ref.argmax())
+    runner.fused_prompt_rows = rows
+    assert near["fused"] <= 1.25 * near["eager"], near
+    assert hits["fused"] >= hits["eager"], hits

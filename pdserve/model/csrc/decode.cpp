@@ -292,8 +292,16 @@ struct Linear {
         a8(std::move(a8)),
         amx_from(amx_from) {}
 
-  Tensor operator()(const Tensor& x) const {
+  // exact: a prompt's rows, which keep bf16 values (model/quant.py `prompt_rows`): the
+  // quantized kinds only on AMX tiles (bf16 rows times the weights unpacked to bf16, whatever
+  // `amx_from`), else the dense weight.
+  Tensor operator()(const Tensor& x, bool exact = false) const {
     const int64_t rows = x.size(0);
+    if (exact) {
+      if ((kind == 3 || kind == 4) && rows <= max_rows && few_rows::amx_available())
+        return kind == 3 ? few_rows::mm(x, t[1], t[2], 1) : few_rows::mm8(x, t[1], t[2], 1);
+      return dense(x);
+    }
     if (kind != 0 && rows <= max_rows) {
       if (kind == 3) return few_rows::mm(x, t[1], t[2], amx_from);
       if (kind == 4) return few_rows::mm8(x, t[1], t[2], amx_from);
@@ -301,6 +309,10 @@ struct Linear {
       return at::_weight_int8pack_mm(x, t[1], t[2]);
     }
     if (a8_first <= rows && rows <= a8_last) return int8_activations(x);
+    return dense(x);
+  }
+
+  Tensor dense(const Tensor& x) const {
     return t[0].is_mkldnn() ? onednn_linear(x, t[0]) : at::linear(x, t[0]);
   }
 
@@ -1309,8 +1321,10 @@ class DecodeModel {
     TORCH_CHECK(window_ >= 0, "fused decode: the sliding window must be positive");
   }
 
-  // Logits (B, V) float32 of one decode token per sequence; writes their K/V into the caches.
-  Tensor forward(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens) {
+  // Logits (B, V) float32 of one decode token per sequence (of the rows `keep` names, where
+  // given); writes their K/V into the caches. prompt: the rows are prompts' (Linear's exact).
+  Tensor forward(Tensor ids, Tensor positions, Tensor slots, Tensor tables, Tensor lens,
+                 std::optional<Tensor> keep, bool prompt) {
     at::NoGradGuard no_grad;
     Batch bt{positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), tables.size(1), {}};
@@ -1319,17 +1333,22 @@ class DecodeModel {
                    attn_tile(k_[0].scalar_type() == at::kBFloat16, d, nh_ / nkv_));
     Tensor x = embed_.index_select(0, ids);  // (B, hidden)
     if (x.scalar_type() == at::kBFloat16) {
-      x = layers<c10::BFloat16>(x, bt);
+      x = layers<c10::BFloat16>(x, bt, prompt);
     } else {
       TORCH_CHECK(x.scalar_type() == at::kFloat, "fused decode: float32 or bfloat16 only");
-      x = layers<float>(x, bt);
+      x = layers<float>(x, bt, prompt);
+    }
+    // the lm_head as for any row (the eager model's, too, takes a prompt's last rows so)
+    if (keep) {
+      if (keep->numel() == 0) return at::empty({0, 0}, x.options().dtype(at::kFloat));
+      x = x.index_select(0, *keep);
     }
     return lm_head_.logits(x);
   }
 
  private:
   template <typename T>
-  Tensor layers(Tensor x, const Batch& bt) {
+  Tensor layers(Tensor x, const Batch& bt, bool prompt) {
     const int64_t B = x.size(0), n = x.size(1);
     Tensor h = at::empty_like(x);
     Tensor attn = at::empty({B, nh_ * cache_head_dim(k_[0])}, x.options());
@@ -1338,16 +1357,16 @@ class DecodeModel {
     add_norm_rows<T>(xp, nullptr, norms_[0][0].data_ptr<T>(), hp, B, n, eps_);
     for (size_t l = 0; l < linears_.size(); ++l) {
       const auto& lin = linears_[l];
-      Tensor qkv = lin[0](h).contiguous();
+      Tensor qkv = lin[0](h, prompt).contiguous();
       if (parts_[l].any()) apply_parts<T>(qkv, parts_[l], nh_, nkv_, cache_head_dim(k_[l]));
       attend<T>(qkv, cos_, sin_, k_[l], v_[l], bt, attn, nh_, nkv_, window_);
-      Tensor o = lin[1](attn).contiguous();
+      Tensor o = lin[1](attn, prompt).contiguous();
       add_norm_rows<T>(xp, o.data_ptr<T>(), norms_[l][1].data_ptr<T>(), hp, B, n, eps_);
-      Tensor gu = lin[2](h).contiguous();
+      Tensor gu = lin[2](h, prompt).contiguous();
       int64_t f = gu.size(1) / 2;
       Tensor act = at::empty({B, f}, x.options());
       silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, f);
-      Tensor down = lin[3](act).contiguous();
+      Tensor down = lin[3](act, prompt).contiguous();
       const Tensor& next = l + 1 < linears_.size() ? norms_[l + 1][0] : final_norm_;
       add_norm_rows<T>(xp, down.data_ptr<T>(), next.data_ptr<T>(), hp, B, n, eps_);
     }
@@ -1434,5 +1453,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<std::vector<Linear>>, std::vector<AttnParts>, Tensor, Linear,
                     std::vector<Tensor>, std::vector<Tensor>, int64_t, int64_t, double,
                     std::optional<int64_t>>())
-      .def("forward", &DecodeModel::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &DecodeModel::forward, py::arg("ids"), py::arg("positions"),
+           py::arg("slots"), py::arg("tables"), py::arg("lens"), py::arg("keep") = py::none(),
+           py::arg("prompt") = false, py::call_guard<py::gil_scoped_release>());
 }

@@ -117,6 +117,8 @@ class ModelRunner:
         # decode_path says which decode step runs, and why (the worker's ready line)
         self.fused, self.decode_path = self._fused_decode()
         self._choose_prompt_kernels()  # after the fused build: its extension is timed too
+        if self.fused is not None:  # again, its linears taking the row parts just chosen
+            self.fused = FusedDecode(self.model, self.kv_caches)
         self.fused_prompt_rows = self._fused_prompt_rows()
 
     def _choose_prompt_kernels(self) -> None:
@@ -142,14 +144,18 @@ class ModelRunner:
         none). The eager model gives a prompt's rows the dense weight and keeps them bf16
         (quant.prompt_rows); the fused step takes them where that changes nothing but the
         rounding: every layer's linears hold the file's own 4-bit blocks (the dense weight's
-        values but for their scales' rounding to bf16; not weights quantized at load) and run
-        them on AMX tiles (bf16 rows times the blocks unpacked to bf16; SmolLM2's first-token
-        logits as close to float32's as the eager prefill's, tests/model/test_real_model.py),
-        up to the rows where those beat the dense GEMM on this machine (their measured
-        `max_rows`). A short prompt then skips the eager model's per-layer Python and the
-        dense weights' bytes: SmolLM2 Q4_1, Xeon with AMX, 2 threads, a prompt's step of 16 /
-        32 / 64 tokens 32 / 38 / 35 ms eager, 9 / 12 / 19 fused; at 128 alike, at 256 slower
-        (its attention goes row by row)."""
+        values but for their scales' rounding to bf16; not weights quantized at load), run
+        them on AMX tiles up to their measured `max_rows` (bf16 rows times the blocks unpacked
+        to bf16; SmolLM2's first-token logits as close to float32's as the eager prefill's,
+        tests/model/test_real_model.py) and the dense weight beyond, in row parts where the
+        eager model's would be (`Dense.split_rows`). A prompt's run of rows attends by the
+        prompt attention kernel (csrc/decode.cpp `attend_run`) on a bf16 cache without a
+        sliding window; elsewhere its rows go one by one through the decode attention, whose
+        reads grow with the square of the rows, so only up to `max_rows`. The step skips the
+        eager model's per-layer Python, and below `max_rows` the dense weights' bytes:
+        SmolLM2 Q4_1, Xeon with AMX, 2 threads, a lone prompt to its first token, 32 / 64 / 128
+        / 256 / 512 / 1,024 tokens 46 / 46 / 58 / 91 / 149 / 293 ms eager, 14 / 22 / 44 / 77 /
+        134 / 287 fused."""
         if self.fused is None or self.dtype != torch.bfloat16:
             return 0
         linears = [
@@ -163,7 +169,14 @@ class ModelRunner:
 
         if not load_extension().amx_available():
             return 0  # the few-row kernels' int8 rows are not a prompt's precision
-        return min(lin.max_rows for lin in linears)
+        mc = self.model_config
+        runs = (
+            self.cache_dtype == torch.bfloat16
+            and mc.sliding_window is None
+            and self.kv_shape.dim in (32, 64, 128)
+            and load_extension().bf16_attention()
+        )
+        return self.config.max_num_batched_tokens if runs else min(x.max_rows for x in linears)
 
     def _fused_decode(self) -> tuple[FusedDecode | None, str]:
         """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""
@@ -370,7 +383,8 @@ class ModelRunner:
 
     def _short_prompts(self, batch: ScheduledBatch) -> bool:
         """Whether the step is prompt chunks alone (no decodes, no proposals, no prompt
-        logprobs) of at most `fused_prompt_rows` rows in all: the fused step computes them."""
+        logprobs) of at most `fused_prompt_rows` rows in all: the fused step computes them.
+        (Beside decodes a prompt stays eager: the decodes' rows keep a plain step's bits.)"""
         if sum(batch.num_new_tokens) > self.fused_prompt_rows:
             return False
         return all(

@@ -5,9 +5,10 @@ layer's norms, attention parts (`FUSED_PARTS`: q/k/v biases, per-head q/k RMSNor
 write, paged attention over the block table (no gather; over the sliding window where the
 config sets one), SwiGLU and residuals fused, the linears as model/quant.py runs them (the
 few-row int4/int8 kernels of csrc/few_rows.h, or torch's). Prefills and the prefill chunks of
-mixed steps stay on the eager model, except a step of short prompts alone on a CPU with AMX
-(`prompt` below; model_runner.py `ModelRunner.fused_prompt_rows`). `--enforce-eager` turns
-this off; a machine without a working compiler falls back to eager with a warning that says so.
+mixed steps stay on the eager model, except a step of prompts alone on a CPU with AMX (`prompt`
+below; model_runner.py `ModelRunner.fused_prompt_rows`: a prompt's run of rows then attends by
+the prompt attention kernel). `--enforce-eager` turns this off; a machine without a working
+compiler falls back to eager with a warning that says so.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 
 import torch
 
-from pdserve.model import extension
+from pdserve.model import extension, quant
 from pdserve.model.parts import HeadQKNorm, QKVBias
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,9 @@ class FusedDecode:
         ext = extension.load_extension()
         self.load_note = extension.load_note  # how long this process took to build or load it
 
-        def linear(lin):
-            return ext.Linear(*lin.kernel_spec())
+        def linear(lin):  # its dense GEMM as row parts where the eager model's runs so
+            split = list(getattr(lin, "split_rows", ()))
+            return ext.Linear(*lin.kernel_spec(), split, list(quant.SPLIT_LADDER))
 
         def parts(layer):  # those of FUSED_PARTS it has (`unfused_parts` checked the rest)
             got = {type(part): part for part in layer.attn.parts}
@@ -84,7 +86,8 @@ class FusedDecode:
         lens (B,) long; tables (B, W) long block ids, padded (lens bound what is read). `keep`
         (long): only these rows' logits. `prompt`: the rows are prompt tokens, which keep
         bf16 values in the layers (model/quant.py `prompt_rows`): their quantized linears run
-        only their AMX kernel (bf16 rows), else the dense weight; the lm_head as for any row."""
+        only their AMX kernel (bf16 rows), else the dense weight; the lm_head as for any row;
+        a run of 32 rows or more of one sequence attends by the prompt attention kernel."""
         return self.impl.forward(ids, positions, slots, tables, lens, keep, prompt)
 
 

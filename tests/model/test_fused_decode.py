@@ -320,7 +320,7 @@ def _amx_or_skip():
         pytest.skip("this CPU (or build) has no AMX-BF16 tiles")
 
 
-def _short_prompt_engines(monkeypatch, **overrides):
+def _short_prompt_engines(monkeypatch, files=None, **overrides):
     """A bf16 int4 engine whose linears serve up to 64 rows and count as the file's own blocks
     (`Int4Linear.stored`; these tiny weights are quantized at load), and its eager twin giving
     a prompt's rows the same int4 weights on the same AMX kernel: the fused step's prompt
@@ -331,14 +331,13 @@ def _short_prompt_engines(monkeypatch, **overrides):
     monkeypatch.setenv("PDSERVE_QUANT_MAX_ROWS", "64")
     monkeypatch.setattr(kernel_rows.KernelRows, "amx_from", lambda self, *a, **k: 1)
     monkeypatch.setattr(quant, "FEW_ROWS_FOR_PROMPTS", True)
-    files = make_model_files(seed=4, **LONG)
+    files = files or make_model_files(seed=4, **LONG)
     shape = dict(dtype="bfloat16", weights="int4", kv_cache_gb=0.02, block_size=16, **overrides)
     fused, eager = make_engine(files, **shape), make_engine(files, enforce_eager=True, **shape)
     assert fused.runner.fused_prompt_rows == 0  # weights quantized at load: not a prompt's
     for lin in quant.quantized_linears(fused.runner.model):
         lin.stored = True
     fused.runner.fused_prompt_rows = fused.runner._fused_prompt_rows()
-    assert fused.runner.fused_prompt_rows == 64
     return fused, eager
 
 
@@ -355,50 +354,74 @@ def _prompt_calls(eng) -> list[int]:
     return calls
 
 
-def test_short_prompts_alone_run_the_fused_step_on_bf16_rows(monkeypatch):
-    """A step of prompt chunks alone, up to the linears' measured rows, runs the fused step
-    (ModelRunner._short_prompts) with every linear on its AMX kernel: bf16 rows, as the eager
-    model keeps a prompt's (quant.prompt_rows). Its logits and the K/V it writes are the eager
-    prefill's within bf16 rounding, and only the sampled rows get logits. Past the rows, beside
-    a decode, or asking for prompt logprobs, a prompt keeps the eager model."""
-    fused, eager = _short_prompt_engines(monkeypatch)
-    calls = _prompt_calls(fused)
-    outs = []
-    for eng in (fused, eager):
-        seqs = [make_sequence(p, f"r{i}") for i, p in enumerate(PROMPTS)]
-        for seq in seqs:
-            assert eng.block_manager.allocate(seq)
-        rows, logits = eng.runner.run(ScheduledBatch(seqs, [s.num_tokens for s in seqs]))
-        assert sorted(rows) == [0, 1, 2]
-        outs.append((logits[torch.tensor(rows).argsort()], eng.runner.k_caches[1].clone()))
-    assert calls == [sum(len(p) for p in PROMPTS)]
-    (lf, kf), (le, ke) = outs
-    assert lf.shape == (3, fused.model_config.vocab_size)
-    assert (lf - le).abs().max().item() < 0.1 and (lf.argmax(-1) == le.argmax(-1)).all()
-    assert (kf.float() - ke.float()).abs().max().item() < 0.05
+def _first_logits(eng, prompts):
+    """Each prompt's first-token logits from one step of them all, and layer 1's K cache."""
+    seqs = [make_sequence(p, f"r{i}") for i, p in enumerate(prompts)]
+    for seq in seqs:
+        assert eng.block_manager.allocate(seq)
+    rows, logits = eng.runner.run(ScheduledBatch(seqs, [s.num_tokens for s in seqs]))
+    assert sorted(rows) == list(range(len(prompts)))
+    return logits[torch.tensor(rows).argsort()], eng.runner.k_caches[1].clone()
 
-    long = make_sequence([(t * 5) % 250 + 1 for t in range(65)], "long")
+
+def test_prompts_alone_run_the_fused_step_on_bf16_rows(monkeypatch):
+    """A step of prompt chunks alone runs the fused step (ModelRunner._short_prompts): every
+    linear on its AMX kernel up to its rows (bf16 rows, as the eager model keeps a prompt's,
+    quant.prompt_rows) and on the dense weight beyond, each run of 32 rows or more attending
+    by the prompt attention kernel (csrc/decode.cpp `attend_run`; shorter ones row by row).
+    Its logits and the K/V it writes are the eager prefill's within bf16 rounding, and only
+    the sampled rows get logits. Asking for prompt logprobs, or beside a decode, a prompt keeps
+    the eager model."""
+    fused, eager = _short_prompt_engines(monkeypatch)
+    assert fused.runner.fused_prompt_rows == fused.runner.config.max_num_batched_tokens
+    calls = _prompt_calls(fused)
+    long = [(t * 5) % 250 + 1 for t in range(300)]  # past the 64 rows: the dense weights
+    for prompts in (PROMPTS, [long]):
+        (lf, kf), (le, ke) = _first_logits(fused, prompts), _first_logits(eager, prompts)
+        assert lf.shape == (len(prompts), fused.model_config.vocab_size)
+        assert (lf - le).abs().max().item() < 0.1 and (lf.argmax(-1) == le.argmax(-1)).all()
+        assert (kf.float() - ke.float()).abs().max().item() < 0.05
+    assert calls == [sum(len(p) for p in PROMPTS), len(long)]
+
     logprobs = make_sequence(PROMPTS[0], "lp", prompt_logprobs=1)
-    for seq in (long, logprobs):
-        assert fused.block_manager.allocate(seq)
-        fused.runner.run(ScheduledBatch([seq], [seq.num_tokens]))
-    assert calls == [sum(len(p) for p in PROMPTS)]  # neither of those two
-    decode = decode_batch(fused, PROMPTS[:1])  # its prefill: a short prompt alone
-    assert calls[1:] == [len(PROMPTS[0])]
+    assert fused.block_manager.allocate(logprobs)
+    fused.runner.run(ScheduledBatch([logprobs], [logprobs.num_tokens]))
+    assert len(calls) == 2
+    decode = decode_batch(fused, PROMPTS[:1])  # its prefill: a prompt alone
+    assert calls[2:] == [len(PROMPTS[0])]
     prompt = make_sequence(PROMPTS[2], "beside")
     assert fused.block_manager.allocate(prompt)
     rows, _ = fused.runner.run(ScheduledBatch([decode.seqs[0], prompt], [1, prompt.num_tokens]))
-    assert sorted(rows) == [0, 1] and calls[2:] == []  # split: the prompt eager
+    assert sorted(rows) == [0, 1] and calls[3:] == []  # split: the prompt eager
 
 
-def test_a_prompt_in_fused_chunks_gives_the_eager_tokens(monkeypatch):
-    """Chunks of 8 (the first ones sample nothing: no logits asked for) and the decodes after:
-    the eager engine's greedy tokens, every block given back."""
-    fused, eager = _short_prompt_engines(monkeypatch, chunk_size=8)
+def test_without_the_prompt_kernel_only_short_prompts_run_fused(monkeypatch):
+    """With a sliding window (the prompt attention kernel has none) a prompt's rows would go
+    one by one through the decode attention: the fused step takes prompts of up to the
+    linears' rows (64), longer ones the eager model."""
+    files = make_model_files(seed=4, **LONG, sliding_window=40)
+    fused, eager = _short_prompt_engines(monkeypatch, files)
+    assert fused.runner.fused_prompt_rows == 64
+    calls = _prompt_calls(fused)
+    short, long = PROMPTS[1], [(t * 5) % 250 + 1 for t in range(65)]
+    for prompts in ([short], [long]):
+        (lf, _), (le, _) = _first_logits(fused, prompts), _first_logits(eager, prompts)
+        assert (lf - le).abs().max().item() < 0.1
+    assert calls == [len(short)]
+
+
+@pytest.mark.parametrize(
+    "chunk,length,chunks",
+    [(8, 39, [8, 8, 8, 8, 7]), (40, 100, [40, 40, 20])],  # rows one by one; runs of 40 by
+)  # the prompt kernel over the cached chunks before them (gathered from the blocks)
+def test_a_prompt_in_fused_chunks_gives_the_eager_tokens(monkeypatch, chunk, length, chunks):
+    """Chunks (the first ones sample nothing: no logits asked for) and the decodes after: the
+    eager engine's greedy tokens, every block given back."""
+    fused, eager = _short_prompt_engines(monkeypatch, chunk_size=chunk)
     calls = _prompt_calls(fused)
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
-    prompt = [PROMPTS[1]]  # 39 tokens: chunks of 8, 8, 8, 8, 7
+    prompt = [[(t * 11 + 3) % 250 + 1 for t in range(length)]]
     assert run_to_completion(fused, prompt, greedy) == run_to_completion(eager, prompt, greedy)
-    assert calls == [8, 8, 8, 8, 7]
+    assert calls == chunks
     fused.check_integrity()
     assert fused.block_manager.num_free_blocks == fused.block_manager.num_blocks

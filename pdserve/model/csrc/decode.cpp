@@ -281,16 +281,34 @@ struct Linear {
   int64_t a8_first, a8_last;
   std::vector<Tensor> a8;
   int64_t amx_from;  // kinds 3 and 4: rows from which few_rows' kernel runs on AMX tiles
+  // the dense weight's row counts (of `ladder`) where its GEMM ran faster as row parts, one per
+  // thread (model/quant.py `split_here`, `Dense.split_rows`): a prompt's rows, a big batch's
+  std::vector<int64_t> split, ladder;
 
   Linear(int64_t kind, int64_t max_rows, std::vector<Tensor> t, int64_t a8_first,
-         int64_t a8_last, std::vector<Tensor> a8, int64_t amx_from)
+         int64_t a8_last, std::vector<Tensor> a8, int64_t amx_from, std::vector<int64_t> split,
+         std::vector<int64_t> ladder)
       : kind(kind),
         max_rows(max_rows),
         t(std::move(t)),
         a8_first(a8_first),
         a8_last(a8_last),
         a8(std::move(a8)),
-        amx_from(amx_from) {}
+        amx_from(amx_from),
+        split(std::move(split)),
+        ladder(std::move(ladder)) {}
+
+  // quant.split_here: the ladder's counts on both sides of `rows` won (past its top, the top)
+  bool split_here(int64_t rows) const {
+    if (split.empty() || ladder.empty() || rows < split.front()) return false;
+    int64_t below = 0, above = ladder.back();
+    for (const int64_t r : ladder) {
+      if (r <= rows) below = std::max(below, r);
+      if (r >= rows) above = std::min(above, r);
+    }
+    const auto won = [&](int64_t r) { return std::find(split.begin(), split.end(), r) != split.end(); };
+    return won(below) && won(above);
+  }
 
   // exact: a prompt's rows, which keep bf16 values (model/quant.py `prompt_rows`): the
   // quantized kinds only on AMX tiles (bf16 rows times the weights unpacked to bf16, whatever
@@ -313,7 +331,10 @@ struct Linear {
   }
 
   Tensor dense(const Tensor& x) const {
-    return t[0].is_mkldnn() ? onednn_linear(x, t[0]) : at::linear(x, t[0]);
+    if (!t[0].is_mkldnn()) return at::linear(x, t[0]);
+    if (x.dim() == 2 && split_here(x.size(0)))
+      return onednn_row_parts(x, t[0], at::get_num_threads());
+    return onednn_linear(x, t[0]);
   }
 
   // As operator(), in float32 (the fused step's logits): the int8 kernel writes the same
@@ -447,19 +468,30 @@ struct Batch {
   const int64_t* lens;       // (B,) context length including the new token
   int64_t width;
   std::vector<Item> items;  // attention's work, in its order
+  struct Run {
+    int64_t row, n;
+  };
+  std::vector<Run> runs;  // prompt runs for the prompt attention kernel (attend_run)
 
   // Items of at most `tile` queries, shared out in order. A run of one sequence's rows (told
   // by their block tables and consecutive positions) goes head by head, so the later items of
   // a head read its K/V from L2: 5 rows at 1,950 tokens of context, the whole step 15.8 ->
-  // 13.8 ms. Distinct sequences stay row by row (a token's heads share cache lines).
-  void order_items(int64_t rows, int64_t nkv, int64_t group, int64_t tile) {
+  // 13.8 ms. Distinct sequences stay row by row (a token's heads share cache lines). A run of
+  // `whole` rows or more (0: none) is one of `runs` instead: its items would each read the
+  // context up to their rows, ~n^2 / 4 keys a head for n rows.
+  void order_items(int64_t rows, int64_t nkv, int64_t group, int64_t tile, int64_t whole = 0) {
     items.clear();
+    runs.clear();
     items.reserve(rows * nkv);
     for (int64_t r0 = 0, r1; r0 < rows; r0 = r1) {
       for (r1 = r0 + 1; r1 < rows && positions[r1] == positions[r1 - 1] + 1 &&
                         std::equal(tables + r1 * width, tables + (r1 + 1) * width,
                                    tables + r0 * width);
            ++r1) {
+      }
+      if (whole > 0 && r1 - r0 >= whole) {
+        runs.push_back({r0, r1 - r0});
+        continue;
       }
       const int64_t nq = (r1 - r0) * group, parts = (nq + tile - 1) / tile;
       for (int64_t h = 0; h < nkv; ++h)  // the run's queries in near-equal parts
@@ -1110,6 +1142,44 @@ inline int64_t cache_head_dim(const Tensor& cache) {
   return cache.scalar_type() == at::kChar ? cache.size(3) - kScaleBytes : cache.size(3);
 }
 
+#if defined(__AVX512BF16__)
+// A prompt's run of rows (Batch::runs) by the prompt attention kernel (prefill_attention.h, as
+// the eager model attends a prompt's chunk): its queries roped as the items rope them, its
+// context's K and V (the run's own rows written already) gathered from the cache's blocks.
+inline void attend_run(const Batch& bt, const Batch::Run& run, const c10::BFloat16* src,
+                       const c10::BFloat16* cos, const c10::BFloat16* sin,
+                       const c10::BFloat16* kc, const c10::BFloat16* vc, c10::BFloat16* o,
+                       int64_t nh, int64_t nkv, int64_t d, int64_t bs) {
+  using BF = c10::BFloat16;
+  const int64_t n = run.n, ctx = bt.lens[run.row + n - 1], row_len = (nh + 2 * nkv) * d;
+  const int64_t* table = bt.tables + run.row * bt.width;
+  const auto bf = at::TensorOptions().dtype(at::kBFloat16);
+  Tensor q = at::empty({n, nh, d}, bf), k = at::empty({ctx, nkv, d}, bf);
+  Tensor v = at::empty({ctx, nkv, d}, bf);
+  BF *qp = q.data_ptr<BF>(), *kp = k.data_ptr<BF>(), *vp = v.data_ptr<BF>();
+  const int64_t row_bytes = nkv * d * static_cast<int64_t>(sizeof(BF));
+  at::parallel_for(0, std::max(n * nh, ctx), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(d);
+    for (int64_t j = begin; j < end; ++j) {
+      if (j < n * nh) {
+        const int64_t r = j / nh, h = j % nh, p = bt.positions[run.row + r];
+        rope_head<BF>(src + (run.row + r) * row_len + h * d, cos + p * d, sin + p * d,
+                      qf.data(), d);
+        for (int64_t c = 0; c < d; c += 16)  // bf16 values already: stored exactly
+          store16(qp + j * d + c, load16(qf.data() + c));
+      }
+      if (j < ctx) {
+        const int64_t slot = table[j / bs] * bs + j % bs;
+        std::memcpy(kp + j * nkv * d, kc + slot * nkv * d, row_bytes);
+        std::memcpy(vp + j * nkv * d, vc + slot * nkv * d, row_bytes);
+      }
+    }
+  });
+  const Tensor out = prefill_attention(q, k, v);
+  std::memcpy(o + run.row * nh * d, out.data_ptr<BF>(), n * nh * d * sizeof(BF));
+}
+#endif
+
 template <typename T>
 void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor& kc, Tensor& vc,
             const Batch& bt, Tensor& out, int64_t nh, int64_t nkv, int64_t window) {
@@ -1152,6 +1222,11 @@ void attend(const Tensor& qkv, const Tensor& cos_t, const Tensor& sin_t, Tensor&
       }
     }
   });
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (const auto& run : bt.runs) attend_run(bt, run, src, cos, sin, kcp, vcp, o, nh, nkv, d, bs);
+  }
+#endif
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const int64_t stride = nkv * width;  // between one token's rows of a kv head in a block
   const int64_t items = static_cast<int64_t>(bt.items.size());
@@ -1329,8 +1404,9 @@ class DecodeModel {
     Batch bt{positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), tables.size(1), {}};
     const int64_t d = cache_head_dim(k_[0]);
+    const bool bf16_cache = k_[0].scalar_type() == at::kBFloat16;
     bt.order_items(ids.size(0), nkv_, nh_ / nkv_,  // once a step, for every layer
-                   attn_tile(k_[0].scalar_type() == at::kBFloat16, d, nh_ / nkv_));
+                   attn_tile(bf16_cache, d, nh_ / nkv_), prompt ? whole_runs(bf16_cache, d) : 0);
     Tensor x = embed_.index_select(0, ids);  // (B, hidden)
     if (x.scalar_type() == at::kBFloat16) {
       x = layers<c10::BFloat16>(x, bt, prompt);
@@ -1347,6 +1423,15 @@ class DecodeModel {
   }
 
  private:
+  // The rows from which a prompt's run goes to the prompt attention kernel (0: never): bf16
+  // caches without a sliding window (the kernel has none), on a build that has the kernel.
+  int64_t whole_runs(bool bf16_cache, int64_t d) const {
+    if (!bf16_cache || window_ > 0 || !bf16_items(true, d) || (d != 32 && d != 64 && d != 128))
+      return 0;
+    return kWholeRun;
+  }
+  static constexpr int64_t kWholeRun = 32;
+
   template <typename T>
   Tensor layers(Tensor x, const Batch& bt, bool prompt) {
     const int64_t B = x.size(0), n = x.size(1);
@@ -1444,7 +1529,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sampling_probs", &sampling_probs, py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<int64_t, int64_t, std::vector<Tensor>, int64_t, int64_t,
-                    std::vector<Tensor>, int64_t>());
+                    std::vector<Tensor>, int64_t, std::vector<int64_t>, std::vector<int64_t>>());
   py::class_<AttnParts>(m, "AttnParts")
       .def(py::init<std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
                     double>());

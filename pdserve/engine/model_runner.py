@@ -167,14 +167,14 @@ class ModelRunner:
             return 0  # dense, quantized here, or not the few-row kernel: the eager model
         from pdserve.model.extension import load_extension
 
-        if not load_extension().amx_available():
+        ext = load_extension()
+        if not ext.amx_available():
             return 0  # the few-row kernels' int8 rows are not a prompt's precision
-        mc = self.model_config
         runs = (
             self.cache_dtype == torch.bfloat16
-            and mc.sliding_window is None
+            and self.model_config.sliding_window is None
             and self.kv_shape.dim in (32, 64, 128)
-            and load_extension().bf16_attention()
+            and ext.bf16_attention()
         )
         return self.config.max_num_batched_tokens if runs else min(x.max_rows for x in linears)
 
@@ -366,7 +366,7 @@ class ModelRunner:
             fusable = [self._fusable(s, n) for s, n in zip(*batch, strict=True)]
             if all(fusable):
                 return self._run_fused(batch)
-            if self._short_prompts(batch):
+            if self._prompts_alone(batch):
                 return self._run_fused(batch, prompt=True)
             if any(fusable):  # a mixed step: its decodes fused, its prefill chunks eager
                 return self._run_split(batch, fusable)
@@ -381,7 +381,7 @@ class ModelRunner:
             prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens
         )
 
-    def _short_prompts(self, batch: ScheduledBatch) -> bool:
+    def _prompts_alone(self, batch: ScheduledBatch) -> bool:
         """Whether the step is prompt chunks alone (no decodes, no proposals, no prompt
         logprobs) of at most `fused_prompt_rows` rows in all: the fused step computes them.
         (Beside decodes a prompt stays eager: the decodes' rows keep a plain step's bits.)"""
@@ -501,7 +501,7 @@ class ModelRunner:
         prompt chunked one token at a time computes alike; it just samples nothing.) A
         sequence verifying k proposals is k+1 rows of one token each, at consecutive positions
         over the same blocks: the step writes every row's K/V before any row attends; so is a
-        short prompt's chunk (`prompt`: `_short_prompts`), each row attending to the keys up to
+        prompt's chunk (`prompt`: `_prompts_alone`), each row attending to the keys up to
         its own position, and only the rows that sample get logits."""
         bs = self.block_size
         ids, pos, slots, tables, lens, rows = [], [], [], [], [], []

@@ -365,7 +365,7 @@ def _first_logits(eng, prompts):
 
 
 def test_prompts_alone_run_the_fused_step_on_bf16_rows(monkeypatch):
-    """A step of prompt chunks alone runs the fused step (ModelRunner._short_prompts): every
+    """A step of prompt chunks alone runs the fused step (ModelRunner._prompts_alone): every
     linear on its AMX kernel up to its rows (bf16 rows, as the eager model keeps a prompt's,
     quant.prompt_rows) and on the dense weight beyond, each run of 32 rows or more attending
     by the prompt attention kernel (csrc/decode.cpp `attend_run`; shorter ones row by row).

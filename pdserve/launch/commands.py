@@ -368,7 +368,8 @@ def serve(args) -> int:
         print(
             f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
             "-d '"
-            + '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+            + '{"messages": [{"role": "user", "content": '
+            + '"What is the capital of France? Answer in one sentence."}]}'
             + "'",
             flush=True,
         )

@@ -11,6 +11,7 @@ from pdserve.model.loader import bundled_model_path
 
 pytestmark = pytest.mark.slow
 
+QUESTION = "What is the capital of France? Answer in one sentence."
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -217,13 +218,17 @@ def test_bad_input_to_the_offline_api(llm):
 
 
 def test_cli_generate_answers_paris():
+    # bf16 with kernels chosen by this machine's measurements: the bare question's first token
+    # is a near tie even in float32 ("The" 0.08 nats ahead of "L'"), under the bf16 logits'
+    # resolution, and flipped on CI under one measured table; asked for a sentence, "The" leads
+    # by ~1.5 nats in float32 and under every table measured here
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "pdserve.cli",
             "generate",
-            "What is the capital of France?",
+            QUESTION,
             "--max-tokens",
             "24",
         ],

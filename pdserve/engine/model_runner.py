@@ -114,11 +114,11 @@ class ModelRunner:
             self.activations = f"int8 for big steps ({used} linears)" if used else "dense"
         else:
             self.activations = "dense"
-        # decode_path says which decode step runs, and why (the worker's ready line)
-        self.fused, self.decode_path = self._fused_decode()
-        self._choose_prompt_kernels()  # after the fused build: its extension is timed too
-        if self.fused is not None:  # again, its linears taking the row parts just chosen
-            self.fused = FusedDecode(self.model, self.kv_caches)
+        eager = self._eager_reason()  # None: the fused step, its extension built or loaded
+        self._choose_prompt_kernels()  # after that load: the extension's kernel is timed too
+        # decode_path says which decode step runs, and why (the worker's ready line); the fused
+        # step's linears take the row parts just chosen
+        self.fused, self.decode_path = self._fused_decode(eager)
         self.fused_prompt_rows = self._fused_prompt_rows()
 
     def _choose_prompt_kernels(self) -> None:
@@ -178,38 +178,49 @@ class ModelRunner:
         )
         return self.config.max_num_batched_tokens if runs else min(x.max_rows for x in linears)
 
-    def _fused_decode(self) -> tuple[FusedDecode | None, str]:
-        """The compiled decode step, unless --enforce-eager or not on CPU (or no compiler)."""
+    def _eager_reason(self) -> str | None:
+        """Why the decode step stays eager (the worker's ready line says it): --enforce-eager,
+        not on CPU, a model the fused step does not take, or no compiler; None: the fused
+        step, its C++ extension built (or loaded) here."""
         if self.config.enforce_eager:
-            return None, "eager (--enforce-eager)"
+            return "eager (--enforce-eager)"
         if self.pp is not None:
-            return None, f"eager (pipeline parallel, {self.pp.size} stages)"
+            return f"eager (pipeline parallel, {self.pp.size} stages)"
         if self.tp is not None:
             ep = self.config.expert_parallel_size
             experts = f", experts over {ep} groups" if ep > 1 else ""
-            return None, f"eager (tensor parallel, {self.tp.size} ranks{experts})"
+            return f"eager (tensor parallel, {self.tp.size} ranks{experts})"
         if self.device.type != "cpu":
-            return None, "eager"
+            return "eager"
         mc = self.model_config
         if (why := self.model.family.eager_reason(mc, self.model.layers)) is not None:
-            return None, f"eager ({mc.architecture}: {why})"
+            return f"eager ({mc.architecture}: {why})"
         shapes = (
             mc.head_dim in (16, 32, 64, 128) and not (mc.hidden_size | mc.intermediate_size) % 16
         )
         if self.dtype not in (torch.float32, torch.bfloat16) or not shapes:
-            return None, (
+            return (
                 "eager (the fused step takes float32/bfloat16, head_dim 16, 32, 64 or 128, "
                 "hidden and intermediate sizes multiples of 16)"
             )
+        from pdserve.model.extension import load_extension
+
         try:
-            fused = FusedDecode(self.model, self.kv_caches)
+            load_extension()
         except Exception as exc:  # no compiler, or it failed: serve eagerly, and say why
             log.warning(
                 "the fused decode step could not be built, decoding eagerly (slower): "
                 "%s; install gcc/g++ and ninja, or pass --enforce-eager",
                 exc,
             )
-            return None, "eager (the fused step failed to build: see the log)"
+            return "eager (the fused step failed to build: see the log)"
+        return None
+
+    def _fused_decode(self, eager: str | None) -> tuple[FusedDecode | None, str]:
+        """The compiled decode step and how it loaded, unless `eager` says why not."""
+        if eager is not None:
+            return None, eager
+        fused = FusedDecode(self.model, self.kv_caches)
         return fused, f"fused ({fused.load_note})"
 
     def _quantize(self, files: ModelFiles) -> str:

@@ -425,3 +425,29 @@ def test_a_prompt_in_fused_chunks_gives_the_eager_tokens(monkeypatch, chunk, len
     assert calls == chunks
     fused.check_integrity()
     assert fused.block_manager.num_free_blocks == fused.block_manager.num_blocks
+
+
+def test_prompts_alone_take_int8_activations_where_the_model_has_them(monkeypatch):
+    """With --int8-activations on, a prompt's rows past the AMX kernel's go to the int8 GEMM in
+    the fused step as in the eager model (they went to the dense weight, silently dropping the
+    option for a step of prompts alone): the same logits within rounding, and apart from the
+    dense product's."""
+    from pdserve.model import quant
+    from pdserve.model.fused import FusedDecode
+
+    monkeypatch.setenv("PDSERVE_INT8_ACT_ROWS", "100000")
+    fused, eager = _short_prompt_engines(monkeypatch, int8_activations="on")
+    assert fused.runner.fused_prompt_rows and fused.runner.activations.startswith("int8")
+    qkv = fused.runner.model.layers[0].attn.qkv
+    assert tuple(qkv.a8_rows) == (65, 100000)
+    long = [[(t * 5) % 250 + 1 for t in range(300)]]  # past the 64 rows: int8 activations
+    (lf, kf), (le, ke) = _first_logits(fused, long), _first_logits(eager, long)
+    for eng in (fused, eager):
+        for lin in quant.quantized_linears(eng.runner.model, head=False):
+            lin.a8_rows = (0, 0)  # the dense weight beyond 64 rows
+    fused.runner.fused = FusedDecode(fused.runner.model, fused.runner.kv_caches)
+    (ld, _), (led, _) = _first_logits(fused, long), _first_logits(eager, long)
+    near, dense = (lf - le).abs().max().item(), (lf - ld).abs().max().item()
+    assert (led - ld).abs().max().item() < 0.1  # the two paths agree without them too
+    assert near < 0.1 and (kf.float() - ke.float()).abs().max().item() < 0.05
+    assert dense > 2 * near, (near, dense)

@@ -312,12 +312,14 @@ struct Linear {
 
   // exact: a prompt's rows, which keep bf16 values (model/quant.py `prompt_rows`): the
   // quantized kinds only on AMX tiles (bf16 rows times the weights unpacked to bf16, whatever
-  // `amx_from`), else the dense weight.
+  // `amx_from`), else as the eager model takes them: int8 activations where the model has them
+  // (--int8-activations on), the dense weight beyond.
   Tensor operator()(const Tensor& x, bool exact = false) const {
     const int64_t rows = x.size(0);
     if (exact) {
       if ((kind == 3 || kind == 4) && rows <= max_rows && few_rows::amx_available())
         return kind == 3 ? few_rows::mm(x, t[1], t[2], 1) : few_rows::mm8(x, t[1], t[2], 1);
+      if (a8_first <= rows && rows <= a8_last) return int8_activations(x);
       return dense(x);
     }
     if (kind != 0 && rows <= max_rows) {

@@ -30,7 +30,7 @@ from pdserve import envs
 from pdserve.model.extension import cpu_flags
 
 log = logging.getLogger(__name__)
-VERSION = 9  # of the measurement (9: AMX kernels pad only a partial tile); a new one re-measures
+VERSION = 10  # of the measurement (10: AMX partial tiles padded per thread); new: re-measured
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # row counts timed, in order
 MIN_CALLS, MAX_CALLS = 20, 400  # timed calls of each kernel per row count
 BUDGET_S = 0.1  # beyond MIN_CALLS, time spent per row count

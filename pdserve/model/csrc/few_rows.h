@@ -468,19 +468,6 @@ void amx_tiles(const c10::BFloat16* x, const c10::BFloat16* last, int64_t k, int
   }
 }
 
-// x's rows (up to T * 16) in tiles of 16, the last one's from `last` (see amx_mm).
-template <int T, typename O, typename Make>
-void amx_pass(const c10::BFloat16* x, const c10::BFloat16* last, int64_t k, int64_t rows,
-              int64_t tiles, O* out, int64_t n, const Make& make) {
-  if constexpr (T > 1) {
-    if (rows <= (T - 1) * 16) return amx_pass<T - 1>(x, last, k, rows, tiles, out, n, make);
-  }
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    const TileScope scope;
-    amx_tiles<T>(x, last, k, rows, begin, end, out, n, make(begin));
-  });
-}
-
 // The r < 16 rows of a pass's last tile (rows of k), zeros after them, in this thread's buffer
 // (64-byte aligned, as at::empty's): that tile loads its 16 rows from there.
 inline const c10::BFloat16* padded_tail(const c10::BFloat16* rows, int64_t r, int64_t k) {
@@ -490,6 +477,26 @@ inline const c10::BFloat16* padded_tail(const c10::BFloat16* rows, int64_t r, in
   std::memcpy(p, rows, r * k * sizeof(c10::BFloat16));
   std::memset(static_cast<void*>(p + r * k), 0, (16 - r) * k * sizeof(c10::BFloat16));
   return p;
+}
+
+// x's rows (up to T * 16) in tiles of 16; a partial last tile's from each thread's own padded
+// copy (padded_tail), made inside the parallel region: one made by the calling thread was read
+// by the other from its core's cache, ~9 us a call more than whole tiles (SmolLM2's 30 down
+// projections on the same x again and again: 17 / 60 rows 1.74 / 2.36 -> 1.45 / 2.04 ms, as 32
+// / 64). In a decode step, whose x is fresh from both threads anyway, within the noise.
+template <int T, typename O, typename Make>
+void amx_pass(const c10::BFloat16* x, int64_t k, int64_t rows, int64_t tiles, O* out, int64_t n,
+              const Make& make) {
+  if constexpr (T > 1) {
+    if (rows <= (T - 1) * 16) return amx_pass<T - 1>(x, k, rows, tiles, out, n, make);
+  }
+  const int64_t whole = rows / 16 * 16;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    const TileScope scope;
+    const c10::BFloat16* last =
+        whole == rows ? x + (rows - 16) * k : padded_tail(x + whole * k, rows - whole, k);
+    amx_tiles<T>(x, last, k, rows, begin, end, out, n, make(begin));
+  });
 }
 
 // y (M, N) = x (M, K) bf16 times a weight whose groups `make(t0)` unpacks from tile t0 on, in
@@ -506,14 +513,10 @@ at::Tensor amx_mm(const at::Tensor& x_in, int64_t n, const Make& make, const cha
     at::Tensor x = x_in.narrow(0, m0, r).contiguous();
     // tiles of rows 64-byte aligned (rows of k * 2 bytes, k % 32 == 0, stay aligned)
     if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 64 != 0) x = x.clone();
-    // a partial last tile from a padded copy of its rows alone: a copy of every row into a new
-    // zeroed tensor cost SmolLM2's 30 layers' down projections ~0.5 ms at 17-31 and 60-63
-    // rows (15-17 us a call, against 1.1-2.3 ms of products)
-    const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-    const int64_t whole = r / 16 * 16;
-    const c10::BFloat16* last =
-        whole == r ? xp + (r - 16) * k : padded_tail(xp + whole * k, r - whole, k);
-    amx_pass<kAmxTiles>(xp, last, k, r, n / kTile, op + m0 * n, n, make);
+    // a partial last tile from a padded copy of its rows alone (amx_pass): a copy of every row
+    // into a new zeroed tensor cost SmolLM2's 30 layers' down projections ~0.5 ms at 17-31 and
+    // 60-63 rows (15-17 us a call, against 1.1-2.3 ms of products)
+    amx_pass<kAmxTiles>(x.data_ptr<c10::BFloat16>(), k, r, n / kTile, op + m0 * n, n, make);
   }
   return out;
 }

@@ -235,7 +235,7 @@ inline void probabilities(float* s, int64_t n, BF* p, int64_t width, float scale
 // q (n, H, d), the last n positions of a context whose k and v are (L, KV, d): bf16, each
 // head's d contiguous; out (n, H, d). Query i sits at position L - n + i and sees keys up to it.
 template <int C>
-Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v) {
+Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, Tensor out) {
   const int64_t n = q.size(0), L = k.size(0), offset = L - n;
   const int64_t nh = q.size(1), nkv = k.size(1), d = q.size(2), group = nh / nkv;
   const int64_t tiles = (L + kKeys - 1) / kKeys, pairs = (L + 31) / 32 * 16;  // to 32 keys
@@ -248,7 +248,7 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v) {
       pack_values(v.data_ptr<BF>() + h * d, v.stride(0), L, d, vp.data_ptr<BF>() + h * vp.size(1));
     }
   });
-  Tensor out = at::empty({n, nh, d}, q.options());
+  if (!out.defined()) out = at::empty({n, nh, d}, q.options());
   // positions per work item: 16, fewer for long contexts, so that an item's scores stay in L2
   const int64_t block = std::clamp<int64_t>(kScoreBytes / (4 * L * group), 1, kBlock);
   const int64_t blocks = (n + block - 1) / block;
@@ -320,7 +320,8 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v) {
 
 // model/attention.py's causal attention of a prompt's chunk, where this build has AVX512-BF16
 // and head_dim is 32, 64 or 128; else an error (the caller checks `prefill_attention_dims`).
-Tensor prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
+// Into `out` ((n, H, d), contiguous) where given: the fused step's rows of its output.
+Tensor prefill_attention_into(const Tensor& q, const Tensor& k, const Tensor& v, Tensor out) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16,
               "prefill_attention: bf16 q, k, v");
@@ -334,12 +335,16 @@ Tensor prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
               "prefill_attention: each head's dims contiguous");
 #if defined(__AVX512BF16__)
   switch (q.size(2)) {
-    case 32: return prefill::attend<2>(q, k, v);
-    case 64: return prefill::attend<4>(q, k, v);
-    case 128: return prefill::attend<8>(q, k, v);
+    case 32: return prefill::attend<2>(q, k, v, out);
+    case 64: return prefill::attend<4>(q, k, v, out);
+    case 128: return prefill::attend<8>(q, k, v, out);
   }
 #endif
   TORCH_CHECK(false, "prefill_attention: needs AVX512-BF16 and head_dim 32, 64 or 128");
+}
+
+Tensor prefill_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return prefill_attention_into(q, k, v, Tensor());
 }
 
 // An eager bf16 step's RMSNorm and RoPE over many rows (a prefill's; model/parts.py `rms`,

@@ -167,16 +167,11 @@ class ModelRunner:
             return 0  # dense, quantized here, or not the few-row kernel: the eager model
         from pdserve.model.extension import load_extension
 
-        ext = load_extension()
-        if not ext.amx_available():
+        if not load_extension().amx_available():
             return 0  # the few-row kernels' int8 rows are not a prompt's precision
-        runs = (
-            self.cache_dtype == torch.bfloat16
-            and self.model_config.sliding_window is None
-            and self.kv_shape.dim in (32, 64, 128)
-            and ext.bf16_attention()
-        )
-        return self.config.max_num_batched_tokens if runs else min(x.max_rows for x in linears)
+        if self.fused.prompt_runs:
+            return self.config.max_num_batched_tokens
+        return min(x.max_rows for x in linears)
 
     def _eager_reason(self) -> str | None:
         """Why the decode step stays eager (the worker's ready line says it): --enforce-eager,

@@ -86,9 +86,17 @@ class FusedDecode:
         lens (B,) long; tables (B, W) long block ids, padded (lens bound what is read). `keep`
         (long): only these rows' logits. `prompt`: the rows are prompt tokens, which keep
         bf16 values in the layers (model/quant.py `prompt_rows`): their quantized linears run
-        only their AMX kernel (bf16 rows), else the dense weight; the lm_head as for any row;
-        a run of 32 rows or more of one sequence attends by the prompt attention kernel."""
+        only their AMX kernel (bf16 rows), else int8 activations where the model has them, else
+        the dense weight; the lm_head as for any row; a run of 32 rows or more of one sequence
+        attends by the prompt attention kernel where `prompt_runs`."""
         return self.impl.forward(ids, positions, slots, tables, lens, keep, prompt)
+
+    @property
+    def prompt_runs(self) -> bool:
+        """Whether a prompt's run of rows attends by the prompt attention kernel here (a bf16
+        cache, no sliding window, head_dim 32 / 64 / 128, a build with AVX512-BF16); else its
+        rows go one by one through the decode attention."""
+        return self.impl.prompt_runs()
 
 
 if __name__ == "__main__":  # `python -m pdserve.model.fused`: build now (make install does)

@@ -1425,6 +1425,12 @@ class DecodeModel {
     return lm_head_.logits(x);
   }
 
+  // Whether a prompt's run of rows attends by the prompt attention kernel here (else its rows
+  // go one by one through the decode attention): model_runner.py `_fused_prompt_rows`.
+  bool prompt_runs() const {
+    return whole_runs(k_[0].scalar_type() == at::kBFloat16, cache_head_dim(k_[0])) > 0;
+  }
+
  private:
   // The rows from which a prompt's run goes to the prompt attention kernel (0: never): bf16
   // caches without a sliding window (the kernel has none), on a build that has the kernel.
@@ -1543,5 +1549,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::optional<int64_t>>())
       .def("forward", &DecodeModel::forward, py::arg("ids"), py::arg("positions"),
            py::arg("slots"), py::arg("tables"), py::arg("lens"), py::arg("keep") = py::none(),
-           py::arg("prompt") = false, py::call_guard<py::gil_scoped_release>());
+           py::arg("prompt") = false, py::call_guard<py::gil_scoped_release>())
+      .def("prompt_runs", &DecodeModel::prompt_runs);
 }

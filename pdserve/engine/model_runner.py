@@ -143,35 +143,37 @@ class ModelRunner:
         """The most rows of a step of prompt chunks alone that the fused step computes (0:
         none). The eager model gives a prompt's rows the dense weight and keeps them bf16
         (quant.prompt_rows); the fused step takes them where that changes nothing but the
-        rounding: every layer's linears hold the file's own 4-bit blocks (the dense weight's
-        values but for their scales' rounding to bf16; not weights quantized at load), run
-        them on AMX tiles up to their measured `max_rows` (bf16 rows times the blocks unpacked
-        to bf16; SmolLM2's first-token logits as close to float32's as the eager prefill's,
-        tests/model/test_real_model.py) and the dense weight beyond, in row parts where the
-        eager model's would be (`Dense.split_rows`). A prompt's run of rows attends by the
-        prompt attention kernel (csrc/decode.cpp `attend_run`) on a bf16 cache without a
-        sliding window; elsewhere its rows go one by one through the decode attention, whose
-        reads grow with the square of the rows, so only up to `max_rows`. The step skips the
-        eager model's per-layer Python, and below `max_rows` the dense weights' bytes:
-        SmolLM2 Q4_1, Xeon with AMX, 2 threads, a lone prompt to its first token, 32 / 64 / 128
-        / 256 / 512 / 1,024 tokens 46 / 46 / 58 / 91 / 149 / 293 ms eager, 14 / 22 / 44 / 77 /
-        134 / 287 fused."""
+        rounding. On a CPU with AMX, where every layer's linears hold the file's own 4-bit
+        blocks (the dense weight's values but for their scales' rounding to bf16; not weights
+        quantized at load), it runs them on AMX tiles up to their measured `max_rows` (bf16
+        rows times the blocks unpacked to bf16; SmolLM2's first-token logits as close to
+        float32's as the eager prefill's, tests/model/test_real_model.py) and the dense weight
+        beyond, in row parts where the eager model's would be (`Dense.split_rows`). Without AMX
+        every prompt row takes what the eager model gives it (int8 activations where the model
+        has them, the dense weight beyond: csrc/decode.cpp `Linear`, `exact`), whatever the
+        weights. A prompt's run of rows attends by the prompt attention kernel (csrc/decode.cpp
+        `attend_run`) on a bf16 cache without a sliding window; elsewhere its rows go one by
+        one through the decode attention, whose reads grow with the square of the rows, so only
+        up to `max_rows`. The step skips the eager model's per-layer Python, and on AMX below
+        `max_rows` the dense weights' bytes: SmolLM2 Q4_1, 2 threads, a lone prompt to its
+        first token, 32 / 64 / 128 / 256 / 512 / 1,024 tokens on a Xeon with AMX 46 / 46 / 58 /
+        91 / 149 / 293 ms eager, 14 / 22 / 44 / 77 / 134 / 287 fused; 32 / 128 / 256 tokens on
+        a Zen 4 (no AMX) 36 / 90 / 185 ms eager, 26 / 86 / 161 fused; 4 x 256 alike."""
         if self.fused is None or self.dtype != torch.bfloat16:
             return 0
+        from pdserve.model.extension import load_extension
+
         linears = [
             lin
             for layer in self.model.layers
             for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
         ]
-        if not all(getattr(lin, "kind", 0) == 3 and lin.stored for lin in linears):
+        amx = load_extension().amx_available()
+        if amx and not all(getattr(lin, "kind", 0) == 3 and lin.stored for lin in linears):
             return 0  # dense, quantized here, or not the few-row kernel: the eager model
-        from pdserve.model.extension import load_extension
-
-        if not load_extension().amx_available():
-            return 0  # the few-row kernels' int8 rows are not a prompt's precision
         if self.fused.prompt_runs:
             return self.config.max_num_batched_tokens
-        return min(x.max_rows for x in linears)
+        return min(getattr(lin, "max_rows", 0) for lin in linears)
 
     def _eager_reason(self) -> str | None:
         """Why the decode step stays eager (the worker's ready line says it): --enforce-eager,

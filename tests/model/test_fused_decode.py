@@ -313,28 +313,26 @@ def test_bf16_caches_attend_by_avx512_bf16_where_the_cpu_has_it():
     assert load_extension().bf16_attention() == ("avx512_bf16" in cpu_flags().split())
 
 
-def _amx_or_skip():
-    from pdserve.model.extension import load_extension
-
-    if not load_extension().amx_available():
-        pytest.skip("this CPU (or build) has no AMX-BF16 tiles")
-
-
 def _short_prompt_engines(monkeypatch, files=None, **overrides):
     """A bf16 int4 engine whose linears serve up to 64 rows and count as the file's own blocks
-    (`Int4Linear.stored`; these tiny weights are quantized at load), and its eager twin giving
-    a prompt's rows the same int4 weights on the same AMX kernel: the fused step's prompt
-    rows are then the eager model's but for the fused step's roundings."""
+    (`Int4Linear.stored`; these tiny weights are quantized at load), and its eager twin. On a
+    CPU with AMX the twin gives a prompt's rows the same int4 weights on the same AMX kernel;
+    without, both give them the dense weight (the fused step's `exact` rows, quant.prompt_rows),
+    whatever the weights. The fused step's prompt rows are then the eager model's but for the
+    fused step's roundings."""
     from pdserve.model import kernel_rows, quant
+    from pdserve.model.extension import load_extension
 
-    _amx_or_skip()
+    amx = load_extension().amx_available()
     monkeypatch.setenv("PDSERVE_QUANT_MAX_ROWS", "64")
-    monkeypatch.setattr(kernel_rows.KernelRows, "amx_from", lambda self, *a, **k: 1)
-    monkeypatch.setattr(quant, "FEW_ROWS_FOR_PROMPTS", True)
+    if amx:
+        monkeypatch.setattr(kernel_rows.KernelRows, "amx_from", lambda self, *a, **k: 1)
+        monkeypatch.setattr(quant, "FEW_ROWS_FOR_PROMPTS", True)
     files = files or make_model_files(seed=4, **LONG)
     shape = dict(dtype="bfloat16", weights="int4", kv_cache_gb=0.02, block_size=16, **overrides)
     fused, eager = make_engine(files, **shape), make_engine(files, enforce_eager=True, **shape)
-    assert fused.runner.fused_prompt_rows == 0  # weights quantized at load: not a prompt's
+    # weights quantized at load are not a prompt's on AMX tiles; without AMX, no matter
+    assert bool(fused.runner.fused_prompt_rows) != amx
     for lin in quant.quantized_linears(fused.runner.model):
         lin.stored = True
     fused.runner.fused_prompt_rows = fused.runner._fused_prompt_rows()
@@ -367,11 +365,11 @@ def _first_logits(eng, prompts):
 def test_prompts_alone_run_the_fused_step_on_bf16_rows(monkeypatch):
     """A step of prompt chunks alone runs the fused step (ModelRunner._prompts_alone): every
     linear on its AMX kernel up to its rows (bf16 rows, as the eager model keeps a prompt's,
-    quant.prompt_rows) and on the dense weight beyond, each run of 32 rows or more attending
-    by the prompt attention kernel (csrc/decode.cpp `attend_run`; shorter ones row by row).
-    Its logits and the K/V it writes are the eager prefill's within bf16 rounding, and only
-    the sampled rows get logits. Asking for prompt logprobs, or beside a decode, a prompt keeps
-    the eager model."""
+    quant.prompt_rows; without AMX on none) and on the dense weight beyond, each run of 32
+    rows or more attending by the prompt attention kernel (csrc/decode.cpp `attend_run`;
+    shorter ones row by row). Its logits and the K/V it writes are the eager prefill's within
+    bf16 rounding, and only the sampled rows get logits. Asking for prompt logprobs, or beside
+    a decode, a prompt keeps the eager model."""
     fused, eager = _short_prompt_engines(monkeypatch)
     assert fused.runner.fused_prompt_rows == fused.runner.config.max_num_batched_tokens
     calls = _prompt_calls(fused)

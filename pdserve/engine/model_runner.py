@@ -376,7 +376,7 @@ class ModelRunner:
                 return self._run_fused(batch)
             if self._prompts_alone(batch):
                 return self._run_fused(batch, prompt=True)
-            if any(fusable):  # a mixed step: its decodes fused, its prefill chunks eager
+            if any(fusable):  # a mixed step: its decodes and its prompt chunks apart
                 return self._run_split(batch, fusable)
         return self._run_eager(batch, layer_hook, before_layer)
 
@@ -392,7 +392,8 @@ class ModelRunner:
     def _prompts_alone(self, batch: ScheduledBatch) -> bool:
         """Whether the step is prompt chunks alone (no decodes, no proposals, no prompt
         logprobs) of at most `fused_prompt_rows` rows in all: the fused step computes them.
-        (Beside decodes a prompt stays eager: the decodes' rows keep a plain step's bits.)"""
+        (Beside decodes they are a call of their own, `_run_split`: the decodes' rows keep a
+        plain step's bits.)"""
         if sum(batch.num_new_tokens) > self.fused_prompt_rows:
             return False
         return all(
@@ -405,19 +406,25 @@ class ModelRunner:
 
     def _run_split(self, batch: ScheduledBatch, fusable: list[bool]):
         """A step mixing decodes with prefill chunks as two calls, the decodes through the fused
-        step and the chunks through the eager model; as `run`. The eager model's decode
-        attention gathers and pads every context (at 47 decodes beside a 934-token chunk, the
-        step took 1,071 ms, against 812 ms for a chunk alone and ~2 ms a row fused)."""
+        step and the chunks through it too where it takes them alone (`_prompts_alone`), else
+        through the eager model; as `run`. The eager model's decode attention gathers and pads
+        every context (at 47 decodes beside a 934-token chunk, the step took 1,071 ms, against
+        812 ms for a chunk alone and ~2 ms a row fused)."""
         parts = [
             [i for i, f in enumerate(fusable) if f],
             [i for i, f in enumerate(fusable) if not f],
         ]
         indices, logits = [], []
-        for part, run in zip(parts, (self._run_fused, self._run_eager), strict=True):
+        for part, fused in zip(parts, (True, False), strict=True):
             sub = ScheduledBatch(
                 [batch.seqs[i] for i in part], [batch.num_new_tokens[i] for i in part]
             )
-            got, rows = run(sub)
+            if fused:
+                got, rows = self._run_fused(sub)
+            elif self._prompts_alone(sub):
+                got, rows = self._run_fused(sub, prompt=True)
+            else:
+                got, rows = self._run_eager(sub)
             indices += [part[i] for i in got]
             if rows is not None:
                 logits.append(rows)

@@ -368,8 +368,8 @@ def test_prompts_alone_run_the_fused_step_on_bf16_rows(monkeypatch):
     quant.prompt_rows; without AMX on none) and on the dense weight beyond, each run of 32
     rows or more attending by the prompt attention kernel (csrc/decode.cpp `attend_run`;
     shorter ones row by row). Its logits and the K/V it writes are the eager prefill's within
-    bf16 rounding, and only the sampled rows get logits. Asking for prompt logprobs, or beside
-    a decode, a prompt keeps the eager model."""
+    bf16 rounding, and only the sampled rows get logits. Asking for prompt logprobs, a prompt
+    keeps the eager model; beside a decode it is a fused call of its own, after the decode's."""
     fused, eager = _short_prompt_engines(monkeypatch)
     assert fused.runner.fused_prompt_rows == fused.runner.config.max_num_batched_tokens
     calls = _prompt_calls(fused)
@@ -390,7 +390,7 @@ def test_prompts_alone_run_the_fused_step_on_bf16_rows(monkeypatch):
     prompt = make_sequence(PROMPTS[2], "beside")
     assert fused.block_manager.allocate(prompt)
     rows, _ = fused.runner.run(ScheduledBatch([decode.seqs[0], prompt], [1, prompt.num_tokens]))
-    assert sorted(rows) == [0, 1] and calls[3:] == []  # split: the prompt eager
+    assert sorted(rows) == [0, 1] and calls[3:] == [prompt.num_tokens]  # split: two calls
 
 
 def test_without_the_prompt_kernel_only_short_prompts_run_fused(monkeypatch):

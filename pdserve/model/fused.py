@@ -4,11 +4,11 @@ A decode-only step (one new token per sequence, no KV hooks) runs as one C++ cal
 layer's norms, attention parts (`FUSED_PARTS`: q/k/v biases, per-head q/k RMSNorm), RoPE, cache
 write, paged attention over the block table (no gather; over the sliding window where the
 config sets one), SwiGLU and residuals fused, the linears as model/quant.py runs them (the
-few-row int4/int8 kernels of csrc/few_rows.h, or torch's). Prefills and the prefill chunks of
-mixed steps stay on the eager model, except a step of prompts alone on a CPU with AMX (`prompt`
+few-row int4/int8 kernels of csrc/few_rows.h, or torch's). So do bf16 prompt chunks (`prompt`
 below; model_runner.py `ModelRunner.fused_prompt_rows`: a prompt's run of rows then attends by
-the prompt attention kernel). `--enforce-eager` turns this off; a machine without a working
-compiler falls back to eager with a warning that says so.
+the prompt attention kernel), alone or in a call of their own beside a step's decodes; steps
+with KV hooks and prompt logprobs stay on the eager model. `--enforce-eager` turns this off;
+a machine without a working compiler falls back to eager with a warning that says so.
 """
 
 from __future__ import annotations

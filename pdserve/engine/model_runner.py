@@ -374,11 +374,17 @@ class ModelRunner:
             fusable = [self._fusable(s, n) for s, n in zip(*batch, strict=True)]
             if all(fusable):
                 return self._run_fused(batch)
-            if self._prompts_alone(batch):
-                return self._run_fused(batch, prompt=True)
             if any(fusable):  # a mixed step: its decodes and its prompt chunks apart
                 return self._run_split(batch, fusable)
+            return self._run_chunks(batch)
         return self._run_eager(batch, layer_hook, before_layer)
+
+    def _run_chunks(self, batch: ScheduledBatch):
+        """Prompt chunks without decodes: the fused step where it takes them
+        (`_prompts_alone`), else the eager model; as `run`."""
+        if self._prompts_alone(batch):
+            return self._run_fused(batch, prompt=True)
+        return self._run_eager(batch)
 
     @staticmethod
     def _fusable(seq, n: int) -> bool:
@@ -406,25 +412,19 @@ class ModelRunner:
 
     def _run_split(self, batch: ScheduledBatch, fusable: list[bool]):
         """A step mixing decodes with prefill chunks as two calls, the decodes through the fused
-        step and the chunks through it too where it takes them alone (`_prompts_alone`), else
-        through the eager model; as `run`. The eager model's decode attention gathers and pads
-        every context (at 47 decodes beside a 934-token chunk, the step took 1,071 ms, against
-        812 ms for a chunk alone and ~2 ms a row fused)."""
+        step and the chunks as `_run_chunks` takes them; as `run`. The eager model's decode
+        attention gathers and pads every context (at 47 decodes beside a 934-token chunk, the
+        step took 1,071 ms, against 812 ms for a chunk alone and ~2 ms a row fused)."""
         parts = [
             [i for i, f in enumerate(fusable) if f],
             [i for i, f in enumerate(fusable) if not f],
         ]
         indices, logits = [], []
-        for part, fused in zip(parts, (True, False), strict=True):
+        for part, run in zip(parts, (self._run_fused, self._run_chunks), strict=True):
             sub = ScheduledBatch(
                 [batch.seqs[i] for i in part], [batch.num_new_tokens[i] for i in part]
             )
-            if fused:
-                got, rows = self._run_fused(sub)
-            elif self._prompts_alone(sub):
-                got, rows = self._run_fused(sub, prompt=True)
-            else:
-                got, rows = self._run_eager(sub)
+            got, rows = run(sub)
             indices += [part[i] for i in got]
             if rows is not None:
                 logits.append(rows)

@@ -4,6 +4,7 @@ cause of a failed start, from the measured figures and the servers' logs."""
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class Plan:
     vllm_kv_gib: float
     temperature: float = 0.0  # 0: greedy (argmax)
     top_p: float = 1.0
+    rounds: int = 1  # every server measured this many times, in turns (vs_vllm.py --rounds)
 
     @property
     def sampling(self) -> tuple[str, ...]:
@@ -79,6 +81,45 @@ def _startup(item: tuple[str, dict]) -> str:
     return f"{name} {row['startup_s']:.1f} s{note}"
 
 
+# a level's figures that are summed over the rounds; the others are their medians
+SUMMED = ("requests", "errors", "duration_s")
+
+
+def combine(rounds: list[dict]) -> dict:
+    """One server's rounds (vs_vllm.measure's rows, in the order run; a failed round as
+    {"error": why}) as one row: each level's figures the median of the rounds that measured
+    it (counts and durations summed), the start-up the median, the rounds kept as measured.
+    A server no round measured keeps the first error."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return {**rounds[0], "rounds": rounds}
+    levels: dict = {}
+    for c in dict.fromkeys(c for r in ok for c in r["levels"]):
+        figs = [r["levels"][c] for r in ok if c in r["levels"]]
+        levels[c] = {key: _middle(key, [f[key] for f in figs]) for key in figs[0]}
+    return {
+        **ok[0],
+        "startup_s": statistics.median(r["startup_s"] for r in ok),
+        "levels": levels,
+        "rounds": rounds,
+    }
+
+
+def _middle(key: str, values: list):
+    if key in SUMMED:
+        return sum(values)
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def round_ratios(row: dict, base: dict, c: int) -> list[float]:
+    """tok/s of `row` over `base`'s (vLLM's) at concurrency c, round by round: a pair measured
+    minutes apart, which a shared host's drift over a run moves less than the medians."""
+    pairs = zip(row.get("rounds", []), base.get("rounds", []), strict=True)
+    figs = [(a.get("levels", {}).get(c), b.get("levels", {}).get(c)) for a, b in pairs]
+    return [a["tok_s"] / b["tok_s"] for a, b in figs if a and b and b["tok_s"]]
+
+
 def fmt(value, spec: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
 
@@ -87,16 +128,25 @@ def _ratio(ours, theirs) -> str:
     return "-" if not ours or not theirs else f"{ours / theirs:.2f}x"
 
 
+def _rounds(row: dict, base: dict, c: int) -> str:
+    return " / ".join(f"{r:.2f}x" for r in round_ratios(row, base, c)) or "-"
+
+
 def table(results: dict[str, dict], plan: Plan) -> str:
-    """One markdown table: every server at every concurrency, ratios against vLLM."""
-    base = results.get("vllm", {}).get("levels", {})
+    """One markdown table: every server at every concurrency, ratios against vLLM; with
+    several rounds, each figure their median and tok/s's ratio round by round too."""
+    vllm = results.get("vllm", {})
+    base = vllm.get("levels", {})
+    by_round = plan.rounds > 1
     lines = [
         f"{plan.prompt}-token prompts, {plan.output} out (ignore_eos), closed loop, cores "
-        f"{plan.cores}; ratios are pdserve/vLLM (tok/s: higher is better; latencies: lower is)",
+        f"{plan.cores}; ratios are pdserve/vLLM (tok/s: higher is better; latencies: lower is)"
+        + (f"; medians of {plan.rounds} rounds, the servers in turns" if by_round else ""),
         "",
         "| server | concurrency | output tok/s | x vLLM | TTFT p50 | TTFT p90 | TTFT p50 x vLLM "
-        "| ITL p50 | ITL p50 x vLLM | requests (errors) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 | ITL p50 x vLLM | requests (errors) |"
+        + (" x vLLM by round |" if by_round else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if by_round else ""),
     ]
     for c in plan.concurrency:
         for name, row in results.items():
@@ -112,6 +162,7 @@ def table(results: dict[str, dict], plan: Plan) -> str:
                 f"| {fmt(fig['itl_p50_ms'], '.1f', ' ms')} "
                 f"| {_ratio(fig['itl_p50_ms'], ref.get('itl_p50_ms'))} "
                 f"| {fig['requests']} ({fig['errors']}) |"
+                + (f" {_rounds(row, vllm, c) if name != 'vllm' else '-'} |" if by_round else "")
             )
     lines.append("")
     lines.append("start-up (to GET /health 200): " + ", ".join(map(_startup, results.items())))

@@ -22,7 +22,11 @@ from `pdserve bench` (N-token prompts of distinct random words, M tokens out wit
 temperature 0, or --temperature / --top-p for a sampled load) at each concurrency, after a
 short warm-up; the table gives output tok/s, TTFT p50/p90 and ITL p50 per server and
 concurrency, with pdserve/vLLM ratios, and each server's start-up time. The load generator
-runs on the same machine (its cost is the same for all).
+runs on the same machine (its cost is the same for all). With --rounds R every server is
+measured R times, in turns (the order reversed every other round, so a drift of the host's
+speed over the run falls on every server alike): the table gives each figure's median and the
+tok/s ratio of each round's pair, measured minutes apart. A shared host's speed moves by 10 %
+and more between a server's turn and the next's; one round's ratio carries that.
 
 vLLM's start-up includes torch.compile of the model: 254 s on the first start here (2 loaded
 cores), 137 s on later ones, whose AOT cache in ~/.cache/vllm fails to load in this wheel
@@ -51,7 +55,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _servers import closed_loop  # noqa: E402
-from _vllm_report import Plan, fmt, root_cause, startup_notes, table  # noqa: E402
+from _vllm_report import (  # noqa: E402
+    Plan,
+    combine,
+    fmt,
+    root_cause,
+    startup_notes,
+    table,
+)
 from _vllm_setup import (  # noqa: E402
     DEFAULT_VENV,
     VLLM_PACKAGE,
@@ -138,8 +149,10 @@ def figures(agg: dict) -> dict:
     }
 
 
-def measure(name: str, spec, plan: Plan, work: Path) -> dict:
-    """Start one server, warm it, run every concurrency level, stop it."""
+def measure(name: str, spec, plan: Plan, work: Path, tag: str = "") -> dict:
+    """Start one server, warm it, run every concurrency level, stop it (its files named
+    `name` + `tag`: a round's)."""
+    name += tag
     log = work / f"{name}.log"
     server = ServerProcess(spec, log)
     print(f"\n== {name}: starting (log {log})", flush=True)
@@ -204,6 +217,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup", type=int, default=4, help="requests sent to each server before measuring"
     )
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every server this many times, in turns, and report medians and each "
+        "round's ratio (default 1; 3 on a shared host whose speed drifts)",
+    )
+    ap.add_argument(
         "--cores",
         default="0-1",
         help="cores every server is pinned to, taskset syntax (default 0-1: both cores here)",
@@ -261,6 +281,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if missing:
         raise SystemExit(f"--cores {args.cores}: this process may not run on {sorted(missing)}")
     requests = requests_per_level(args.requests, levels)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: at least 1")
     return Plan(
         servers,
         levels,
@@ -272,6 +294,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         args.vllm_kv_gib,
         args.temperature,
         args.top_p,
+        args.rounds,
     )
 
 
@@ -312,14 +335,18 @@ def main(argv: list[str] | None = None) -> int:
         f"logs in {work}",
         flush=True,
     )
-    results: dict[str, dict] = {}
-    for name, spec in server_specs(plan, vllm_python, folder).items():
-        try:
-            results[name] = measure(name, spec, plan, work)
-        except (ValueError, RuntimeError) as exc:  # did not start, or the load failed
-            why = f"{exc}{root_cause(work / f'{name}.log')}"
-            print(f"== {name} was not measured: {why}", file=sys.stderr, flush=True)
-            results[name] = {"error": why}
+    specs = server_specs(plan, vllm_python, folder)
+    rounds: dict[str, list[dict]] = {name: [] for name in specs}
+    for r in range(plan.rounds):
+        tag = f"-r{r + 1}" if plan.rounds > 1 else ""
+        for name in list(specs) if r % 2 == 0 else reversed(specs):
+            try:
+                rounds[name].append(measure(name, specs[name], plan, work, tag))
+            except (ValueError, RuntimeError) as exc:  # did not start, or the load failed
+                why = f"{exc}{root_cause(work / f'{name}{tag}.log')}"
+                print(f"== {name}{tag} was not measured: {why}", file=sys.stderr, flush=True)
+                rounds[name].append({"error": why})
+    results = {name: combine(rows) if plan.rounds > 1 else rows[0] for name, rows in rounds.items()}
     print("\n" + table(results, plan))
     if args.out:
         doc = {

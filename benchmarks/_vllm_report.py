@@ -115,7 +115,9 @@ def _middle(key: str, values: list):
 def round_ratios(row: dict, base: dict, c: int) -> list[float]:
     """tok/s of `row` over `base`'s (vLLM's) at concurrency c, round by round: a pair measured
     minutes apart, which a shared host's drift over a run moves less than the medians."""
-    pairs = zip(row.get("rounds", []), base.get("rounds", []), strict=True)
+    if not row.get("rounds") or not base.get("rounds"):  # one round, or vLLM not run
+        return []
+    pairs = zip(row["rounds"], base["rounds"], strict=True)
     figs = [(a.get("levels", {}).get(c), b.get("levels", {}).get(c)) for a, b in pairs]
     return [a["tok_s"] / b["tok_s"] for a, b in figs if a and b and b["tok_s"]]
 

@@ -348,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
                 rounds[name].append({"error": why})
     results = {name: combine(rows) if plan.rounds > 1 else rows[0] for name, rows in rounds.items()}
     print("\n" + table(results, plan))
+    failed = [
+        f"{n}-r{i + 1}" for n, rows in rounds.items() for i, r in enumerate(rows) if "error" in r
+    ]
+    if failed and plan.rounds > 1:  # the medians are of the rounds that were measured
+        print(f"not measured (left out of the medians): {', '.join(failed)}", flush=True)
     if args.out:
         doc = {
             "plan": vars(plan),
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.out}")
-    return 0 if all("error" not in r for r in results.values()) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

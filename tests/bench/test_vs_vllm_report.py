@@ -57,6 +57,7 @@ def test_round_ratios_pair_each_round_with_vllms():
     ours = combine([_row(4.0, c16=_fig(375.0)), {"error": "x"}])
     assert round_ratios(ours, vllm, 16) == [pytest.approx(1.5)]
     assert round_ratios(ours, vllm, 64) == []
+    assert round_ratios(ours, {}, 16) == []  # vLLM not among the servers
 
 
 def test_the_table_gives_medians_and_each_rounds_ratio():

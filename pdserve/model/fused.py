@@ -84,11 +84,13 @@ class FusedDecode:
     def __call__(self, ids, positions, slots, tables, lens, keep=None, prompt=False):
         """Logits (B, V) float32 of one decode token per sequence: ids, positions, slots and
         lens (B,) long; tables (B, W) long block ids, padded (lens bound what is read). `keep`
-        (long): only these rows' logits. `prompt`: the rows are prompt tokens, which keep
-        bf16 values in the layers (model/quant.py `prompt_rows`): their quantized linears run
-        only their AMX kernel (bf16 rows), else int8 activations where the model has them, else
-        the dense weight; the lm_head as for any row; a run of 32 rows or more of one sequence
-        attends by the prompt attention kernel where `prompt_runs`."""
+        (long): only these rows' logits (with `prompt`, only they go past the last layer's
+        attention: the other rows' K/V is all the step needs of them). `prompt`: the rows are
+        prompt tokens, which keep bf16 values in the layers (model/quant.py `prompt_rows`):
+        their quantized linears run only their AMX kernel (bf16 rows), else int8 activations
+        where the model has them, else the dense weight; the lm_head as for any row; a run of
+        32 rows or more of one sequence attends by the prompt attention kernel where
+        `prompt_runs`."""
         return self.impl.forward(ids, positions, slots, tables, lens, keep, prompt)
 
     @property

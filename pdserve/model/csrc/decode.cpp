@@ -314,13 +314,16 @@ struct Linear {
   // quantized kinds only on AMX tiles (bf16 rows times the weights unpacked to bf16, whatever
   // `amx_from`), else as the eager model takes them: int8 activations where the model has them
   // (--int8-activations on), the dense weight beyond.
-  Tensor operator()(const Tensor& x, bool exact = false) const {
-    const int64_t rows = x.size(0);
+  // `as_rows`: choose the kernel as for that many rows (a prompt step's last layer, which
+  // carries only its sampled rows on, takes the kernel of the whole step's rows).
+  Tensor operator()(const Tensor& x, bool exact = false,
+                    std::optional<int64_t> as_rows = std::nullopt) const {
+    const int64_t rows = as_rows.value_or(x.size(0));
     if (exact) {
       if ((kind == 3 || kind == 4) && rows <= max_rows && few_rows::amx_available())
         return kind == 3 ? few_rows::mm(x, t[1], t[2], 1) : few_rows::mm8(x, t[1], t[2], 1);
       if (a8_first <= rows && rows <= a8_last) return int8_activations(x);
-      return dense(x);
+      return dense(x, rows);
     }
     if (kind != 0 && rows <= max_rows) {
       if (kind == 3) return few_rows::mm(x, t[1], t[2], amx_from);
@@ -332,9 +335,9 @@ struct Linear {
     return dense(x);
   }
 
-  Tensor dense(const Tensor& x) const {
+  Tensor dense(const Tensor& x, std::optional<int64_t> as_rows = std::nullopt) const {
     if (!t[0].is_mkldnn()) return at::linear(x, t[0]);
-    if (x.dim() == 2 && split_here(x.size(0)))
+    if (x.dim() == 2 && split_here(as_rows.value_or(x.size(0))))
       return onednn_row_parts(x, t[0], at::get_num_threads());
     return onednn_linear(x, t[0]);
   }
@@ -1411,16 +1414,18 @@ class DecodeModel {
     bt.order_items(ids.size(0), nkv_, nh_ / nkv_,  // once a step, for every layer
                    attn_tile(bf16_cache, d, nh_ / nkv_), prompt ? whole_runs(bf16_cache, d) : 0);
     Tensor x = embed_.index_select(0, ids);  // (B, hidden)
+    // a prompt step's rows that sample: the only ones its last layer carries past attention
+    const Tensor* rows = prompt && keep ? &*keep : nullptr;
     if (x.scalar_type() == at::kBFloat16) {
-      x = layers<c10::BFloat16>(x, bt, prompt);
+      x = layers<c10::BFloat16>(x, bt, prompt, rows);
     } else {
       TORCH_CHECK(x.scalar_type() == at::kFloat, "fused decode: float32 or bfloat16 only");
-      x = layers<float>(x, bt, prompt);
+      x = layers<float>(x, bt, prompt, rows);
     }
     // the lm_head as for any row (the eager model's, too, takes a prompt's last rows so)
     if (keep) {
       if (keep->numel() == 0) return at::empty({0, 0}, x.options().dtype(at::kFloat));
-      x = x.index_select(0, *keep);
+      if (!rows) x = x.index_select(0, *keep);
     }
     return lm_head_.logits(x);
   }
@@ -1441,9 +1446,16 @@ class DecodeModel {
   }
   static constexpr int64_t kWholeRun = 32;
 
+  // The final hidden states (B, hidden), normed; with `keep` (a prompt step's rows that
+  // sample), only those rows': the last layer writes every row's K/V and attends for every row,
+  // then carries only the kept rows through its o projection and MLP, whose results nothing
+  // else reads (4 x 256 prompt rows: ~3 of the step's ~90 GMAC). Each row's values are the
+  // same either way: the linears, norms and SwiGLU compute a row alone (oneDNN's packed GEMM
+  // gave the same bits at 1-16 rows as among 1,024 here, Zen 4).
   template <typename T>
-  Tensor layers(Tensor x, const Batch& bt, bool prompt) {
-    const int64_t B = x.size(0), n = x.size(1);
+  Tensor layers(Tensor x, const Batch& bt, bool prompt, const Tensor* keep = nullptr) {
+    int64_t B = x.size(0);
+    const int64_t n = x.size(1);
     Tensor h = at::empty_like(x);
     Tensor attn = at::empty({B, nh_ * cache_head_dim(k_[0])}, x.options());
     T* xp = x.data_ptr<T>();
@@ -1454,13 +1466,21 @@ class DecodeModel {
       Tensor qkv = lin[0](h, prompt).contiguous();
       if (parts_[l].any()) apply_parts<T>(qkv, parts_[l], nh_, nkv_, cache_head_dim(k_[l]));
       attend<T>(qkv, cos_, sin_, k_[l], v_[l], bt, attn, nh_, nkv_, window_);
-      Tensor o = lin[1](attn, prompt).contiguous();
+      if (keep && l + 1 == linears_.size() && keep->numel() < B) {
+        if (keep->numel() == 0) return x.narrow(0, 0, 0);  // nothing samples: K/V written
+        attn = attn.index_select(0, *keep);
+        x = x.index_select(0, *keep);  // the residual rows (B', hidden)
+        h = at::empty_like(x);
+        B = x.size(0), xp = x.data_ptr<T>(), hp = h.data_ptr<T>();
+      }
+      const int64_t all = qkv.size(0);  // the linears choose their kernel for the step's rows
+      Tensor o = lin[1](attn, prompt, all).contiguous();
       add_norm_rows<T>(xp, o.data_ptr<T>(), norms_[l][1].data_ptr<T>(), hp, B, n, eps_);
-      Tensor gu = lin[2](h, prompt).contiguous();
+      Tensor gu = lin[2](h, prompt, all).contiguous();
       int64_t f = gu.size(1) / 2;
       Tensor act = at::empty({B, f}, x.options());
       silu_mul<T>(gu.data_ptr<T>(), act.data_ptr<T>(), B, f);
-      Tensor down = lin[3](act, prompt).contiguous();
+      Tensor down = lin[3](act, prompt, all).contiguous();
       const Tensor& next = l + 1 < linears_.size() ? norms_[l + 1][0] : final_norm_;
       add_norm_rows<T>(xp, down.data_ptr<T>(), next.data_ptr<T>(), hp, B, n, eps_);
     }

@@ -456,32 +456,26 @@ def test_a_prompt_steps_last_layer_carries_only_the_rows_that_sample(monkeypatch
     reads the others' results there): their logits are those the step gives with every row
     carried, each row computed alone by the same kernels, and every row's K/V is written."""
     fused, _ = _short_prompt_engines(monkeypatch)
-    prompts = PROMPTS  # 56 rows: every kernel as for 3 (the linears' few rows go to 64)
-    seqs = [make_sequence(p, f"r{i}") for i, p in enumerate(prompts)]
-    for seq in seqs:
-        assert fused.block_manager.allocate(seq)
-    bs, ids, pos, slots, tables, lens, keep = fused.runner.block_size, [], [], [], [], [], []
-    for seq in seqs:
-        for p in range(seq.num_tokens):
-            ids.append(seq.step_token_ids()[p])
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            tables.append(seq.block_table)
-            lens.append(p + 1)
-        keep.append(len(ids) - 1)
-    width = max(len(t) for t in tables)
-    tables = [t + [0] * (width - len(t)) for t in tables]
-    args = [torch.tensor(v) for v in (ids, pos, slots, tables, lens)]
+    calls, inner = [], fused.runner.fused
+
+    def recording(*args, **kw):  # the runner's call, to make again with every row carried
+        calls.append((args, kw))
+        return inner(*args, **kw)
+
+    fused.runner.fused = recording
+    kept, _ = _first_logits(fused, PROMPTS)  # 56 rows: every kernel as for 3 (few rows to 64)
+    ((args, kw),) = calls
+    keep = kw["keep"]
+    assert kw["prompt"] and kept.shape == (len(PROMPTS), fused.model_config.vocab_size)
     last = fused.runner.k_caches[-1]
-    every = fused.runner.fused(*args, prompt=True)  # every row carried: (rows, vocab)
     cache = last.clone()
     last.zero_()
-    kept = fused.runner.fused(*args, keep=torch.tensor(keep), prompt=True)
-    assert kept.shape == (len(prompts), fused.model_config.vocab_size)
+    every = inner(*args, prompt=True)  # every row carried: (rows, vocab)
     # the same kernels on the same rows: bit for bit here (Zen 4), where oneDNN computes a row
     # alone; its lm_head as for the kept rows (56 rows and 3 take the same kernel)
     assert (kept - every[keep]).abs().max().item() < 1e-2
     assert (kept.argmax(-1) == every[keep].argmax(-1)).all()
-    assert torch.equal(last, cache)  # the last layer's K/V of every row, as before
-    none = fused.runner.fused(*args, keep=torch.tensor([], dtype=torch.long), prompt=True)
+    assert torch.equal(last, cache)  # the last layer's K/V of every row, as the trimmed step's
+    last.zero_()
+    none = inner(*args, keep=keep[:0], prompt=True)
     assert none.numel() == 0 and torch.equal(last, cache)

@@ -332,7 +332,7 @@ struct Linear {
       return at::_weight_int8pack_mm(x, t[1], t[2]);
     }
     if (a8_first <= rows && rows <= a8_last) return int8_activations(x);
-    return dense(x);
+    return dense(x, rows);
   }
 
   Tensor dense(const Tensor& x, std::optional<int64_t> as_rows = std::nullopt) const {
@@ -1466,7 +1466,7 @@ class DecodeModel {
       Tensor qkv = lin[0](h, prompt).contiguous();
       if (parts_[l].any()) apply_parts<T>(qkv, parts_[l], nh_, nkv_, cache_head_dim(k_[l]));
       attend<T>(qkv, cos_, sin_, k_[l], v_[l], bt, attn, nh_, nkv_, window_);
-      if (keep && l + 1 == linears_.size() && keep->numel() < B) {
+      if (keep && l + 1 == linears_.size()) {
         if (keep->numel() == 0) return x.narrow(0, 0, 0);  // nothing samples: K/V written
         attn = attn.index_select(0, *keep);
         x = x.index_select(0, *keep);  // the residual rows (B', hidden)

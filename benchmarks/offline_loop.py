@@ -34,11 +34,14 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="auto (the model's dtype) | int8 (model/kv_int8.py)")  # fmt: skip
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens a KV block (default: a co-located engine's, 128)")  # fmt: skip
     args = ap.parse_args()
     c = args.concurrency
     config = EngineConfig(
         model=args.model, weights=args.weights, chunk_size=args.chunk_size,
         max_num_seqs=max(64, c), kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
     )  # fmt: skip
     engine = LLMEngine(config)
     engine.warm_up()

@@ -116,6 +116,18 @@ class ModelConfig:
         return kv_shape(heads, self.head_dim, self.kv_lora_rank, rope)
 
 
+def default_block_size(colocated: bool) -> int:
+    """Tokens a KV block where none is given: prefix hits, the KV store and transfers go by
+    whole blocks. A co-located engine's KV never crosses a link: 128, as vLLM's CPU backend. A
+    decode step reads each sequence's K/V block by block, and a block of 16 tokens (6 KB a layer
+    at SmolLM2's 3 KV heads) ends the hardware prefetcher's stream where blocks lie apart, as
+    they do once a server has reused them: 64 sequences at ~300 tokens on shuffled blocks (Zen
+    4, one process, alternating) 77.3 ms a step at 16, 70.1 at 128. Prefill and decode workers
+    (and their router) keep 16: a prompt's KV crosses as whole blocks, and blocks of 128 would
+    send up to 127 tokens of padding with each prompt (+19 % of the bytes of a 538-token one)."""
+    return 128 if colocated else 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine. `chunk_size=None` means whole prompts are prefilled in one step."""
@@ -127,7 +139,7 @@ class EngineConfig:
     int8_activations: str = "off"  # off | on: model/act_quant.py
     enforce_eager: bool = False  # True: no compiled decode step (debugging)
     role: str = "both"
-    block_size: int = 16
+    block_size: int | None = None  # tokens a KV block; None: default_block_size(role)
     kv_cache_gb: float | None = None
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8: model/kv_int8.py
     kv_cache_fraction: float = 0.25
@@ -168,6 +180,8 @@ class EngineConfig:
             raise ValueError(f"int8_activations must be off or on, got {self.int8_activations!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", default_block_size(self.role == "both"))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.chunk_size is not None and self.chunk_size < 1:

@@ -31,8 +31,14 @@ def test_router_flags_default_to_router_config(command):
     assert router_config_from_args(parse(command)) == RouterConfig()
 
 
-def test_router_block_size_is_the_engines():
-    assert RouterConfig().block_size == EngineConfig().block_size
+@pytest.mark.parametrize(
+    ("mode", "roles"), [("colocated", ["both"]), ("disagg", ["prefill", "decode"])]
+)
+def test_router_block_size_is_its_workers(mode, roles):
+    """Each resolves its default by what it serves: the router's prefix hashes must match."""
+    sizes = {EngineConfig(role=role).block_size for role in roles}
+    assert sizes == {RouterConfig(mode=mode).block_size}
+    assert EngineConfig(role=roles[0], block_size=32).block_size == 32
 
 
 def test_serve_defaults_are_what_the_simulator_models():

@@ -54,7 +54,13 @@ ENGINE_FLAGS = (
         "attention over cached tokens. Prefill and decode workers must use the same",
         choices=KV_CACHE_DTYPES,
     ),
-    Flag.of(EngineConfig, "block_size", f"tokens per KV block (default {EngineConfig.block_size})"),
+    Flag.of(
+        EngineConfig, "block_size", "tokens per KV block, a power of two: prefix hits, the KV "
+        "store and KV transfers go by whole blocks (default: 128 for a co-located engine, as "
+        "vLLM's CPU backend, where decode steps over blocks that lie apart run ~10 %% faster "
+        "than with 16; 16 for prefill and decode workers, whose prompts' KV crosses a link as "
+        "whole blocks). Prefill and decode workers must use the same", type=int,
+    ),
     Flag.of(
         EngineConfig, "chunk_size", "chunked prefill: tokens per step, running streams' "
         "included (default: a co-located or prefill worker 1024, so that prompts waiting under "

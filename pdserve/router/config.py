@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.config import EngineConfig
+from pdserve.config import default_block_size
 
 MODES = ("disagg", "colocated")
 
@@ -18,7 +18,8 @@ class RouterConfig:
     short_prefills_to_idle_pool: bool = True  # ... unless the prefill pool has nothing queued
     lease_s: float = 120.0
     heartbeat_timeout_s: float = 5.0
-    block_size: int = EngineConfig.block_size  # the workers' (--block-size): prefix hashes match
+    # the workers' (--block-size), so that prefix hashes match; None: default_block_size(mode)
+    block_size: int | None = None
     max_inflight: int = 256  # admission control: beyond this, 429
     # SLO-aware admission (None = off): refuse a request whose estimated TTFT, or whose decode
     # worker's measured time per output token, already misses the target.
@@ -31,6 +32,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", default_block_size(self.mode == "colocated"))
         for flag, value in (("--slo-ttft", self.slo_ttft_s), ("--slo-tpot", self.slo_tpot_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{flag} must be a positive number of seconds, got {value}")

@@ -35,7 +35,7 @@ def test_a_mooncake_pool_serves_warm_turns_with_identical_output():
         prompt = SYSTEM + "\nUser: When does zone 4 ship?\nAssistant:"
         cold = complete(server, prompt)["choices"][0]["text"]  # computed: the pool is empty
         assert sum(store_hits(server).values()) == 0
-        wait_store_known(server, 40)  # the router's index, fed from the pool
+        wait_store_known(server, 640)  # the router's index, fed from the pool
         warm = complete(server, prompt)["choices"][0]["text"]
         assert warm == cold
         wait_store_hits(server, 400)
@@ -53,7 +53,7 @@ def test_a_prefill_pipeline_offloads_and_loads_every_stages_layers_through_the_p
         prompt = SYSTEM + "\nUser: Which zones ship on Fridays?\nAssistant:"
         remote = metric(server.url, REMOTE)
         cold = complete(server, prompt)["choices"][0]["text"]
-        wait_store_known(server, 40)
+        wait_store_known(server, 640)
         warm = complete(server, prompt)["choices"][0]["text"]
         assert warm == cold
         assert metric(server.url, REMOTE) == remote + 2  # both turns through the pipeline

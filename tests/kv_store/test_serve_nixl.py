@@ -28,7 +28,7 @@ def test_a_nixl_store_serves_warm_turns_with_identical_output():
         prompt = SYSTEM + "\nUser: When does zone 4 ship?\nAssistant:"
         cold = complete(server, prompt)["choices"][0]["text"]  # computed: the store is empty
         assert sum(store_hits(server).values()) == 0
-        wait_store_known(server, 40)
+        wait_store_known(server, 640)
         warm = complete(server, prompt)["choices"][0]["text"]
         assert warm == cold  # the prefix loaded from the store gives the same tokens
         wait_store_hits(server, 400)

@@ -14,7 +14,7 @@ PROMPT = list(range(1, 201))  # 200 tokens: 12 full blocks of 16
 
 
 def _colocated(core):
-    c = core(mode="colocated")
+    c = core(mode="colocated", block_size=16)  # (the co-located default is 128)
     for wid in ("a", "b"):
         c.workers[wid] = worker(wid, "both", load())
     return c

@@ -10,6 +10,8 @@ import pytest
 from servers import Server
 from waiting import wait_until
 
+from pdserve.config import default_block_size
+
 pytestmark = pytest.mark.slow
 SYSTEM = "You are a meticulous assistant for a logistics company. " + " ".join(
     f"Rule {i}: shipments to zone {i % 9} leave on weekday {i % 5} with priority {i % 3}."
@@ -38,10 +40,11 @@ def wait_store_hits(server: Server, tokens: int) -> None:
     )
 
 
-def wait_store_known(server: Server, blocks: int) -> None:
+def wait_store_known(server: Server, tokens: int) -> None:
     """Offload is asynchronous; heartbeats tell the router what the store holds. Wait until it
-    knows of `blocks` blocks (a fixed sleep flaked on a busy machine: the next turn then looked
-    cold and went to P)."""
+    knows of the blocks of `tokens` tokens (a fixed sleep flaked on a busy machine: the next
+    turn then looked cold and went to P)."""
+    blocks = tokens // default_block_size(colocated=False)  # these servers are disaggregated
     wait_until(
         lambda: server.health().get("kv_store_blocks_known", 0) >= blocks,
         30,
@@ -78,7 +81,7 @@ def test_outputs_identical_with_store_and_warm_turns_hit_it(store_server, disagg
     assert (
         first == complete(disagg_server, turn1)["choices"][0]["text"]
     )  # same tokens, store or not
-    wait_store_known(store_server, 40)
+    wait_store_known(store_server, 640)
     # Kill the decode worker that served turn 1: its local prefix cache is gone with it.
     decoders = [kv for kv in store_server.health()["workers"].items() if kv[1]["role"] == "decode"]
     holder = max(decoders, key=lambda kv: kv[1].get("prefix_query_tokens", 0))  # not P: it ties

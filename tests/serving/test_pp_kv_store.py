@@ -44,7 +44,7 @@ def test_a_restarted_pipeline_loads_the_prompt_from_the_store_into_both_stages(
     first = text(server, turn1)
     assert first == text(disagg_server, turn1)
     assert metric(server.url, REMOTE) == remote + 1  # prefilled by the pipeline
-    wait_store_known(server, 40)  # the prompt's blocks reached the store
+    wait_store_known(server, 640)  # the prompt's blocks reached the store
 
     pid = server.worker_pids()["prefill-0"]
     os.kill(pid, signal.SIGKILL)  # its stage exits with it

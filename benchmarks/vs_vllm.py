@@ -14,6 +14,8 @@ turn on the same cores and stops it after:
                   faster prefill, perplexity +0.5 %; model/act_quant.py)
   pdserve-kv8     pdserve serve --mode colocated --kv-cache-dtype int8 (8-bit K/V rows: half
                   the bytes a decode step's attention reads; model/kv_int8.py)
+  pdserve-b16     pdserve serve --mode colocated --block-size 16 (the co-located default
+                  before 128: prefix hits by 16 tokens, decode steps over scattered blocks slower)
   pdserve-disagg  pdserve serve --mode disagg (the cores split between a prefill and a decode
                   worker)
 
@@ -79,7 +81,15 @@ from pdserve.bench.compare import (  # noqa: E402
     default_serve_cmd,
 )
 
-SERVERS = ("vllm", "pdserve", "pdserve-bf16", "pdserve-a8", "pdserve-kv8", "pdserve-disagg")
+SERVERS = (
+    "vllm",
+    "pdserve",
+    "pdserve-bf16",
+    "pdserve-a8",
+    "pdserve-kv8",
+    "pdserve-b16",
+    "pdserve-disagg",
+)
 DEFAULT_SERVERS = "vllm,pdserve"
 MODEL_NAME = "SmolLM2-135M-Instruct"  # served by every server, sent in every request
 STARTUP_TIMEOUT_S = 600.0  # vLLM takes ~80 s on 2 cores; more on a loaded machine
@@ -121,6 +131,8 @@ def server_specs(plan: Plan, vllm_python: Path | None, folder: Path) -> dict:
             specs[name] = ServerSpec(serve, "colocated", extra=(*named, "--int8-activations", "on"))
         elif name == "pdserve-kv8":
             specs[name] = ServerSpec(serve, "colocated", extra=(*named, "--kv-cache-dtype", "int8"))
+        elif name == "pdserve-b16":
+            specs[name] = ServerSpec(serve, "colocated", extra=(*named, "--block-size", "16"))
         else:
             mode = "disagg" if name == "pdserve-disagg" else "colocated"
             specs[name] = ServerSpec(serve, mode, extra=named)

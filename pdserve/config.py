@@ -124,7 +124,8 @@ def default_block_size(colocated: bool) -> int:
     they do once a server has reused them: 64 sequences at ~300 tokens on shuffled blocks (Zen
     4, one process, alternating) 77.3 ms a step at 16, 70.1 at 128. Prefill and decode workers
     (and their router) keep 16: a prompt's KV crosses as whole blocks, and blocks of 128 would
-    send up to 127 tokens of padding with each prompt (+19 % of the bytes of a 538-token one)."""
+    send up to 127 tokens of padding with each prompt (a 538-token one: 640 tokens' bytes, not
+    544)."""
     return 128 if colocated else 16
 
 

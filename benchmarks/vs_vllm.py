@@ -81,15 +81,16 @@ from pdserve.bench.compare import (  # noqa: E402
     default_serve_cmd,
 )
 
-SERVERS = (
-    "vllm",
-    "pdserve",
-    "pdserve-bf16",
-    "pdserve-a8",
-    "pdserve-kv8",
-    "pdserve-b16",
-    "pdserve-disagg",
-)
+# Each pdserve column: its mode and flags (pdserve-bf16 also serves vLLM's bf16 folder).
+PDSERVE = {
+    "pdserve": ("colocated", ()),
+    "pdserve-bf16": ("colocated", ("--weights", "bf16")),
+    "pdserve-a8": ("colocated", ("--int8-activations", "on")),
+    "pdserve-kv8": ("colocated", ("--kv-cache-dtype", "int8")),
+    "pdserve-b16": ("colocated", ("--block-size", "16")),
+    "pdserve-disagg": ("disagg", ()),
+}
+SERVERS = ("vllm", *PDSERVE)
 DEFAULT_SERVERS = "vllm,pdserve"
 MODEL_NAME = "SmolLM2-135M-Instruct"  # served by every server, sent in every request
 STARTUP_TIMEOUT_S = 600.0  # vLLM takes ~80 s on 2 cores; more on a loaded machine
@@ -124,18 +125,10 @@ def server_specs(plan: Plan, vllm_python: Path | None, folder: Path) -> dict:
             args = ("--model", str(folder), "--dtype", "bfloat16", "--kv-cache-memory-bytes", kv)
             command = (*pin, "env", *env, *api, *args, "--served-model-name", MODEL_NAME)
             specs[name] = CommandSpec(command, STARTUP_TIMEOUT_S)
-        elif name == "pdserve-bf16":
-            extra = (*named, "--model", str(folder), "--weights", "bf16")
-            specs[name] = ServerSpec(serve, "colocated", extra=extra)
-        elif name == "pdserve-a8":
-            specs[name] = ServerSpec(serve, "colocated", extra=(*named, "--int8-activations", "on"))
-        elif name == "pdserve-kv8":
-            specs[name] = ServerSpec(serve, "colocated", extra=(*named, "--kv-cache-dtype", "int8"))
-        elif name == "pdserve-b16":
-            specs[name] = ServerSpec(serve, "colocated", extra=(*named, "--block-size", "16"))
         else:
-            mode = "disagg" if name == "pdserve-disagg" else "colocated"
-            specs[name] = ServerSpec(serve, mode, extra=named)
+            mode, flags = PDSERVE[name]
+            model = ("--model", str(folder)) if name == "pdserve-bf16" else ()
+            specs[name] = ServerSpec(serve, mode, extra=(*named, *model, *flags))
     return specs
 
 

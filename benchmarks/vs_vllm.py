@@ -81,10 +81,11 @@ from pdserve.bench.compare import (  # noqa: E402
     default_serve_cmd,
 )
 
-# Each pdserve column: its mode and flags (pdserve-bf16 also serves vLLM's bf16 folder).
+BF16_FOLDER = "{folder}"  # in a column's flags: the bf16 folder vLLM serves
+# Each pdserve column: its mode and flags.
 PDSERVE = {
     "pdserve": ("colocated", ()),
-    "pdserve-bf16": ("colocated", ("--weights", "bf16")),
+    "pdserve-bf16": ("colocated", ("--model", BF16_FOLDER, "--weights", "bf16")),
     "pdserve-a8": ("colocated", ("--int8-activations", "on")),
     "pdserve-kv8": ("colocated", ("--kv-cache-dtype", "int8")),
     "pdserve-b16": ("colocated", ("--block-size", "16")),
@@ -127,8 +128,8 @@ def server_specs(plan: Plan, vllm_python: Path | None, folder: Path) -> dict:
             specs[name] = CommandSpec(command, STARTUP_TIMEOUT_S)
         else:
             mode, flags = PDSERVE[name]
-            model = ("--model", str(folder)) if name == "pdserve-bf16" else ()
-            specs[name] = ServerSpec(serve, mode, extra=(*named, *model, *flags))
+            flags = tuple(str(folder) if f == BF16_FOLDER else f for f in flags)
+            specs[name] = ServerSpec(serve, mode, extra=(*named, *flags))
     return specs
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pdserve.model.kv_shape import KVShape, kv_shape
 
@@ -24,6 +24,9 @@ DECODE_CHUNK_SIZE = 64
 WORKER_CHUNK_SIZE = {"prefill": 1024, "both": 1024}
 
 
+ROPE_TYPES = ("default", "llama3", "yarn", "linear")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE scaling from HF `rope_scaling` / `rope_parameters` (`model/rope.py` computes it):
@@ -41,6 +44,22 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+
+    @staticmethod
+    def from_hf(raw: dict | None) -> RopeScaling | None:
+        """From config.json's `rope_scaling` (transformers < 5) or `rope_parameters` (>= 5); None
+        for plain RoPE. An unknown type is refused by name."""
+        if not raw:
+            return None
+        kind = raw.get("rope_type", raw.get("type", "default"))
+        if kind == "default":
+            return None
+        if kind not in ROPE_TYPES:
+            raise ValueError(
+                f"rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            )
+        keys = {f.name for f in fields(RopeScaling)} - {"rope_type"}
+        return RopeScaling(rope_type=kind, **{k: raw[k] for k in keys if raw.get(k) is not None})
 
 
 @dataclass(frozen=True)

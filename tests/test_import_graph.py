@@ -5,6 +5,8 @@ top of a file), and the layers hold: the router and the workers share only the p
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pdserve
@@ -118,3 +120,23 @@ def test_router_and_workers_share_only_the_protocol():
     for package, forbidden in layers.items():
         for name in [n for n in graph if n.startswith(package)]:
             assert not _reaches(graph, name, forbidden), (name, _reaches(graph, name, forbidden))
+
+
+def test_a_router_reads_its_model_without_importing_torch():
+    """`pdserve serve` and `pdserve router` read the model's config and tokenizer (to validate
+    flags, count tokens, render chat templates) but never run it: torch stays out of the router
+    process (it cost ~1 s of every start and ~185 MB of its RSS), and a bad flag is refused in
+    half a second."""
+    code = (
+        "import sys\n"
+        "import pdserve.launch.commands, pdserve.launch.local, pdserve.launch.procs\n"
+        "import pdserve.router.app, pdserve.router.frontend\n"
+        "from pdserve.model.loader import load_model_config, load_tokenizer\n"
+        "config = load_model_config(None)[1]\n"
+        "tokens = load_tokenizer(None).encode('What is the capital of France?')\n"
+        "print(config.num_layers, len(tokens) > 0, sorted(m for m in sys.modules if m == 'torch'"
+        " or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["30", "True", "[]"], out.stdout

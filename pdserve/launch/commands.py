@@ -202,9 +202,6 @@ def check_pipelines(args, tp: dict[str, int], pp: dict[str, int]) -> None:
     """Refuse now, by name, what each pipelined pool's workers would refuse as they start:
     more stages than layers, a partition that does not add up, the KV store with stages Ray
     places or with TP x PP (`serving/build.py` `check_store`), TP x PP under Ray."""
-    from pdserve.engine.pp.stages import stage_layers
-    from pdserve.model.loader import load_model_config
-
     for role, size in pp.items():
         if size > 1 and args.kv_store and (args.launcher == "ray" or tp[role] > 1):
             raise ValueError(
@@ -219,7 +216,10 @@ def check_pipelines(args, tp: dict[str, int], pp: dict[str, int]) -> None:
                 "is not placed by Ray yet (its ranks would need bundles on the stage's node); "
                 "use --launcher local, or one of the two"
             )
-        if size > 1:
+        if size > 1:  # the model's file read only here: a pipeline's flags need its layers
+            from pdserve.engine.pp.stages import stage_layers
+            from pdserve.model.loader import load_model_config
+
             EngineConfig(role=role, tensor_parallel_size=tp[role], pipeline_parallel_size=size,
                          pp_layer_partition=args.pp_layer_partition)  # fmt: skip
             stage_layers(load_model_config(args.model)[1].num_layers, size,

@@ -14,13 +14,30 @@ model implementation (HF's rotate-half RoPE) serves GGUF and safetensors weights
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from pdserve.config import ModelConfig
-from pdserve.model.quant import Int4Blocks
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0")
+
+
+class Int4Blocks(NamedTuple):
+    """A weight (N, K) as int4 groups: q (N, K) uint8 in [0, 16), scale and zero (N, K // 32)
+    float32, w = (q - 8) * scale + zero: a Q4_0 / Q4_1 tensor as the file stores it, which
+    model/quant.py packs for its kernels. Here, not there, so that reading a file's config and
+    tokenizer (the router) never imports torch."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray
+
+    @staticmethod
+    def concat(parts: list[Int4Blocks]) -> Int4Blocks:
+        """Row-wise concatenation (fused qkv, gate_up)."""
+        return Int4Blocks(*(np.concatenate(col) for col in zip(*parts, strict=True)))
+
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",

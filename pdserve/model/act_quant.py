@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.model.quant import int8_rows
+
 log = logging.getLogger(__name__)
 ALPHA = 0.7  # SmoothQuant's migration strength: see the module docstring for what it costs
 CALIBRATION = Path(__file__).with_name("calibration.txt")
@@ -56,9 +58,7 @@ class Int8Activations:
             smooth = amax.float().clamp(min=1e-5).pow(alpha)
             smooth = (smooth / w.abs().amax(0).clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
         w = w * smooth
-        scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
-        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # (N, K)
-        self.scales = scale  # (N,) float32
+        self.q, self.scales = int8_rows(w)  # (N, K) int8, (N,) float32
         self.inv_smooth = smooth.reciprocal()  # (K,) float32
 
     @property

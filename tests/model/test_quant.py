@@ -261,7 +261,8 @@ def test_an_int8_weight_gets_the_same_bits_from_the_extension_as_from_torch(ext)
     q_ref, scale_ref = quant.int8_rows(w)
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
     assert scale[3].item() == pytest.approx(1e-12) and not q[3].any()
-    assert Int8Linear(w).kind == 4 and torch.equal(Int8Linear(w).q, q_ref)
+    lin = Int8Linear(w)
+    assert lin.kind == 4 and torch.equal(lin.q, q_ref)
 
 
 def test_min_max_int4_and_int8_stay_within_half_a_step_of_the_weight():
